@@ -1,0 +1,163 @@
+"""The `qkv` command: argparse sub-commands, wiring only.
+
+Exit codes: 0 done; 2 bad input or usage (one line `qkv: error: ...` on stderr); 1 a bug; 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qkv.errors import QkvError
+
+STRATEGIES = ("greedy", "sample", "top-k", "top-p", "beam")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints the whole usage otherwise)
+        raise QkvError(f"{self.prog.split(' ', 1)[-1] if ' ' in self.prog else 'usage'}: {message}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parser() -> Parser:
+    root = Parser(prog="qkv", description="A complete Transformer system built straight from the math.")
+    sub = root.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    train = sub.add_parser("train", help="train a model (default: the shakespeare preset on the bundled corpus)")
+    train.add_argument("--preset", default="shakespeare", help="named configuration (see `qkv presets`)")
+    train.add_argument("--config", help="JSON file with sections model, train, data, parallel")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override one field, e.g. --set model.n_layers=6 (repeatable)")
+    train.add_argument("--data", action="append", default=[], metavar="PATH",
+                       help="text file, folder of .txt, glob, or .jsonl(.gz) with a text field (repeatable)")
+    train.add_argument("--out", help="run directory (default runs/PRESET, never overwritten)")
+    train.add_argument("--max-steps", type=positive_int, help="total optimizer steps (also after a resume)")
+    train.add_argument("--max-time", type=float, help="seconds of training")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    train.add_argument("--engine", choices=("torch", "ref"), default="torch",
+                       help="torch (autograd) or ref (the NumPy engine with hand-written backward passes)")
+    train.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    evaluate = sub.add_parser("eval", help="loss, perplexity and bits per character of a run")
+    evaluate.add_argument("run", help="run directory")
+    evaluate.add_argument("--data", action="append", default=[], metavar="PATH",
+                          help="score this text instead of the run's validation split")
+    evaluate.add_argument("--stride", type=positive_int, help="sliding-window stride (default: context / 2)")
+    evaluate.add_argument("--json", action="store_true")
+
+    generate = sub.add_parser("generate", help="continue a prompt with a trained run")
+    generate.add_argument("run", help="run directory")
+    generate.add_argument("--prompt", default="", help="text to continue")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=200)
+    generate.add_argument("--strategy", choices=STRATEGIES, default="top-p")
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--top-k", type=positive_int, default=50)
+    generate.add_argument("--top-p", type=float, default=0.9)
+    generate.add_argument("--beams", type=positive_int, default=4)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--stream", action="store_true", help="print text as it is produced")
+
+    listing = sub.add_parser("presets", help="list the named configurations")
+    listing.add_argument("--json", action="store_true")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        return COMMANDS[args.command](args) or 0
+    except QkvError as exc:
+        print(f"qkv: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qkv: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+        print(f"qkv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_train(args) -> int:
+    from qkv.train import job
+
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    if args.resume:
+        if not args.out:
+            raise QkvError("--resume needs --out RUN_DIR")
+        out = Path(args.out)
+        cfg = job.resume_config(out, args.max_steps, args.max_time)
+    else:
+        cfg = job.resolve_config(preset=args.preset, config_file=args.config, overrides=args.set, data=args.data,
+                                 max_steps=args.max_steps, max_time=args.max_time)
+        out = Path(args.out) if args.out else job.default_out(args.preset)
+    trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
+    log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
+        f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        log(f"qkv: interrupted; checkpoint saved at step {trainer.state.step}; continue with "
+            f"`qkv train --out {out} --resume`")
+        return 130
+    summary["run"] = str(out)
+    summary["val_bits_per_char"] = job.bits_per_char(trainer)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(job.describe(summary))
+    if not args.no_sample:
+        print(job.sample(trainer, cfg))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from qkv.run import load
+    from qkv.train.scoring import score_run
+
+    result = score_run(load(args.run), args.data, args.stride)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}"
+                        for key, value in result.items()))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from qkv.generate.text import generate_text
+    from qkv.run import load
+
+    if not 0.0 < args.top_p <= 1.0:
+        raise QkvError(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.temperature <= 0:
+        raise QkvError(f"--temperature={args.temperature} must be positive")
+    run = load(args.run)
+    text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None)
+    if not args.stream:
+        print(text)
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from qkv import presets
+
+    rows = [{"name": name, "description": presets.describe(name)} for name in presets.PRESETS.names()]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print("\n".join(f"{row['name']:<14} {row['description']}" for row in rows))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "presets": cmd_presets}

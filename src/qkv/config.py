@@ -1,0 +1,321 @@
+"""Configuration: frozen, keyword-only dataclasses that flow one way (config -> builder -> modules).
+
+`ModelConfig` says what the network is; `TrainConfig` how it is trained; `DataConfig` what it reads;
+`ParallelConfig` how it is laid out over processes. `RunConfig` holds the four and is what a run dir
+stores as config.json. Variant names (norm, positional, attention, ...) are looked up in the registries
+of `qkv.nn`; `validate()` checks every field in one place and names the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from qkv.errors import QkvError
+
+ARCHS = ("decoder", "encoder", "encoder-decoder")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    arch: str = "decoder"  # decoder | encoder | encoder-decoder
+    vocab_size: int = 256  # V
+    d_model: int = 128  # D
+    n_heads: int = 4  # H
+    n_kv_heads: int = 0  # Hkv; 0 means n_heads (MHA), 1 is MQA, in between GQA
+    n_layers: int = 2  # L (decoder-only and encoder-only)
+    n_encoder_layers: int = 0  # encoder-decoder; 0 means n_layers
+    n_decoder_layers: int = 0  # encoder-decoder; 0 means n_layers
+    d_ff: int = 512  # F
+    max_seq_len: int = 256
+    positional: str = "learned"
+    rope_theta: float = 10000.0
+    max_distance: int = 16  # relative positions: clip distance (Shaw) / bucket range (T5)
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_placement: str = "pre"
+    activation: str = "gelu"
+    ffn: str = "mlp"  # mlp | glu
+    moe_experts: int = 0  # E; 0 means a dense FFN
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 0.0  # 0 means no capacity limit
+    attention: str = "sdpa"
+    window: int = 0  # local / dilated / random kernels
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    bias: bool = True
+    init: str = "gpt2"
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:  # Dh
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:  # Hkv
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.n_encoder_layers or self.n_layers
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers or self.n_layers
+
+    def validate(self) -> "ModelConfig":
+        from qkv.nn import registries  # the registries live beside the modules they name
+
+        _choice("model.arch", self.arch, ARCHS)
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        for name in ("n_kv_heads", "n_encoder_layers", "n_decoder_layers", "moe_experts", "window"):
+            _at_least(f"model.{name}", getattr(self, name), 0)
+        if self.d_model % self.n_heads:
+            raise QkvError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.positional == "rope" and self.head_dim % 2:
+            raise QkvError(f"model.positional='rope' needs an even head width, got {self.head_dim}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise QkvError(f"model.dropout={self.dropout} must be in [0, 1)")
+        _positive("model.norm_eps", self.norm_eps)
+        _positive("model.init_std", self.init_std)
+        _positive("model.rope_theta", self.rope_theta)  # the base of the angles: <= 0 gives inf/NaN
+        _positive("model.max_distance", self.max_distance)
+        _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
+        for axis, value in registries.model_axes(self).items():
+            _choice(f"model.{axis}", value, registries.get(axis).names())
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    seed: int = 1337
+    batch_size: int = 16  # global batch, sequences per optimizer step
+    seq_len: int = 128
+    max_steps: int = 1000  # the total, also after a resume
+    max_time: float = 0.0  # seconds of training; 0 means no limit
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # floor of the decaying schedules
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    accumulation: int = 1  # micro-batches per optimizer step
+    label_smoothing: float = 0.0
+    aux_loss_weight: float = 0.01  # MoE load-balancing loss weight
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    checkpoint_every: int = 0  # steps; 0 means only at the end
+    eval_every: int = 0  # steps; 0 means only at the end
+    eval_batches: int = 16
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    time_horizon: bool = True  # with max_time, fit the LR schedule to the steps the time allows
+
+    def validate(self) -> "TrainConfig":
+        from qkv.train import optim, schedules
+
+        for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every"):
+            _positive(f"train.{name}", getattr(self, name))
+        for name in ("max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads",
+                     "weight_decay", "grad_clip", "min_lr", "aux_loss_weight"):
+            _at_least(f"train.{name}", getattr(self, name), 0)
+        _positive("train.lr", self.lr)
+        _positive("train.eps", self.eps)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise QkvError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise QkvError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.batch_size % self.accumulation:
+            raise QkvError(
+                f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}"
+            )
+        _choice("train.precision", self.precision, PRECISIONS)
+        schedules.SCHEDULES.get(self.schedule)
+        optim.OPTIMIZERS.get(self.optimizer)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    paths: tuple[str, ...] = ()  # empty: the bundled corpus
+    corpus: str = "shakespeare"  # the bundled corpus used when paths is empty
+    spelling: str = "modern"  # modern | first-folio (bundled corpus only)
+    vocab_size: int = 2048  # BPE vocabulary to train; the model's V comes from the trained tokenizer
+    val_fraction: float = 0.1  # user corpora: held-out share (whole documents where there are several)
+
+    def validate(self) -> "DataConfig":
+        _positive("data.vocab_size", self.vocab_size)
+        if self.vocab_size < 257:
+            raise QkvError(f"data.vocab_size={self.vocab_size} must be at least 257 (256 bytes + end of text)")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise QkvError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        _choice("data.spelling", self.spelling, ("modern", "first-folio"))
+        _choice("data.corpus", self.corpus, ("shakespeare",))
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+
+    def validate(self) -> "ParallelConfig":
+        for name in ("dp", "tp", "pp"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        _choice("parallel.zero", self.zero, (0, 1, 2, 3))
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        self.parallel.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, raw: Any, origin: str = "config") -> "RunConfig":
+        if not isinstance(raw, dict):
+            raise QkvError(f"{origin}: expected a JSON object with sections {', '.join(SECTIONS)}")
+        _no_unknown(origin, raw, SECTIONS)
+        return cls(**{name: section_from_dict(name, raw.get(name, {}), origin) for name in SECTIONS})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "RunConfig":
+        return cls.from_dict(read_json(path), str(path))
+
+    def override(self, assignments: list[str]) -> "RunConfig":
+        """Apply `section.field=value` strings, each parsed to the field's type."""
+        cfg = self
+        for assignment in assignments:
+            key, sep, text = assignment.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot:
+                raise QkvError(f"--set {assignment!r}: expected section.field=value, e.g. model.d_model=256")
+            _no_unknown("--set", {section: None}, SECTIONS)
+            current = getattr(cfg, section)
+            _no_unknown(f"--set {section}", {name: None}, [f.name for f in fields(current)])
+            value = parse_value(f"{section}.{name}", text.strip(), field_types(type(current))[name])
+            cfg = replace(cfg, **{section: replace(current, **{name: value})})
+        return cfg
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "parallel": ParallelConfig}
+
+
+def section_from_dict(name: str, raw: Any, origin: str = "config"):
+    cls = SECTIONS[name]
+    if not isinstance(raw, dict):
+        raise QkvError(f"{origin}: section {name!r} must be a JSON object")
+    types = field_types(cls)
+    _no_unknown(f"{origin}: {name}", raw, list(types))
+    return cls(**{key: coerce(f"{name}.{key}", value, types[key]) for key, value in raw.items()})
+
+
+def field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check a JSON value against a field's type (ints are accepted for floats; lists for tuples)."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:  # tuple[str, ...]
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    if not ok:
+        raise QkvError(f"{key}={value!r} has the wrong type; expected {_type_name(kind)}")
+    return value
+
+
+def parse_value(key: str, text: str, kind: Any) -> Any:
+    """Parse a command-line string to a field's type."""
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+        return tuple(part for part in text.split(",") if part)
+    except ValueError:
+        raise QkvError(f"{key}={text!r} is not a valid {_type_name(kind)}") from None
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QkvError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QkvError(f"{path}: not valid JSON ({exc})") from None
+    except IsADirectoryError:
+        raise QkvError(f"{path}: is a directory, expected a JSON file") from None
+
+
+def _type_name(kind: Any) -> str:
+    # tuple[str, ...] is a GenericAlias whose __name__ is "tuple": name it the way JSON writes it
+    return kind.__name__ if isinstance(kind, type) else "list of strings"
+
+
+def _no_unknown(where: str, raw: dict, allowed) -> None:
+    for key in raw:
+        if key not in allowed:
+            raise QkvError(f"{where}: unknown key {key!r}; choose from: {', '.join(allowed)}")
+
+
+def _choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise QkvError(f"{key}={value} must be positive")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise QkvError(f"{key}={value} must be at least {low}")

@@ -1,0 +1,151 @@
+"""Byte-level BPE (GPT-2 style) on Hugging Face `tokenizers`, plus a streaming decoder for generation.
+
+All 256 bytes are in the vocabulary, so every string encodes and decode(encode(s)) == s. The text
+"<|endoftext|>" inside user text encodes as ordinary bytes (`encode_special_tokens`); only code that
+asks for `eos_id` puts the EOS token into a stream.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from qkv.errors import QkvError
+
+EOS = "<|endoftext|>"
+MIN_VOCAB = 256 + 1  # the byte alphabet + EOS
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the one ByteLevel uses (openai/gpt-2 src/encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """A trained byte-level BPE tokenizer (wraps `tokenizers.Tokenizer`)."""
+
+    def __init__(self, hf_tokenizer: tokenizers.Tokenizer):
+        self._hf = hf_tokenizer
+        self._hf.encode_special_tokens = True  # not saved in tokenizer.json, so set on every load
+        eos_id = self._hf.token_to_id(EOS)
+        if eos_id is None:
+            raise QkvError(f"tokenizer has no {EOS} token; train it with qkv")
+        self.eos_id: int = eos_id
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
+        """Learn merges from `texts` until `vocab_size` ids (fewer if the text runs out of pairs)."""
+        if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+            raise QkvError(f"vocab_size must be an integer >= {MIN_VOCAB} (256 bytes + EOS), got {vocab_size!r}")
+        hf = tokenizers.Tokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(texts, trainer)
+        return cls(hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        _check_text(text)
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encodes in parallel (Rust threads); same ids as `encode` on each text."""
+        texts = list(texts)
+        for text in texts:
+            _check_text(text)
+        return [e.ids for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text; EOS decodes to its text. Invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """id -> the bytes it stands for (for streaming decode)."""
+        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        table = []
+        for token_id in range(self.vocab_size):
+            token = self._hf.id_to_token(token_id)
+            special = token_id == self.eos_id
+            table.append(token.encode() if special else bytes(byte_of[char] for char in token))
+        return table
+
+    def to_str(self) -> str:
+        return self._hf.to_str()
+
+    @classmethod
+    def from_str(cls, json_text: str, source: str = "tokenizer JSON") -> Tokenizer:
+        try:
+            return cls(tokenizers.Tokenizer.from_str(json_text))
+        except Exception as error:  # tokenizers raises plain Exception on bad JSON
+            raise QkvError(f"{source}: not a valid tokenizer file: {str(error).splitlines()[0]}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes tokenizer.json-format text to `path`, atomically."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_str(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise QkvError(f"{path}: tokenizer file not found") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise QkvError(f"{path}: cannot read tokenizer: {error}") from None
+        return cls.from_str(text, source=str(path))
+
+
+def _check_text(text: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"expected str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise QkvError(f"text is not valid Unicode: lone surrogate at character {error.start}") from None
+
+
+class StreamDecoder:
+    """Decodes ids one at a time; holds back bytes of a character that is not complete yet.
+
+    "".join(push(i) for i in ids) + flush() == tokenizer.decode(ids) for ids from `encode`.
+    Ids outside the vocabulary decode to nothing, as in `Tokenizer.decode`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        data = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character becomes U+FFFD); the decoder is then empty."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,337 @@
+"""Autoregressive decoding with a KV cache: greedy, sampling (plain, top-k, top-p) and beam search.
+
+The prompt is fed once (prefill), then one token per call; every call appends its keys and values
+to a preallocated cache, so step t costs O(t) attention instead of a forward over all t tokens.
+
+Batches of prompts of different lengths are LEFT-padded (`pad_left`) with an attention mask: the
+last column then holds every row's newest token, positions count real tokens only (a row's
+positions do not depend on its padding) and the cache remembers which columns are padding.
+
+Context limit: prompt + new tokens never exceed `model.max_seq_len`, for every positional encoding
+(learned tables have no rows beyond it; for the others it is the length the model was trained on).
+`max_new_tokens` is reduced to at most max_seq_len - 1 and a prompt longer than
+max_seq_len - max_new_tokens keeps its last tokens; either clamp issues one `PromptTruncatedWarning`
+(warnings.warn) per call. The returned ids still start with the whole `input_ids`.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from qkv.errors import QkvError
+from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, Strategy, make_generator, process
+
+OnToken = Callable[[int, Tensor], None]
+
+
+class PromptTruncatedWarning(UserWarning):
+    """The prompt or max_new_tokens was clamped to fit model.max_seq_len."""
+
+
+def pad_left(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad id lists to one (B, T) long tensor; mask (B, T) is 1 for tokens, 0 for padding."""
+    if not sequences or any(len(seq) == 0 for seq in sequences):
+        raise QkvError("pad_left needs at least one sequence and no empty sequence")
+    T = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), T, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, T - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, T - len(seq):] = 1
+    return ids, mask
+
+
+class CachedDecoder:
+    """Feeds a decoder LM its prompt once, then one token per row per call, through a KV cache."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int):
+        self.model = model
+        self.cache = model.new_cache(batch, max_len)
+
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """(B, T) prompt -> (B, V) logits for the token after it (left padding: the last column)."""
+        return self.model(input_ids, attention_mask=attention_mask, cache=self.cache)[:, -1]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """(B,) newest tokens -> (B, V) logits for the next ones."""
+        return self.model(tokens[:, None], cache=self.cache)[:, -1]
+
+    def reorder(self, rows: Tensor) -> None:
+        """Continue from cache rows `rows` (beam search: select and duplicate beams)."""
+        self.cache.reorder(rows)
+
+
+@contextmanager
+def eval_mode(model: nn.Module):
+    """Switch off dropout for the duration; restore every submodule's own mode afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def check_left_padded(mask: Tensor) -> Tensor | None:
+    """Validate a (B, T) 0/1 mask as left padding; None when it masks nothing."""
+    if mask.dim() != 2 or not bool(((mask == 0) | (mask == 1)).all()):
+        raise QkvError("attention_mask must be a (B, T) tensor of 0 (padding) and 1 (token)")
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
+        raise QkvError("attention_mask must be LEFT padding (0s then 1s, the last column 1 in every row); "
+                       "use qkv.generate.pad_left")
+    return None if bool(mask.all()) else mask.long()
+
+
+def fit_context(ids: Tensor, mask: Tensor | None, max_new_tokens: int,
+                max_seq_len: int) -> tuple[Tensor, Tensor | None, int]:
+    """Clamp so that prompt + new <= max_seq_len (module docstring), warning once if anything real is cut."""
+    max_new = min(max_new_tokens, max_seq_len - 1)
+    keep = max_seq_len - max_new  # prompt columns that fit, at least 1
+    notes = []
+    if max_new < max_new_tokens:
+        notes.append(f"max_new_tokens={max_new_tokens} reduced to {max_new}")
+    cut = ids.shape[1] - keep
+    if cut > 0:
+        if mask is None or bool(mask[:, :cut].any()):
+            notes.append(f"prompt of {ids.shape[1]} tokens cut to its last {keep}")
+        ids, mask = ids[:, cut:], (None if mask is None else check_left_padded(mask[:, cut:]))
+    if notes:
+        warnings.warn(f"model.max_seq_len={max_seq_len}: " + "; ".join(notes), PromptTruncatedWarning,
+                      stacklevel=3)
+    return ids, mask, max_new
+
+
+def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,
+             temperature: float = 1.0, top_k: int = 50, top_p: float = 0.9, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, seed: int | None = None, attention_mask: Tensor | None = None,
+             stop_tokens: Sequence[int] = (), num_beams: int = 4, length_penalty: float = 1.0,
+             early_stopping: bool = True, on_token: OnToken | None = None, pad_id: int | None = None) -> Tensor:
+    """Continue `input_ids` (B, T) (or (T,)) by up to `max_new_tokens`; returns (B, T + new) (or (T + new,)).
+
+    strategy: greedy | sample | top-k | top-p | beam (sampling.STRATEGIES). Sampling draws from a
+    torch.Generator seeded with `seed` (None: a fresh random seed). A row stops at its first token
+    in `stop_tokens` (kept in the output); afterwards it receives `pad_id` (default: the stop token
+    it hit), and decoding ends early, with a shorter output, once every row has stopped.
+    `on_token(step, tokens (B,))` is called after each step (not with beam search, which only
+    settles its tokens at the end). Beam search (`num_beams`, `length_penalty`, `early_stopping`)
+    returns each row's best hypothesis; see `beam_search` for the n-best list.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty).validate()
+    chosen = STRATEGIES.get(strategy)
+    if max_new_tokens < 0:
+        raise QkvError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if chosen.choose is None and on_token is not None:
+        raise QkvError("on_token streams tokens step by step; beam search settles them only at the end")
+    one_row = torch.as_tensor(input_ids).dim() == 1
+    ids, mask = as_batch(model, input_ids, attention_mask)
+    model_ids, model_mask, max_new = fit_context(ids, mask, max_new_tokens, model.max_seq_len)
+    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=ids.device)
+    with torch.inference_mode(), eval_mode(model):
+        if max_new == 0:
+            new = ids[:, :0]
+        elif chosen.choose is None:
+            beams = BeamConfig(num_beams, length_penalty, early_stopping).validate()
+            best = [row[0] for row in beam_rows(model, model_ids, model_mask, max_new, beams, stop, params)]
+            new = stack_hypotheses(best, pad_id, ids.device)
+        else:
+            generator = make_generator(seed, ids.device) if chosen.samples else None
+            new = sample_rows(model, model_ids, model_mask, max_new, chosen, params, generator, stop,
+                              pad_id, on_token)
+    out = torch.cat([ids, new], dim=1)  # (B, T + new)
+    return out[0] if one_row else out
+
+
+def as_batch(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None):
+    """(T,) or (B, T) ids and optional mask -> (B, T) long ids on the model's device, mask or None."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(input_ids, device=device).long()
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise QkvError(f"input_ids must be (B, T) or (T,) with T >= 1, got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return ids, None
+    mask = torch.as_tensor(attention_mask, device=device)
+    mask = mask[None] if mask.dim() == 1 else mask
+    if mask.shape != ids.shape:
+        raise QkvError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
+    return ids, check_left_padded(mask)
+
+
+def sample_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, strategy: Strategy,
+                params: SamplingParams, generator: torch.Generator | None, stop: Tensor,
+                pad_id: int | None, on_token: OnToken | None) -> Tensor:
+    """Greedy or sampled decoding of every row at once; returns the new tokens (B, n <= max_new)."""
+    B, T = ids.shape
+    decoder = CachedDecoder(model, B, T + max_new)
+    tokens = torch.cat([ids, ids.new_zeros(B, max_new)], dim=1)  # (B, T + max_new): prompt, then new
+    token_mask = None if mask is None else torch.cat([mask, mask.new_ones(B, max_new)], dim=1)
+    stopped = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=torch.long, device=ids.device)
+    logits = decoder.prefill(ids, mask)  # (B, V)
+    for step in range(max_new):
+        end = T + step
+        state = SamplingState(params, tokens[:, :end], None if token_mask is None else token_mask[:, :end])
+        next_tokens = strategy.choose(process(logits, state, strategy.processors), generator)  # (B,)
+        if stop.numel():
+            next_tokens = torch.where(stopped, fill, next_tokens)
+            hit = ~stopped & torch.isin(next_tokens, stop)
+            fill = torch.where(hit & (fill < 0), next_tokens, fill)  # no pad_id: repeat the stop token
+            stopped |= hit
+        tokens[:, end] = next_tokens
+        if on_token is not None:
+            on_token(step, next_tokens)
+        if step + 1 == max_new or (stop.numel() and bool(stopped.all())):
+            return tokens[:, T:end + 1]
+        logits = decoder.step(next_tokens)
+    return tokens[:, T:]
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    num_beams: int
+    length_penalty: float  # alpha: a hypothesis scores log p / n^alpha, n its new tokens (as HF)
+    early_stopping: bool  # True: a row ends once it has num_beams finished hypotheses
+
+    def validate(self) -> "BeamConfig":
+        if self.num_beams < 1:
+            raise QkvError(f"num_beams={self.num_beams} must be >= 1")
+        return self
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: Tensor  # (n,) new tokens, ending with the stop token when it stopped
+    log_prob: float  # sum of the tokens' log-probabilities (after the processors)
+    score: float  # log_prob / n ** length_penalty
+
+
+class FinishedHypotheses:
+    """The best `size` finished hypotheses of one row, best first."""
+
+    def __init__(self, size: int, length_penalty: float):
+        self.size, self.length_penalty = size, length_penalty
+        self.best: list[Hypothesis] = []
+
+    def add(self, tokens: Tensor, log_prob: float) -> None:
+        score = log_prob / len(tokens) ** self.length_penalty
+        if len(self.best) == self.size and score <= self.best[-1].score:
+            return
+        rank = sum(1 for hyp in self.best if hyp.score >= score)  # after equal scores: first found wins
+        self.best.insert(rank, Hypothesis(tokens.clone(), log_prob, score))
+        del self.best[self.size:]
+
+    def is_done(self, best_running: float, length: int, max_length: int, early_stopping: bool) -> bool:
+        """Can no running beam (best sum log p `best_running`, `length` tokens) still enter the list?
+
+        early_stopping=False uses the exact bound (HF's early_stopping="never"): log p only falls as
+        a beam grows, so its best reachable score is best_running / n^alpha at the n in
+        (length, max_length] that maximises it: the longest for alpha > 0, the shortest otherwise.
+        """
+        if len(self.best) < self.size:
+            return not math.isfinite(best_running)
+        if early_stopping or not math.isfinite(best_running):
+            return True
+        n = max_length if self.length_penalty > 0 else min(length + 1, max_length)
+        return self.best[-1].score >= best_running / n ** self.length_penalty
+
+
+def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, *, num_beams: int = 4,
+                length_penalty: float = 1.0, early_stopping: bool = True, stop_tokens: Sequence[int] = (),
+                repetition_penalty: float = 1.0) -> list[Hypothesis]:
+    """Beam search on one prompt (T,) or (1, T): up to `num_beams` hypotheses, best score first."""
+    params = SamplingParams(repetition_penalty=repetition_penalty).validate()
+    beams = BeamConfig(num_beams, length_penalty, early_stopping).validate()
+    ids, _ = as_batch(model, input_ids, None)
+    if ids.shape[0] != 1:
+        raise QkvError(f"beam_search takes one prompt, got {ids.shape[0]}; generate(strategy='beam') takes a batch")
+    ids, _, max_new = fit_context(ids, None, max_new_tokens, model.max_seq_len)
+    if max_new == 0:
+        raise QkvError("beam_search needs max_new_tokens >= 1")
+    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=ids.device)
+    with torch.inference_mode(), eval_mode(model):
+        return beam_rows(model, ids, None, max_new, beams, stop, params)[0]
+
+
+def beam_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, beams: BeamConfig,
+              stop: Tensor, params: SamplingParams) -> list[list[Hypothesis]]:
+    """Beam search for every row of a (B, T) batch at once (Graves 2012; Hugging Face's bookkeeping).
+
+    Each step extends each of the K live beams of a row by every token, ranks the K*V sums of
+    log-probabilities (stable sort: ties to the lower beam, then token), moves stop-token
+    candidates ranked in the first K to the finished list and keeps the first K others as beams.
+    """
+    (B, T), K = ids.shape, beams.num_beams
+    decoder = CachedDecoder(model, B, T + max_new)
+    logits = decoder.prefill(ids, mask)  # (B, V)
+    V = logits.shape[-1]
+    rows = torch.arange(B, device=ids.device).repeat_interleave(K)  # (B*K,) the K beams of each row
+    decoder.reorder(rows)
+    logits = logits[rows]  # (B*K, V)
+    tokens = torch.cat([ids, ids.new_zeros(B, max_new)], dim=1)[rows]  # (B*K, T + max_new)
+    token_mask = None if mask is None else torch.cat([mask, mask.new_ones(B, max_new)], dim=1)[rows]
+    beam_scores = torch.full((B, K), float("-inf"), device=ids.device)
+    beam_scores[:, 0] = 0.0  # the K copies are identical: start from one so no beam is duplicated
+    finished = [FinishedHypotheses(K, beams.length_penalty) for _ in range(B)]
+    done = [False] * B
+    n_candidates = min((1 + stop.numel()) * K, K * V)  # enough for K non-stop candidates
+    for step in range(max_new):
+        end = T + step
+        state = SamplingState(params, tokens[:, :end], None if token_mask is None else token_mask[:, :end])
+        log_probs = process(logits, state, STRATEGIES.get("beam").processors).log_softmax(-1)  # (B*K, V)
+        candidates = (beam_scores.view(-1, 1) + log_probs).view(B, K * V)
+        scores, index = torch.sort(candidates, dim=-1, descending=True, stable=True)
+        scores, index = scores[:, :n_candidates], index[:, :n_candidates]  # (B, N)
+        source, new_token = index // V, index % V  # (B, N) beam and token of each candidate
+        is_stop = torch.isin(new_token, stop)
+        add_finished(finished, done, tokens, scores, source, new_token, is_stop, K, T, end)
+        keep = torch.sort(is_stop.int(), dim=-1, stable=True).indices[:, :K]  # first K non-stop (B, K)
+        beam_scores = scores.gather(1, keep)
+        flat = (torch.arange(B, device=ids.device)[:, None] * K + source.gather(1, keep)).view(-1)  # (B*K,)
+        tokens = tokens[flat]
+        tokens[:, end] = new_token.gather(1, keep).view(-1)
+        for row in range(B):
+            if not done[row]:
+                done[row] = finished[row].is_done(float(beam_scores[row, 0]), step + 1, max_new,
+                                                  beams.early_stopping)
+            if done[row]:
+                beam_scores[row] = float("-inf")  # a finished row adds nothing more
+        if all(done) or step + 1 == max_new:
+            break
+        decoder.reorder(flat)
+        logits = decoder.step(tokens[:, end])
+    for row in range(B):  # beams still running at the end are hypotheses too
+        for k in range(K):
+            if math.isfinite(float(beam_scores[row, k])):
+                finished[row].add(tokens[row * K + k, T:end + 1], float(beam_scores[row, k]))
+    return [f.best for f in finished]
+
+
+def add_finished(finished: list[FinishedHypotheses], done: list[bool], tokens: Tensor, scores: Tensor,
+                 source: Tensor, new_token: Tensor, is_stop: Tensor, K: int, T: int, end: int) -> None:
+    """Record stop-token candidates ranked within a row's first K (as Hugging Face does)."""
+    ranked = is_stop[:, :K] & torch.isfinite(scores[:, :K])
+    for row, rank in ranked.nonzero().tolist():
+        if done[row]:
+            continue
+        beam = row * K + int(source[row, rank])
+        hyp = torch.cat([tokens[beam, T:end], new_token[row, rank].view(1)])
+        finished[row].add(hyp, float(scores[row, rank]))
+
+
+def stack_hypotheses(best: list[Hypothesis], pad_id: int | None, device) -> Tensor:
+    """Rows' best new tokens padded on the right to one (B, n) tensor (pad_id, else the stop token)."""
+    n = max(len(hyp.tokens) for hyp in best)
+    out = torch.empty(len(best), n, dtype=torch.long, device=device)
+    for row, hyp in enumerate(best):
+        fill = pad_id if pad_id is not None else int(hyp.tokens[-1])
+        out[row] = fill
+        out[row, :len(hyp.tokens)] = hyp.tokens
+    return out

@@ -1,0 +1,64 @@
+"""Decoder-only language model (GPT/LLaMA style; note 000 LLM part §1-2, note 003).
+
+    H0 = E[x] + P          (token embedding = one-hot(x) W_E, note 000 LLM §2.1)
+    H^l = Block^l(H^{l-1})  for l = 1..L  (causal self-attention + FFN)
+    logits = LN(H^L) W_out  (W_out = W_E^T when tied)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from qkv.nn.attention import AttentionContext
+from qkv.nn.block import Block
+from qkv.nn.cache import KVCache
+from qkv.nn import masks
+from qkv.nn.positional import Positional
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
+                 final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int):
+        super().__init__()
+        self.tok_emb = tok_emb  # W_E (V, D)
+        self.positional = positional
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(blocks)
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied
+        self.max_seq_len = max_seq_len
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding."""
+        ctx = self.context(input_ids, attention_mask, cache)
+        x = self.dropout(self.positional.embed(self.tok_emb(input_ids), ctx.positions))  # (B, T, D)
+        layers = cache.layers if cache is not None else [None] * len(self.blocks)
+        for block, layer_cache in zip(self.blocks, layers):
+            x = block(x, ctx, layer_cache)
+        return self.lm_head(self.final_norm(x))  # (B, T, V)
+
+    def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
+        B, T = input_ids.shape
+        start = cache.next_position if cache is not None else torch.zeros(B, dtype=torch.long,
+                                                                           device=input_ids.device)
+        if attention_mask is None:
+            offsets = torch.arange(T, device=input_ids.device)[None, :]  # (1, T)
+            counts = torch.full_like(start, T)
+        else:  # a row's position counts its real tokens only, so left padding shifts nothing
+            offsets = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            counts = attention_mask.long().sum(-1)
+        positions = start[:, None] + offsets  # (B, T)
+        key_positions, key_padding = positions, attention_mask
+        if cache is not None:
+            cache.next_position = start + counts
+            key_positions, key_padding = cache.extend(positions, attention_mask)
+        mask = masks.attention_mask(T, key_padding, causal=True, device=input_ids.device)
+        return AttentionContext(self.positional, positions, key_positions, mask, causal=mask is None)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A preallocated KV cache for `batch` rows of up to `max_len` tokens."""
+        attn = self.blocks[0].attn
+        weight = self.tok_emb.weight
+        return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
+                       dtype=weight.dtype, device=weight.device)

@@ -1,0 +1,1 @@
+"""PyTorch building blocks, one concept per file, each variant axis with its registry."""

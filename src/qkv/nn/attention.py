@@ -1,0 +1,67 @@
+"""Multi-head attention (note 000 §2.2): MHA, GQA and MQA are one module, chosen by n_kv_heads.
+
+head_i = Attention(X W_i^Q, X W_i^K, X W_i^V);  MultiHead(X) = Concat(head_1..head_H) W^O.
+With n_kv_heads < n_heads, groups of n_heads / n_kv_heads query heads share one key/value head
+(GQA; MQA when n_kv_heads = 1). Cross-attention (note 000 §8.4) takes keys and values from `memory`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from qkv.nn.cache import LayerCache
+from qkv.nn.kernels import KERNELS
+from qkv.nn.positional import Positional
+
+
+@dataclass
+class AttentionContext:
+    """What every attention layer of one forward pass shares."""
+
+    positional: Positional  # its rotate / score_bias hooks (identity for cross-attention)
+    positions: Tensor  # (B, T) positions of this call's queries (and of its new keys)
+    key_positions: Tensor  # (B, S) positions of every key, cached ones included
+    mask: Tensor | None  # (B, 1, T, S) bool, True where attention is allowed
+    causal: bool  # the kernel applies the causal triangle itself (mask is None)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.kernel = KERNELS.get(kernel)
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)  # W^Q (H*Dh, D)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^K (Hkv*Dh, D)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^V (Hkv*Dh, D)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # W^O (D, H*Dh)
+        self.attn_dropout = dropout
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, ctx: AttentionContext, cache: LayerCache | None = None,
+                memory: Tensor | None = None) -> Tensor:
+        B, T, _ = x.shape
+        source = x if memory is None else memory  # (B, S_new, D)
+        q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
+        k = self.split_heads(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
+        v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
+        q, k = ctx.positional.rotate(q, k, ctx.positions)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)
+        bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions)
+        dropout = self.attn_dropout if self.training else 0.0
+        out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias,
+                          scale=self.head_dim ** -0.5, dropout=dropout)  # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # concat heads (B, T, H*Dh)
+        return self.dropout(self.o_proj(out))  # (B, T, D)
+
+    def split_heads(self, x: Tensor, heads: int) -> Tensor:  # (B, T, heads*Dh) -> (B, heads, T, Dh)
+        B, T, _ = x.shape
+        return x.view(B, T, heads, self.head_dim).transpose(1, 2)
+
+    def repeat_kv(self, x: Tensor) -> Tensor:  # (B, Hkv, S, Dh) -> (B, H, S, Dh)
+        groups = self.n_heads // self.n_kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)

@@ -1,0 +1,31 @@
+"""One Transformer layer: self-attention, optional cross-attention, FFN, each inside a residual.
+
+Encoder and decoder layers are this one class (STYLE.md 7): a decoder layer of an encoder-decoder
+model has `cross_attn`; the residual placement (pre / post) is a function from nn.residual.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor, nn
+
+from qkv.nn.attention import Attention, AttentionContext
+from qkv.nn.cache import LayerCache
+
+
+class Block(nn.Module):
+    def __init__(self, *, attn: Attention, ffn: nn.Module, attn_norm: nn.Module, ffn_norm: nn.Module,
+                 residual: Callable, cross_attn: Attention | None = None, cross_norm: nn.Module | None = None):
+        super().__init__()
+        self.attn_norm, self.attn = attn_norm, attn
+        self.cross_norm, self.cross_attn = cross_norm, cross_attn
+        self.ffn_norm, self.ffn = ffn_norm, ffn
+        self.residual = residual
+
+    def forward(self, x: Tensor, ctx: AttentionContext, cache: LayerCache | None = None,
+                memory: Tensor | None = None, memory_ctx: AttentionContext | None = None) -> Tensor:
+        x = self.residual(x, self.attn_norm, self.attn, ctx, cache)
+        if self.cross_attn is not None:
+            x = self.residual(x, self.cross_norm, self.cross_attn, memory_ctx, None, memory)
+        x = self.residual(x, self.ffn_norm, self.ffn)
+        return x

@@ -1,0 +1,52 @@
+"""Position-wise feed-forward networks (note 000 §4, §9; note 003 on SwiGLU).
+
+FFN(x) = act(x W1 + b1) W2 + b2, applied to every position independently (note 000 §4.1).
+The GLU family (note 003): FFN(x) = (act(x W_gate) * (x W_up)) W_down; SwiGLU is act = SiLU,
+GeGLU is act = GELU. Every FFN takes `(d_model, d_ff, *, activation, bias, dropout)`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.registry import Registry
+
+ACTIVATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("activation")
+ACTIVATIONS.register("relu")(F.relu)
+ACTIVATIONS.register("gelu")(F.gelu)  # exact: x * Phi(x)
+ACTIVATIONS.register("gelu_tanh")(functools.partial(F.gelu, approximate="tanh"))
+ACTIVATIONS.register("silu")(F.silu)  # Swish-1: x * sigmoid(x)
+ACTIVATIONS.register("leaky_relu")(functools.partial(F.leaky_relu, negative_slope=0.01))
+ACTIVATIONS.register("relu6")(F.relu6)
+
+FFNS: Registry[type[nn.Module]] = Registry("ffn")
+
+
+@FFNS.register("mlp")
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, *, activation: str, bias: bool, dropout: float = 0.0):
+        super().__init__()
+        self.act = ACTIVATIONS.get(activation)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)  # W1 (F, D)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)  # W2 (D, F)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        return self.dropout(self.down_proj(self.act(self.up_proj(x))))
+
+
+@FFNS.register("glu")
+class GLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, *, activation: str, bias: bool, dropout: float = 0.0):
+        super().__init__()
+        self.act = ACTIVATIONS.get(activation)
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)  # (F, D)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)  # (F, D)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)  # (D, F)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))

@@ -1,0 +1,60 @@
+"""Weight initialisation schemes (note 000 LLM §6.1; the W^Q/W^K/W^V part on Xavier and He init).
+
+Every scheme has the signature `(model, *, std, n_layers)` and initialises in place.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from torch import nn
+
+from qkv.nn.positional import Learned
+from qkv.registry import Registry
+
+INITS: Registry[Callable[..., None]] = Registry("init")
+RESIDUAL_PROJECTIONS = ("o_proj", "down_proj")  # write into the residual stream
+
+
+def _linears_and_embeddings(model: nn.Module):
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, Learned)):
+            yield name, module
+
+
+def _zero_biases(model: nn.Module) -> None:
+    for _, module in _linears_and_embeddings(model):
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+@INITS.register("gpt2")
+def gpt2_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """N(0, std) everywhere; residual projections N(0, std / sqrt(2L)) so the residual stream's
+    variance stays O(1) over the 2L additions (GPT-2 paper, §2.3)."""
+    for name, module in _linears_and_embeddings(model):
+        scale = 1 / math.sqrt(2 * n_layers) if name.endswith(RESIDUAL_PROJECTIONS) else 1.0
+        nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+    _zero_biases(model)
+
+
+@INITS.register("xavier")
+def xavier_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """Xavier/Glorot uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)); embeddings N(0, std)."""
+    for _, module in _linears_and_embeddings(model):
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+        else:
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+    _zero_biases(model)
+
+
+@INITS.register("kaiming")
+def kaiming_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """He/Kaiming normal: N(0, 2 / fan_in) for ReLU layers; embeddings N(0, std)."""
+    for _, module in _linears_and_embeddings(model):
+        if isinstance(module, nn.Linear):
+            nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+        else:
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+    _zero_biases(model)

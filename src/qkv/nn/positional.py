@@ -1,0 +1,128 @@
+"""Positional encodings, acting through three hooks with identity defaults.
+
+- `embed(x, positions)`: added to the token embeddings (absolute encodings);
+- `rotate(q, k, positions)`: applied to queries and keys in every layer (RoPE);
+- `score_bias(q_positions, k_positions)`: added to the attention scores (ALiBi, relative).
+
+Every encoding takes the same keyword arguments (d_model, n_heads, head_dim, max_seq_len,
+rope_theta, max_distance) and ignores the ones it does not use. Positions are (B, T) integer
+tensors, so left-padded rows can carry their own positions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from qkv.errors import QkvError
+from qkv.registry import Registry
+
+POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
+
+
+class Positional(nn.Module):
+    """No positional information: every hook is the identity."""
+
+    def __init__(self, **dims):
+        super().__init__()
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        return None
+
+
+POSITIONALS.register("none")(Positional)
+
+
+def sinusoid_angles(positions: Tensor, dim: int, base: float) -> Tensor:
+    """angle[pos, i] = pos / base^(2i/dim) for i < dim/2, in fp32 (positions up to ~1e5 need it)."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    return positions.float()[..., None] * inv_freq  # (..., dim/2)
+
+
+def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (note 000 §3.1)."""
+    angles = sinusoid_angles(positions, dim, base)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :dim]  # (..., dim)
+
+
+@POSITIONALS.register("sinusoidal")
+class Sinusoidal(Positional):
+    def __init__(self, *, d_model: int, **dims):
+        super().__init__()
+        self.d_model = d_model
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:  # (B, T, D)
+        return x + sinusoidal_table(positions, self.d_model).to(x.dtype)
+
+
+@POSITIONALS.register("learned")
+class Learned(Positional):
+    """A trained table P (max_seq_len, D); H0 = E + P[positions] (note 000 LLM §2.1)."""
+
+    def __init__(self, *, d_model: int, max_seq_len: int, **dims):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(max_seq_len, d_model))  # (max_seq_len, D)
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        if positions.numel() and int(positions.max()) >= self.weight.shape[0]:
+            raise QkvError(
+                f"position {int(positions.max())} is beyond the learned table's {self.weight.shape[0]} positions"
+            )
+        return x + self.weight[positions]
+
+
+@POSITIONALS.register("rope")
+class Rotary(Positional):
+    """RoPE (note 003): rotate each pair of q and k by pos * theta_i, so q_m . k_n depends on n - m only.
+
+    Pairs are (i, i + Dh/2) (the "rotate half" layout of GPT-NeoX and LLaMA in Hugging Face) rather
+    than the note's (2i, 2i+1); the two differ by a fixed permutation of the head dimensions, which
+    leaves every dot product unchanged (docs/DEVIATIONS.md).
+    """
+
+    def __init__(self, *, head_dim: int, rope_theta: float, **dims):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = rope_theta
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # angles in fp32: at position 1e4, bf16 angles would be off by whole radians
+        angles = sinusoid_angles(positions, self.head_dim, self.theta)  # (B, T, Dh/2)
+        cos = angles.cos().repeat(1, 1, 2)[:, None]  # (B, 1, T, Dh)
+        sin = angles.sin().repeat(1, 1, 2)[:, None]
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + R(x) * sin, R(x1, x2) = (-x2, x1): the 2x2 rotation of note 003 on each pair."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Head slopes 2^(-8h/H) (Press et al. 2022), with their rule for H not a power of two."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = [2 ** (-8 * (h + 1) / closest) for h in range(closest)]
+    extra = [2 ** (-4 * (2 * h + 1) / closest) for h in range(n_heads - closest)]
+    return torch.tensor(slopes + extra)
+
+
+@POSITIONALS.register("alibi")
+class ALiBi(Positional):
+    """Attention with linear biases (beyond the notes): score_ij -= m_h * |i - j|."""
+
+    def __init__(self, *, n_heads: int, **dims):
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)  # (H,)
+
+    def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().float()  # (B, T, S)
+        return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, T, S)

@@ -1,0 +1,77 @@
+"""Named configurations, each a function returning a RunConfig (as torchtitan's flavours).
+
+`qkv presets` lists them with the first line of each docstring.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from qkv.registry import Registry
+
+PRESETS: Registry[Callable[[], RunConfig]] = Registry("preset")
+
+
+def get(name: str) -> RunConfig:
+    return PRESETS.get(name)()
+
+
+def describe(name: str) -> str:
+    return (PRESETS.get(name).__doc__ or "").strip().splitlines()[0]
+
+
+@PRESETS.register("tiny")
+def tiny() -> RunConfig:
+    """A 2-layer, 32-wide decoder that trains in seconds: for tests and smoke runs."""
+    return RunConfig(
+        model=ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64),
+        train=TrainConfig(batch_size=8, seq_len=32, max_steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=5,
+                          eval_batches=2, log_every=5),
+        data=DataConfig(vocab_size=300),
+    )
+
+
+@PRESETS.register("shakespeare")
+def shakespeare() -> RunConfig:
+    """The default job: a BPE decoder LM trained for 5 minutes on the bundled modern-spelling works."""
+    return RunConfig(
+        model=ModelConfig(d_model=256, n_heads=4, n_layers=4, d_ff=1024, max_seq_len=256, dropout=0.0),
+        train=TrainConfig(batch_size=16, seq_len=256, max_steps=100_000, max_time=300.0, lr=2e-3,
+                          min_lr=1e-4, warmup_steps=50, weight_decay=0.1, eval_every=0, eval_batches=8,
+                          log_every=10),
+        data=DataConfig(vocab_size=2048),
+    )
+
+
+@PRESETS.register("gpt2-124m")
+def gpt2_124m() -> RunConfig:
+    """GPT-2 small: 12 layers, 768 wide, 12 heads, learned positions, Pre-LN, GELU, tied head."""
+    return RunConfig(
+        model=ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024,
+                          activation="gelu_tanh"),
+        train=TrainConfig(batch_size=32, seq_len=1024, lr=6e-4, min_lr=6e-5, warmup_steps=700, max_steps=20_000),
+        data=DataConfig(vocab_size=50257),
+    )
+
+
+@PRESETS.register("llama-small")
+def llama_small() -> RunConfig:
+    """A small LLaMA-style decoder: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head."""
+    return RunConfig(
+        model=ModelConfig(vocab_size=32000, d_model=512, n_heads=8, n_kv_heads=2, n_layers=8, d_ff=1376,
+                          max_seq_len=1024, positional="rope", norm="rmsnorm", ffn="glu", activation="silu",
+                          bias=False, tie_embeddings=False),
+        train=TrainConfig(batch_size=32, seq_len=1024, lr=3e-4, min_lr=3e-5, warmup_steps=500),
+        data=DataConfig(vocab_size=32000),
+    )
+
+
+@PRESETS.register("gpt3-175b")
+def gpt3_175b() -> RunConfig:
+    """GPT-3 175B (96 layers, 12288 wide, 96 heads, 2048 context): for the calculators, not for training."""
+    return RunConfig(
+        model=ModelConfig(vocab_size=50257, d_model=12288, n_heads=96, n_layers=96, d_ff=4 * 12288,
+                          max_seq_len=2048, activation="gelu_tanh"),
+        train=TrainConfig(batch_size=1536, seq_len=2048, lr=6e-5, min_lr=6e-6, warmup_steps=375),
+        data=DataConfig(vocab_size=50257),
+    )

@@ -1,0 +1,94 @@
+"""Multi-head attention layer, forward and backward (000 LLM §2.2.1 forward, §3.3.3 backward).
+
+MHA, GQA and MQA are one layer chosen by the shapes of k_proj / v_proj (n_kv_heads); cross-attention
+(000 §8.4) takes keys and values from `memory` and returns their gradient as well. Parameter names are
+those of qkv.nn.attention.Attention: q_proj, k_proj, v_proj, o_proj, each with weight (out, in) and bias.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qkv.ref import flash, linear_attention  # noqa: F401  (register the "flash" and "linear" kernels)
+from qkv.ref.functional import accumulate, linear_backward, linear_forward, scope
+from qkv.ref.kernels import Kernel
+from qkv.ref.positional import Positional
+
+
+@dataclass
+class AttentionContext:
+    """What every attention layer of one forward pass shares (as qkv.nn.attention.AttentionContext)."""
+
+    positional: Positional  # its rotate / score_bias hooks (identity for cross-attention)
+    positions: np.ndarray  # (B, T) positions of the queries
+    key_positions: np.ndarray  # (B, S) positions of the keys
+    mask: np.ndarray | None  # (B, 1, T, S) bool, True where attention is allowed
+    causal: bool  # the kernel applies the causal triangle itself (mask is None)
+    kernel: Kernel
+    n_heads: int
+
+
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """(B, T, heads*Dh) -> (B, heads, T, Dh): 000 LLM §2.2.1 step 2. Its backward is merge_heads."""
+    B, T, width = x.shape
+    return x.reshape(B, T, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """(B, heads, T, Dh) -> (B, T, heads*Dh): Concat(head_1..head_h), step 4. Its backward is split_heads
+    (000 LLM §3.3.3: dL/dhead_h = slice(dL/dMultiHead, h))."""
+    B, heads, T, Dh = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, heads * Dh)
+
+
+def repeat_kv(x: np.ndarray, groups: int) -> np.ndarray:
+    """(B, Hkv, S, Dh) -> (B, H, S, Dh): each key/value head serves `groups` query heads (GQA)."""
+    return x if groups == 1 else np.repeat(x, groups, axis=1)
+
+
+def repeat_kv_backward(dx: np.ndarray, groups: int) -> np.ndarray:
+    """The adjoint of a copy is a sum: (B, H, S, Dh) -> (B, Hkv, S, Dh)."""
+    B, H, S, Dh = dx.shape
+    return dx if groups == 1 else dx.reshape(B, H // groups, groups, S, Dh).sum(axis=2)
+
+
+def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory: np.ndarray | None = None):
+    """x (B, T, D) -> (B, T, D); Q from x, K and V from `memory` (cross-attention) or x (self)."""
+    source = x if memory is None else memory  # (B, S, D)
+    q, cq = linear_forward(x, **scope(params, "q_proj"))  # Q = H W_Q   (B, T, H*Dh)
+    k, ck = linear_forward(source, **scope(params, "k_proj"))  # (B, S, Hkv*Dh)
+    v, cv = linear_forward(source, **scope(params, "v_proj"))
+    kv_heads = ctx.n_heads * k.shape[-1] // q.shape[-1]
+    groups = ctx.n_heads // kv_heads
+    q, k, v = split_heads(q, ctx.n_heads), split_heads(k, kv_heads), split_heads(v, kv_heads)
+    q, k, crot = ctx.positional.rotate_forward(q, k, ctx.positions)
+    Dh = q.shape[-1]
+    bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions)
+    heads, ckern = ctx.kernel.forward(q, repeat_kv(k, groups), repeat_kv(v, groups), mask=ctx.mask,
+                                      causal=ctx.causal, bias=bias, scale=Dh ** -0.5)  # (B, H, T, Dh)
+    y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
+    return y, (cq, ck, cv, crot, ckern, co, ctx, groups, memory is not None)
+
+
+def attention_backward(dy: np.ndarray, cache):
+    """The forward's steps in reverse (000 LLM §3.3.3): o_proj, split, kernel (steps 1-4), repeat_kv,
+    rotation, merge, projections (step 5). Returns (dx, dmemory or None, grads)."""
+    cq, ck, cv, crot, ckern, co, ctx, groups, cross = cache
+    grads: dict = {}
+    dmerged, g = linear_backward(dy, co)  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
+    accumulate(grads, g, "o_proj")
+    kernel = ctx.kernel
+    dq, dk, dv = kernel.backward(split_heads(dmerged, ctx.n_heads), ckern)
+    dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
+    dq, dk = ctx.positional.rotate_backward(dq, dk, crot)
+    dx, g = linear_backward(merge_heads(dq), cq)  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
+    accumulate(grads, g, "q_proj")
+    dsource_k, g = linear_backward(merge_heads(dk), ck)
+    accumulate(grads, g, "k_proj")
+    dsource_v, g = linear_backward(merge_heads(dv), cv)
+    accumulate(grads, g, "v_proj")
+    dsource = dsource_k + dsource_v
+    if cross:
+        return dx, dsource, grads
+    return dx + dsource, None, grads  # dH = dQ W_Q^T + dK W_K^T + dV W_V^T (step 5)

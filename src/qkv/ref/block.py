@@ -1,0 +1,129 @@
+"""Residual placement and the Transformer block, forward and backward.
+
+A `Sublayer` is a forward/backward pair already bound to its parameters. Residual placement is a pair
+of functions over (x, norm, sublayer), as in qkv.nn.residual:
+    Pre-LN  (note 003):       y = x + F(LN(x))   ->  dx = dy + LN'^T F'^T dy
+    Post-LN (000 §6.1):       y = LN(x + F(x))   ->  dz = LN'^T dy,  dx = dz + F'^T dz   (000 §6.3:
+                              d(x + F(x))/dx = I + dF/dx: the identity path is the "+ dz")
+The block calls its residuals in order; its backward calls their backward twins in the reverse order.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from qkv.ref.attention import attention_backward, attention_forward
+from qkv.ref.ffn import FFNS
+from qkv.ref.functional import accumulate, scope
+from qkv.ref.moe import moe_backward, moe_forward
+from qkv.ref.norms import NORMS
+from qkv.registry import Registry
+
+
+class Sublayer(NamedTuple):
+    forward: Callable  # x -> (y, cache)
+    backward: Callable  # (dy, cache) -> (dx, extra)
+
+
+class Residual(NamedTuple):
+    forward: Callable  # (x, norm, sub) -> (y, cache)
+    backward: Callable  # (dy, cache, norm, sub) -> (dx, norm_extra, sub_extra)
+
+
+RESIDUALS: Registry[Residual] = Registry("norm placement")
+
+
+def pre_forward(x, norm: Sublayer, sub: Sublayer):
+    h, cn = norm.forward(x)
+    s, cs = sub.forward(h)
+    return x + s, (cn, cs)
+
+
+def pre_backward(dy, cache, norm: Sublayer, sub: Sublayer):
+    cn, cs = cache
+    dh, sub_extra = sub.backward(dy, cs)
+    dx, norm_extra = norm.backward(dh, cn)
+    return dy + dx, norm_extra, sub_extra  # the residual path carries dy through unchanged
+
+
+def post_forward(x, norm: Sublayer, sub: Sublayer):
+    s, cs = sub.forward(x)
+    y, cn = norm.forward(x + s)
+    return y, (cn, cs)
+
+
+def post_backward(dy, cache, norm: Sublayer, sub: Sublayer):
+    cn, cs = cache
+    dz, norm_extra = norm.backward(dy, cn)
+    dx, sub_extra = sub.backward(dz, cs)
+    return dz + dx, norm_extra, sub_extra
+
+
+RESIDUALS.register("pre")(Residual(pre_forward, pre_backward))
+RESIDUALS.register("post")(Residual(post_forward, post_backward))
+
+
+# ---- sublayers bound to their parameters -----------------------------------------------------
+
+def norm_sublayer(params: dict, cfg) -> Sublayer:
+    norm = NORMS.get(cfg.norm)
+    return Sublayer(lambda x: norm.forward(params, x, cfg.norm_eps), norm.backward)
+
+
+def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
+    def backward(dy, cache):
+        dx, dmemory, grads = attention_backward(dy, cache)
+        return dx, (grads, dmemory)
+
+    return Sublayer(lambda x: attention_forward(params, x, ctx, memory), backward)
+
+
+def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
+    if cfg.moe_experts:
+        return Sublayer(lambda x: moe_forward(params, x, ffn=cfg.ffn, activation=cfg.activation,
+                                              experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+                                              aux_weight=aux_weight), moe_backward)
+    ffn = FFNS.get(cfg.ffn)
+    return Sublayer(lambda x: ffn.forward(params, x, cfg.activation), ffn.backward)
+
+
+def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
+    """(name, norm name, norm, sublayer) in forward order; cross-attention only with a memory."""
+    parts = [("attn", "attn_norm", attention_sublayer(scope(params, "attn"), ctx))]
+    if memory is not None:
+        parts.append(("cross_attn", "cross_norm", attention_sublayer(scope(params, "cross_attn"), memory_ctx, memory)))
+    parts.append(("ffn", "ffn_norm", ffn_sublayer(scope(params, "ffn"), cfg, aux_weight)))
+    return [(name, norm_name, norm_sublayer(scope(params, norm_name), cfg), sub) for name, norm_name, sub in parts]
+
+
+def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx=None, aux_weight: float = 0.0):
+    """x (B, T, D) -> (B, T, D): self-attention, cross-attention (with `memory`), FFN, each in a residual."""
+    residual = RESIDUALS.get(cfg.norm_placement)
+    parts = _parts(params, cfg, ctx, memory, memory_ctx, aux_weight)
+    caches = []
+    for _, _, norm, sub in parts:
+        x, cache = residual.forward(x, norm, sub)
+        caches.append(cache)
+    return x, (parts, caches, residual)
+
+
+def block_backward(dy: np.ndarray, cache):
+    """The residuals' backward twins in reverse order. Returns (dx, dmemory or None, grads)."""
+    parts, caches, residual = cache
+    grads: dict = {}
+    dmemory = None
+    for (name, norm_name, norm, sub), part_cache in zip(reversed(parts), reversed(caches)):
+        dy, norm_grads, sub_extra = residual.backward(dy, part_cache, norm, sub)
+        accumulate(grads, norm_grads, norm_name)
+        sub_grads, dmem = sub_extra if name != "ffn" else (sub_extra, None)
+        accumulate(grads, sub_grads, name)
+        if dmem is not None:
+            dmemory = dmem
+    return dy, dmemory, grads
+
+
+def aux_losses(cache) -> float:
+    """The MoE load-balancing losses recorded in one block's forward (0 for a dense FFN)."""
+    parts, caches, _ = cache
+    return sum(getattr(sub_cache, "aux", 0.0) for (_, sub_cache) in caches)

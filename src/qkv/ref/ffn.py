@@ -1,0 +1,68 @@
+"""Position-wise feed-forward networks, forward and backward (000 LLM §2.2.2, §3.3.2; note 003 on SwiGLU).
+
+Every FFN has the signature `forward(params, x, activation) -> (y, cache)`, `backward(dy, cache) -> (dx, grads)`,
+with the parameter names of qkv.nn.ffn: up_proj, down_proj (and gate_proj for the GLU family).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from qkv.ref.functional import (accumulate, activation_backward, activation_forward, linear_backward,
+                                linear_forward, scope)
+from qkv.registry import Registry
+
+
+class FFN(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+FFNS: Registry[FFN] = Registry("ffn")
+
+
+def mlp_forward(params: dict, x: np.ndarray, activation: str):
+    """FFN(x) = act(x W1 + b1) W2 + b2 (000 LLM §2.2.2 steps 1-3). x (B, T, D) -> (B, T, D)."""
+    a1, c1 = linear_forward(x, **scope(params, "up_proj"))  # A1 (B, T, F)
+    a2, cact = activation_forward(a1, activation)  # A2 = act(A1)
+    y, c2 = linear_forward(a2, **scope(params, "down_proj"))
+    return y, (c1, cact, c2)
+
+
+def mlp_backward(dy: np.ndarray, cache):
+    """000 LLM §3.3.2: dW2 = A2^T dC, db2 = sum_t dC_t, dA2 = dC W2^T; dA1 = dA2 * act'(A1)
+    (the ReLU mask I(A1 > 0) for ReLU); dW1 = Z^T dA1, db1 = sum_t dA1_t, dZ = dA1 W1^T."""
+    c1, cact, c2 = cache
+    grads: dict = {}
+    da2, g = linear_backward(dy, c2)
+    accumulate(grads, g, "down_proj")
+    dx, g = linear_backward(activation_backward(da2, cact), c1)
+    accumulate(grads, g, "up_proj")
+    return dx, grads
+
+
+def glu_forward(params: dict, x: np.ndarray, activation: str):
+    """FFN(x) = (act(x W_gate) * (x W_up)) W_down (note 003: SwiGLU for act = SiLU)."""
+    gate, cg = linear_forward(x, **scope(params, "gate_proj"))  # (B, T, F)
+    up, cu = linear_forward(x, **scope(params, "up_proj"))  # (B, T, F)
+    act, cact = activation_forward(gate, activation)
+    y, cd = linear_forward(act * up, **scope(params, "down_proj"))
+    return y, (cg, cu, cact, cd, act, up)
+
+
+def glu_backward(dy: np.ndarray, cache):
+    """Product rule on h = act(g) * u: du = dh * act(g), dg = dh * u * act'(g); both branches add into dx."""
+    cg, cu, cact, cd, act, up = cache
+    grads: dict = {}
+    dh, g = linear_backward(dy, cd)
+    accumulate(grads, g, "down_proj")
+    dx_up, g = linear_backward(dh * act, cu)
+    accumulate(grads, g, "up_proj")
+    dx_gate, g = linear_backward(activation_backward(dh * up, cact), cg)
+    accumulate(grads, g, "gate_proj")
+    return dx_up + dx_gate, grads
+
+
+FFNS.register("mlp")(FFN(mlp_forward, mlp_backward))
+FFNS.register("glu")(FFN(glu_forward, glu_backward))

@@ -1,0 +1,82 @@
+"""Mixture-of-Experts FFN with top-k gating, forward and backward (note 002 "混合专家"; 000 LLM §6.3 aux loss).
+
+    p = softmax(x W_r^T)               router probabilities over E experts   (N, E)
+    top = the k largest p per token;   g = p[top] / sum p[top] = softmax(logits[top])
+    y = sum_{e in top} g_e FFN_e(x)
+    aux = E * sum_e f_e P_e            (Switch Transformer load balance; f_e = share of the N*k routes that
+                                        go to e, not differentiable; P_e = mean_n p_ne)
+Backward: dFFN_e(x) = g_e dy for the tokens routed to e; dg_e = dy . FFN_e(x); the gate softmax over the
+chosen logits gives dlogit = g * (dg - sum g dg) (000 LLM §3.3.3 step 3, the same row rule); unchosen
+logits receive only the aux term, through the full softmax. Parameter names: router.weight (E, D),
+experts.{e}.<the dense FFN's names>. The gradient through the choice of `top` itself is zero (piecewise
+constant), as in every top-k router.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from qkv.ref.ffn import FFNS
+from qkv.ref.functional import accumulate, linear_backward, linear_forward, scope, softmax, softmax_backward
+
+
+class MoECache(NamedTuple):
+    shape: tuple
+    router: tuple  # the router linear's cache
+    probs: np.ndarray  # p (N, E)
+    top: np.ndarray  # (N, k)
+    gates: np.ndarray  # g (N, k)
+    experts: list  # per expert: (rows, slot, FFN_e output, FFN_e cache)
+    routed: np.ndarray  # f_e (E,)
+    ffn: str
+    aux: float  # the load-balancing loss of this forward
+    aux_weight: float  # its weight in the total loss, which scales its gradient
+
+
+def route(logits: np.ndarray, top_k: int):
+    """Indices of the top_k experts per token (largest first) and their renormalised gates. (N, k) each."""
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
+    gates = softmax(np.take_along_axis(logits, top, axis=-1))
+    return top, gates
+
+
+def moe_forward(params: dict, x: np.ndarray, *, ffn: str, activation: str, experts: int, top_k: int,
+                aux_weight: float = 0.0):
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])  # (N, D)
+    logits, crouter = linear_forward(tokens, params["router.weight"])  # (N, E)
+    probs = softmax(logits)
+    top, gates = route(logits, top_k)
+    y = np.zeros_like(tokens)
+    expert_caches = []
+    for e in range(experts):
+        rows, slot = np.nonzero(top == e)  # the tokens routed to e, and which of their k choices it is
+        out, cache = FFNS.get(ffn).forward(scope(params, f"experts.{e}"), tokens[rows], activation)
+        y[rows] += gates[rows, slot, None] * out
+        expert_caches.append((rows, slot, out, cache))
+    routed = np.bincount(top.reshape(-1), minlength=experts) / top.size  # f_e
+    aux = experts * float((routed * probs.mean(axis=0)).sum())
+    return y.reshape(shape), MoECache(shape, crouter, probs, top, gates, expert_caches, routed, ffn, aux, aux_weight)
+
+
+def moe_backward(dy: np.ndarray, cache):
+    shape, crouter, probs, top, gates, expert_caches, routed, ffn, _, aux_weight = cache
+    experts = len(expert_caches)
+    dy = dy.reshape(-1, shape[-1])  # (N, D)
+    dtokens = np.zeros_like(dy)
+    dgates = np.zeros_like(gates)  # (N, k)
+    grads: dict = {}
+    for e, (rows, slot, out, ecache) in enumerate(expert_caches):
+        dgates[rows, slot] = (dy[rows] * out).sum(axis=-1)  # dg_e = dy . FFN_e(x)
+        dx, g = FFNS.get(ffn).backward(gates[rows, slot, None] * dy[rows], ecache)  # dFFN_e = g_e dy
+        np.add.at(dtokens, rows, dx)
+        accumulate(grads, g, f"experts.{e}")
+    dlogits = np.zeros_like(probs)
+    np.put_along_axis(dlogits, top, softmax_backward(dgates, gates), axis=-1)  # the gate softmax's row rule
+    n = probs.shape[0]
+    daux_probs = np.broadcast_to(aux_weight * experts * routed / n, probs.shape)  # d(aux)/dp_ne = E f_e / N
+    dlogits += softmax_backward(daux_probs, probs)
+    dx, g = linear_backward(dlogits, crouter)
+    accumulate(grads, g, "router")
+    return (dtokens + dx).reshape(shape), grads

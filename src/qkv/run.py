@@ -1,0 +1,43 @@
+"""A run dir on disk: config.json, tokenizer.json, model.safetensors (and training state)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qkv.config import RunConfig
+from qkv.data.tokenizer import Tokenizer
+from qkv.errors import QkvError
+from qkv.models import build_model
+from qkv.train import checkpoint
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class Run:
+    path: Path
+    config: RunConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
+    """Load a qkv run dir: its config, tokenizer and the weights of its last complete checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise QkvError(f"{path}: no such run directory")
+    if not (path / CONFIG_FILE).is_file():
+        raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
+    checkpoint.recover(path)
+    config = RunConfig.load(path / CONFIG_FILE).validate()
+    if not (path / checkpoint.MODEL_FILE).is_file():
+        raise QkvError(f"{path}: has no checkpoint yet ({checkpoint.MODEL_FILE} is missing)")
+    tokenizer = Tokenizer.load(path / TOKENIZER_FILE)
+    model = build_model(config.model)
+    tensors = checkpoint.read_tensors(path / checkpoint.MODEL_FILE)
+    checkpoint.load_model_tensors(model, tensors, str(path / checkpoint.MODEL_FILE))
+    return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer)

@@ -1,0 +1,1 @@
+"""Training: loss, optimizers, schedules, the loop, checkpoints and metrics."""

@@ -1,0 +1,145 @@
+"""Checkpoints: safetensors for tensors, JSON for everything else; never pickle.
+
+A run dir holds config.json and tokenizer.json (written once) and the checkpoint set model.safetensors,
+train_state.safetensors, train_state.json (rewritten at every checkpoint). A new set is written into
+`.staging/` and fsynced; renaming `.staging` to `.commit` marks it complete; its files then replace the
+old ones one by one and `.commit` is removed. A crash before the rename leaves the old set (the partial
+`.staging` is discarded); a crash after it is rolled forward by `recover`. Either way one complete set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from qkv.errors import QkvError
+
+MODEL_FILE = "model.safetensors"
+STATE_TENSORS = "train_state.safetensors"
+STATE_JSON = "train_state.json"
+CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS, STATE_JSON)
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (a tied weight once, under its first name) and persistent buffers, on the CPU."""
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    tensors.update({name: b.detach() for name, b in model.named_buffers()
+                    if name.rpartition(".")[2] not in _non_persistent(model, name)})
+    return {name: t.to("cpu").contiguous() for name, t in tensors.items()}
+
+
+def _non_persistent(model: nn.Module, buffer_name: str) -> set[str]:
+    owner = model.get_submodule(buffer_name.rpartition(".")[0]) if "." in buffer_name else model
+    return owner._non_persistent_buffers_set
+
+
+def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], origin: str) -> None:
+    """Copy `tensors` into `model`; every parameter must be present with its shape."""
+    expected = dict(model.named_parameters())
+    for name, param in expected.items():
+        if name not in tensors:
+            raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
+                           f"config.json needs {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensors[name])
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise QkvError(f"{path}: no such file") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QkvError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: Path, model: nn.Module, tensors: dict[str, torch.Tensor], state: dict) -> None:
+    """Atomically replace the run's checkpoint set (see the module docstring)."""
+    run_dir = Path(run_dir)
+    staging, commit = run_dir / ".staging", run_dir / ".commit"
+    recover(run_dir)
+    staging.mkdir()
+    save_file(model_tensors(model), str(staging / MODEL_FILE))
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(staging / STATE_TENSORS))
+    (staging / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
+    for name in CHECKPOINT_FILES:
+        _fsync_file(staging / name)
+    _fsync_dir(staging)
+    os.rename(staging, commit)  # the commit point
+    _fsync_dir(run_dir)
+    recover(run_dir)
+
+
+def recover(run_dir: Path) -> None:
+    """Finish an interrupted save: roll a complete `.commit` forward, discard a partial `.staging`."""
+    run_dir = Path(run_dir)
+    commit, staging = run_dir / ".commit", run_dir / ".staging"
+    if commit.is_dir():
+        for name in CHECKPOINT_FILES:
+            if (commit / name).exists():
+                os.replace(commit / name, run_dir / name)
+        _fsync_dir(run_dir)
+        shutil.rmtree(commit)
+    if staging.exists():
+        shutil.rmtree(staging)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return all((Path(run_dir) / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def load_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The training state of the last complete checkpoint: (tensors, JSON state)."""
+    run_dir = Path(run_dir)
+    path = run_dir / STATE_JSON
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QkvError(f"{path}: corrupt training state ({exc})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise QkvError(f"{path}: corrupt training state (no step)")
+    return read_tensors(run_dir / STATE_TENSORS), state
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Flatten an optimizer's state to `optim.{index}.{key}` tensors plus JSON param groups."""
+    sd = optimizer.state_dict()
+    tensors = {}
+    for index, entry in sd["state"].items():
+        for key, value in entry.items():
+            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
+    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, groups
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise QkvError(f"optimizer state does not match the model ({exc})") from None

@@ -1,0 +1,127 @@
+"""`qkv train` as a function: resolve the config, prepare data, create or resume the run dir, train."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from qkv import presets
+from qkv.config import RunConfig, read_json, section_from_dict
+from qkv.data.sources import prepare_data
+from qkv.errors import QkvError
+from qkv.run import CONFIG_FILE, TOKENIZER_FILE
+from qkv.train.loop import Trainer
+
+
+def resolve_config(*, preset: str, config_file: str | None, overrides: list[str], data: list[str],
+                   max_steps: int | None, max_time: float | None) -> RunConfig:
+    """preset, then the JSON file's sections, then --set, then the dedicated flags."""
+    cfg = presets.get(preset)
+    if config_file:
+        cfg = merge_file(cfg, Path(config_file))
+    cfg = cfg.override(overrides)
+    if data:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=tuple(data)))
+    return with_limits(cfg, max_steps, max_time)
+
+
+def with_limits(cfg: RunConfig, max_steps: int | None, max_time: float | None) -> RunConfig:
+    train = cfg.train
+    if max_steps is not None:
+        train = dataclasses.replace(train, max_steps=max_steps, max_time=0.0 if max_time is None else train.max_time)
+    if max_time is not None:
+        train = dataclasses.replace(train, max_time=max_time)
+    return dataclasses.replace(cfg, train=train)
+
+
+def merge_file(cfg: RunConfig, path: Path) -> RunConfig:
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise QkvError(f"{path}: expected a JSON object with sections model, train, data, parallel")
+    merged = cfg.to_dict()
+    for section, values in raw.items():
+        if section not in merged:
+            raise QkvError(f"{path}: unknown section {section!r}; choose from: {', '.join(merged)}")
+        if not isinstance(values, dict):
+            raise QkvError(f"{path}: section {section!r} must be a JSON object")
+        merged[section].update(values)
+    return RunConfig(**{name: section_from_dict(name, merged[name], str(path)) for name in merged})
+
+
+def default_out(preset: str) -> Path:
+    """runs/<preset>, or the first runs/<preset>-N that does not exist: nothing is overwritten."""
+    base = Path("runs") / preset
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{preset}-{n}")
+    return candidate
+
+
+def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None],
+          progress: bool = True) -> tuple[Trainer, RunConfig]:
+    """Create (or reopen, with resume) the run dir and return a ready Trainer."""
+    if resume:
+        if not (out / CONFIG_FILE).is_file():
+            raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
+    elif out.exists() and any(out.iterdir()):
+        raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
+    cfg.validate()
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    prepared = prepare_data(cfg.data)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
+    if not resume:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / CONFIG_FILE)
+        prepared.tokenizer.save(out / TOKENIZER_FILE)
+    trainer = Trainer(out, cfg, prepared, progress=progress, log=log)
+    if resume and not trainer.resume():
+        log(f"{out}: no complete checkpoint yet; starting from step 0")
+    return trainer, cfg
+
+
+def resume_config(out: Path, max_steps: int | None, max_time: float | None) -> RunConfig:
+    """A resumed run keeps its own config; only the limits may change."""
+    if not (out / CONFIG_FILE).is_file():
+        raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
+    cfg = RunConfig.load(out / CONFIG_FILE)
+    cfg = with_limits(cfg, max_steps, max_time)
+    if (max_steps, max_time) != (None, None):
+        cfg.save(out / CONFIG_FILE)
+    return cfg
+
+
+def summary_line(summary: dict) -> str:
+    return json.dumps(summary)
+
+
+def bits_per_char(trainer: Trainer) -> float:
+    """The final model's bits per character on the whole validation text (sliding window)."""
+    from qkv.train.evaluate import score_tokens
+
+    context = trainer.cfg.model.max_seq_len
+    result = score_tokens(trainer.model, trainer.data.val, characters=trainer.data.val_chars,
+                          seq_len=context, stride=max(1, context // 2), device=trainer.device)
+    return round(result["bits_per_char"], 4)
+
+
+def describe(summary: dict) -> str:
+    return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
+            f"({summary['tokens_per_s']:,} tokens/s); validation loss {summary['val_loss']:.4f}, "
+            f"{summary['val_bits_per_char']:.4f} bits/char; run saved in {summary['run']}")
+
+
+def sample(trainer: Trainer, cfg: RunConfig, max_new_tokens: int = 200) -> str:
+    """A short top-p sample from the trained model, starting from the start-of-text token."""
+    import torch
+
+    from qkv.generate import generate
+
+    tokenizer = trainer.data.tokenizer
+    start_ids = torch.tensor([[tokenizer.eos_id]], device=trainer.device)
+    new = min(max_new_tokens, cfg.model.max_seq_len - 1)
+    ids = generate(trainer.model, start_ids, max_new_tokens=new, strategy="top-p", top_p=0.9, temperature=0.8,
+                   seed=cfg.train.seed, stop_tokens=(tokenizer.eos_id,))
+    return "--- sample ---\n" + tokenizer.decode([i for i in ids[0, 1:].tolist() if i != tokenizer.eos_id])

@@ -1,0 +1,31 @@
+"""`qkv eval`: score a run on its own validation split or on other text, with a sliding window."""
+from __future__ import annotations
+
+import numpy as np
+
+from qkv.data.corpus import join, read_documents
+from qkv.data.sources import split
+from qkv.errors import QkvError
+from qkv.run import Run
+from qkv.train.evaluate import score_tokens
+
+
+def text_tokens(run: Run, text: str) -> np.ndarray:
+    """[end-of-text] + BPE(text): the start token lets the first real token be scored too."""
+    return np.asarray([run.tokenizer.eos_id] + run.tokenizer.encode(text), dtype=np.int64)
+
+
+def score_run(run: Run, data_paths: list[str], stride: int | None = None) -> dict:
+    if data_paths:
+        text = join(read_documents(data_paths))
+    else:
+        text = join(split(run.config.data)[1])
+    if not text:
+        raise QkvError("nothing to score: the text is empty")
+    context = run.config.model.max_seq_len
+    stride = stride or max(1, context // 2)
+    if stride > context:
+        raise QkvError(f"--stride={stride} exceeds the model's context of {context} tokens")
+    device = next(run.model.parameters()).device
+    return score_tokens(run.model, text_tokens(run, text), characters=len(text), seq_len=context,
+                        stride=stride, device=device)

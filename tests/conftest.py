@@ -1,0 +1,16 @@
+"""Shared fixtures: a tiny model config and a fixed torch seed for every test."""
+import pytest
+import torch
+
+from qkv.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_cfg() -> ModelConfig:
+    """A model small enough that building, a forward and a backward take milliseconds."""
+    return ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_ff=32, max_seq_len=32)
