@@ -4,6 +4,10 @@ import torch
 
 from qkv.config import ModelConfig
 
+# Test tensors are tiny and the CI machines' cores are shared: with more than one intra-op thread each
+# small op pays thread wake-ups, measured 10-50x slower under load. A test that needs threads sets them.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed_torch():

@@ -90,6 +90,8 @@ def cmd_train(args) -> int:
     from qkv.train import job
 
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    if args.engine != "torch":  # refuse rather than silently train with torch
+        raise QkvError(f"--engine {args.engine}: qkv train runs only the torch engine so far")
     if args.resume:
         if not args.out:
             raise QkvError("--resume needs --out RUN_DIR")

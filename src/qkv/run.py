@@ -32,12 +32,12 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         raise QkvError(f"{path}: no such run directory")
     if not (path / CONFIG_FILE).is_file():
         raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
-    checkpoint.recover(path)
     config = RunConfig.load(path / CONFIG_FILE).validate()
-    if not (path / checkpoint.MODEL_FILE).is_file():
+    model_file = checkpoint.committed_file(path, checkpoint.MODEL_FILE)  # reads only: training may be running
+    if not model_file.is_file():
         raise QkvError(f"{path}: has no checkpoint yet ({checkpoint.MODEL_FILE} is missing)")
     tokenizer = Tokenizer.load(path / TOKENIZER_FILE)
     model = build_model(config.model)
-    tensors = checkpoint.read_tensors(path / checkpoint.MODEL_FILE)
-    checkpoint.load_model_tensors(model, tensors, str(path / checkpoint.MODEL_FILE))
+    tensors = checkpoint.read_tensors(model_file)
+    checkpoint.load_model_tensors(model, tensors, str(model_file))
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer)

@@ -19,8 +19,7 @@ class _CallablePackage(types.ModuleType):
     hiding the function of the same name that qkv/__init__.py exposes; calling the package calls
     the function, so `qkv.generate(model, ids)` works either way."""
 
-    def __call__(self, *args, **kwargs):
-        return generate(*args, **kwargs)
+    __call__ = staticmethod(generate)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

@@ -29,7 +29,8 @@ def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool
                       bias: Tensor | None, scale: float) -> Tensor:
     """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)"""
     T, S = q.shape[-2], k.shape[-2]
-    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, T, S); softmax in fp32
+    wide = torch.promote_types(q.dtype, torch.float32)  # softmax in fp32 (fp64 stays fp64)
+    scores = (q @ k.transpose(-2, -1)).to(wide) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias
     if mask is None and causal:

@@ -40,15 +40,15 @@ class Positional(nn.Module):
 POSITIONALS.register("none")(Positional)
 
 
-def sinusoid_angles(positions: Tensor, dim: int, base: float) -> Tensor:
-    """angle[pos, i] = pos / base^(2i/dim) for i < dim/2, in fp32 (positions up to ~1e5 need it)."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    return positions.float()[..., None] * inv_freq  # (..., dim/2)
+def sinusoid_angles(positions: Tensor, dim: int, base: float, dtype=torch.float32) -> Tensor:
+    """angle[pos, i] = pos / base^(2i/dim) for i < dim/2, in fp32 or wider (positions up to ~1e5 need it)."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=dtype) / dim)
+    return positions.to(dtype)[..., None] * inv_freq  # (..., dim/2)
 
 
-def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0, dtype=torch.float32) -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (note 000 §3.1)."""
-    angles = sinusoid_angles(positions, dim, base)
+    angles = sinusoid_angles(positions, dim, base, dtype)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :dim]  # (..., dim)
 
 
@@ -59,7 +59,8 @@ class Sinusoidal(Positional):
         self.d_model = d_model
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:  # (B, T, D)
-        return x + sinusoidal_table(positions, self.d_model).to(x.dtype)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 angles, fp64 for fp64 models
+        return x + sinusoidal_table(positions, self.d_model, dtype=dtype).to(x.dtype)
 
 
 @POSITIONALS.register("learned")
@@ -94,7 +95,8 @@ class Rotary(Positional):
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         # angles in fp32: at position 1e4, bf16 angles would be off by whole radians
-        angles = sinusoid_angles(positions, self.head_dim, self.theta)  # (B, T, Dh/2)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 models keep fp64 angles
+        angles = sinusoid_angles(positions, self.head_dim, self.theta, dtype)  # (B, T, Dh/2)
         cos = angles.cos().repeat(1, 1, 2)[:, None]  # (B, 1, T, Dh)
         sin = angles.sin().repeat(1, 1, 2)[:, None]
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
@@ -102,9 +104,10 @@ class Rotary(Positional):
 
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + R(x) * sin, R(x1, x2) = (-x2, x1): the 2x2 rotation of note 003 on each pair."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    wide = x.to(cos.dtype)  # (B, H, T, Dh) in the angles' precision, at least fp32
+    x1, x2 = wide.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (wide * cos + rotated * sin).to(x.dtype)
 
 
 def alibi_slopes(n_heads: int) -> Tensor:

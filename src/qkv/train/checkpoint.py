@@ -105,6 +105,13 @@ def recover(run_dir: Path) -> None:
         shutil.rmtree(staging)
 
 
+def committed_file(run_dir: Path, name: str) -> Path:
+    """Where the newest complete copy of `name` is, without writing anything (a reader must not `recover`:
+    it would delete the `.staging` a running trainer is writing): in `.commit` until a save moves it out."""
+    pending = Path(run_dir) / ".commit" / name
+    return pending if pending.is_file() else Path(run_dir) / name
+
+
 def has_checkpoint(run_dir: Path) -> bool:
     return all((Path(run_dir) / name).is_file() for name in CHECKPOINT_FILES)
 

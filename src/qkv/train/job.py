@@ -71,12 +71,16 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     prepared = prepare_data(cfg.data)
+    if len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
+        raise QkvError(f"validation split too short: {len(prepared.val)} tokens, but train.seq_len="
+                       f"{cfg.train.seq_len} needs more than {cfg.train.seq_len + 1}; give more text "
+                       f"or raise data.val_fraction (now {cfg.data.val_fraction})")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
+    trainer = Trainer(out, cfg, prepared, progress=progress, log=log)  # may fail: before anything is written
     if not resume:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
         prepared.tokenizer.save(out / TOKENIZER_FILE)
-    trainer = Trainer(out, cfg, prepared, progress=progress, log=log)
     if resume and not trainer.resume():
         log(f"{out}: no complete checkpoint yet; starting from step 0")
     return trainer, cfg
@@ -87,7 +91,7 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None) -> R
     if not (out / CONFIG_FILE).is_file():
         raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     cfg = RunConfig.load(out / CONFIG_FILE)
-    cfg = with_limits(cfg, max_steps, max_time)
+    cfg = with_limits(cfg, max_steps, max_time).validate()  # never write an invalid config into the run
     if (max_steps, max_time) != (None, None):
         cfg.save(out / CONFIG_FILE)
     return cfg

@@ -103,6 +103,9 @@ class Trainer:
         if "scaler" in raw:
             self.scaler.load_state_dict(raw["scaler"])
         self.state = State(**raw["trainer"])
+        if not (self.tc.max_time and self.tc.time_horizon):  # --max-steps is the total, also after a resume
+            self.state.horizon = self.tc.max_steps
+        self.state.horizon = min(self.state.horizon, self.tc.max_steps)
         self.batches.load_state(self.state.batches)
         restore_rng(self.state.rng, state_tensors)
         return True

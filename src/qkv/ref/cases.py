@@ -1,0 +1,243 @@
+"""The layer cases that qkv.ref.gradcheck proves: tiny inputs (B=2, T=5, D=8, H=2, Dh=4, F=12, V=7),
+each with its forward and its backward mapped to {input name: gradient}."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from qkv.ref import functional as fn
+from qkv.ref import kernels, linear_attention, positional
+from qkv.ref.attention import AttentionContext, attention_backward, attention_forward
+from qkv.ref.block import block_backward, block_forward
+from qkv.ref.ffn import FFNS
+from qkv.ref.flash import flash_backward, flash_forward
+from qkv.ref.gradcheck import CASES, Case
+from qkv.ref.moe import moe_backward, moe_forward
+from qkv.ref.norms import NORMS
+
+B, T, S, D, H, F, V = 2, 5, 6, 8, 2, 12, 7
+Dh = D // H
+
+
+def cfg(**overrides):
+    """The few ModelConfig fields the layers read, without importing the config machinery's validation."""
+    base = dict(d_model=D, n_heads=H, head_dim=Dh, rope_theta=10000.0, norm="layernorm", norm_eps=1e-5,
+                norm_placement="pre", ffn="mlp", activation="gelu", moe_experts=0, moe_top_k=2, window=2,
+                attention="naive")
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _normal(rng, *shape, scale=1.0):
+    return rng.normal(scale=scale, size=shape)
+
+
+def linear_params(rng, prefix, n_out, n_in, bias=True):
+    params = {f"{prefix}.weight": _normal(rng, n_out, n_in, scale=0.5)}
+    if bias:
+        params[f"{prefix}.bias"] = _normal(rng, n_out, scale=0.1)
+    return params
+
+
+# ---- functional ------------------------------------------------------------------------------
+
+CASES.register("linear")(Case(
+    lambda rng: {"x": _normal(rng, B, T, D), **linear_params(rng, "p", F, D)},
+    lambda i: fn.linear_forward(i["x"], i["p.weight"], i["p.bias"]),
+    lambda dy, c: (lambda dx, g: {"x": dx, "p.weight": g["weight"], "p.bias": g["bias"]})(*fn.linear_backward(dy, c))))
+
+CASES.register("embedding")(Case(
+    lambda rng: {"ids": rng.integers(0, V, (B, T)), "weight": _normal(rng, V, D)},
+    lambda i: fn.embedding_forward(i["ids"], i["weight"]),
+    lambda dy, c: fn.embedding_backward(dy, c)[1]))
+
+
+def _ce_case(smoothing, ignore):
+    def inputs(rng):
+        targets = rng.integers(0, V, (B, T))
+        if ignore:
+            targets[0, :2] = -100
+        return {"logits": _normal(rng, B, T, V, scale=2.0), "targets": targets}
+
+    return Case(inputs, lambda i: fn.cross_entropy_forward(i["logits"], i["targets"], label_smoothing=smoothing),
+                lambda dy, c: {"logits": fn.cross_entropy_backward(dy, c)})
+
+
+CASES.register("cross_entropy")(_ce_case(0.0, False))
+CASES.register("cross_entropy_smoothed_ignore")(_ce_case(0.1, True))
+
+CASES.register("softmax")(Case(
+    lambda rng: {"x": _normal(rng, B, T, V)},
+    lambda i: (lambda a: (a, a))(fn.softmax(i["x"])),
+    lambda dy, a: {"x": fn.softmax_backward(dy, a)}))
+
+for _act in fn.ACTIVATIONS.names():
+    CASES.register(f"activation_{_act}")(Case(
+        lambda rng: {"x": _normal(rng, B, T, F, scale=3.0)},
+        lambda i, _act=_act: fn.activation_forward(i["x"], _act),
+        lambda dy, c: {"x": fn.activation_backward(dy, c)}))
+
+# ---- norms, FFNs, MoE ------------------------------------------------------------------------
+
+for _norm in NORMS.names():
+    CASES.register(f"norm_{_norm}")(Case(
+        lambda rng: {"x": _normal(rng, B, T, D, scale=2.0) + 1.0, "weight": 1 + _normal(rng, D, scale=0.3),
+                     "bias": _normal(rng, D, scale=0.3)},
+        lambda i, _norm=_norm: NORMS.get(_norm).forward(i, i["x"], 1e-5),
+        lambda dy, c, _norm=_norm: (lambda dx, g: {"x": dx, **g})(*NORMS.get(_norm).backward(dy, c))))
+
+
+def _ffn_inputs(rng, kind, prefix=""):
+    names = ("gate_proj", "up_proj") if kind == "glu" else ("up_proj",)
+    params = {}
+    for name in names:
+        params.update(linear_params(rng, f"{prefix}{name}", F, D))
+    params.update(linear_params(rng, f"{prefix}down_proj", D, F))
+    return params
+
+
+for _ffn, _act in (("mlp", "relu"), ("mlp", "gelu"), ("glu", "silu"), ("glu", "gelu")):
+    CASES.register(f"ffn_{_ffn}_{_act}")(Case(
+        lambda rng, _ffn=_ffn: {"x": _normal(rng, B, T, D), **_ffn_inputs(rng, _ffn)},
+        lambda i, _ffn=_ffn, _act=_act: FFNS.get(_ffn).forward(i, i["x"], _act),
+        lambda dy, c, _ffn=_ffn: (lambda dx, g: {"x": dx, **g})(*FFNS.get(_ffn).backward(dy, c))))
+
+
+def _moe_inputs(rng, experts=3):
+    params = {"x": _normal(rng, B, T, D), "router.weight": _normal(rng, experts, D)}
+    for e in range(experts):
+        params.update(_ffn_inputs(rng, "glu", f"experts.{e}."))
+    return params
+
+
+CASES.register("moe_top2")(Case(
+    _moe_inputs,
+    lambda i: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=3, top_k=2, aux_weight=0.0),
+    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*moe_backward(dy, c))))
+
+# ---- attention kernels -----------------------------------------------------------------------
+
+
+def _qkv(rng, t=T, s=T):
+    return {"q": _normal(rng, B, H, t, Dh), "k": _normal(rng, B, H, s, Dh), "v": _normal(rng, B, H, s, Dh)}
+
+
+def _padding_mask(t, s):
+    keep = np.ones((B, s), dtype=bool)
+    keep[0, :2] = False  # row 0 is left-padded by two
+    return (keep[:, None, None, :] & kernels.causal_mask(t, s)) | np.eye(t, s, s - t, dtype=bool)
+
+
+def _kernel_case(make_kernel, *, mask=False, causal=True, bias=False, t=T, s=T):
+    def inputs(rng):
+        values = _qkv(rng, t, s)
+        values["mask"] = _padding_mask(t, s) if mask else None
+        values["bias"] = _normal(rng, 1, H, t, s) if bias else None
+        return values
+
+    def forward(i):
+        return make_kernel().forward(i["q"], i["k"], i["v"], mask=i["mask"], causal=causal, bias=i["bias"], scale=Dh ** -0.5)
+
+    def backward(dy, cache):
+        return dict(zip("qkv", make_kernel().backward(dy, cache)))
+
+    return Case(inputs, forward, backward, wrt=("q", "k", "v"))
+
+
+_flash_tiny = lambda: kernels.Kernel(lambda *a, **k: flash_forward(*a, **k, block=2), flash_backward)  # noqa: E731
+CASES.register("kernel_naive_causal")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg())))
+CASES.register("kernel_naive_padding")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), mask=True))
+CASES.register("kernel_naive_bias_full")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), causal=False, bias=True))
+CASES.register("kernel_naive_cached_keys")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), t=3, s=T))
+for _kind in ("local", "dilated", "random"):
+    CASES.register(f"kernel_{_kind}")(_kernel_case(lambda _kind=_kind: kernels.KERNELS.get(_kind)(cfg(window=2))))
+CASES.register("kernel_flash_causal")(_kernel_case(_flash_tiny))
+CASES.register("kernel_flash_padding_bias")(_kernel_case(_flash_tiny, mask=True, bias=True))
+CASES.register("kernel_flash_full_rect")(_kernel_case(_flash_tiny, causal=False, t=3, s=S))
+CASES.register("kernel_linear_causal")(_kernel_case(lambda: kernels.KERNELS.get("linear")(cfg())))
+CASES.register("kernel_linear_full")(_kernel_case(lambda: kernels.KERNELS.get("linear")(cfg()), causal=False, t=3, s=S))
+
+# ---- positional, attention layers, block -----------------------------------------------------
+
+CASES.register("rope")(Case(
+    lambda rng: {"q": _normal(rng, B, H, T, Dh), "k": _normal(rng, B, H, T, Dh)},
+    lambda i: (lambda q, k, c: (np.stack((q, k)), c))(*positional.Rotary(cfg()).rotate_forward(
+        i["q"], i["k"], np.broadcast_to(np.arange(T) + 3, (B, T)))),
+    lambda dy, c: dict(zip("qk", positional.Rotary(cfg()).rotate_backward(dy[0], dy[1], c)))))
+
+CASES.register("learned_positions")(Case(
+    lambda rng: {"x": _normal(rng, B, T, D), "weight": _normal(rng, T + 2, D)},
+    lambda i: positional.Learned(cfg()).embed_forward(i, i["x"], np.array([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])),
+    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*positional.Learned(cfg()).embed_backward(dy, c))))
+
+
+def attention_params(rng, prefix="", kv_heads=H, bias=True):
+    params = linear_params(rng, f"{prefix}q_proj", D, D, bias)
+    params.update(linear_params(rng, f"{prefix}k_proj", kv_heads * Dh, D, bias))
+    params.update(linear_params(rng, f"{prefix}v_proj", kv_heads * Dh, D, bias))
+    params.update(linear_params(rng, f"{prefix}o_proj", D, D, bias))
+    return params
+
+
+def context(positional_name="none", kernel="naive", t=T, s=T, causal=True, mask=None):
+    pos = positional.POSITIONALS.get(positional_name)(cfg())
+    return AttentionContext(pos, np.broadcast_to(np.arange(t) + s - t, (B, t)), np.broadcast_to(np.arange(s), (B, s)),
+                            mask, causal, kernels.KERNELS.get(kernel)(cfg()), H)
+
+
+def _attention_case(kv_heads=H, positional_name="none", cross=False, mask=False):
+    def inputs(rng):
+        values = {"x": _normal(rng, B, T, D), **attention_params(rng, kv_heads=kv_heads)}
+        if cross:
+            values["memory"] = _normal(rng, B, S, D)
+        return values
+
+    def forward(i):
+        ctx = (context(s=S, causal=False) if cross else
+               context(positional_name, mask=_padding_mask(T, T) if mask else None))
+        return attention_forward(i, i["x"], ctx, i.get("memory"))
+
+    def backward(dy, cache):
+        dx, dmemory, grads = attention_backward(dy, cache)
+        return {"x": dx, **grads, **({"memory": dmemory} if cross else {})}
+
+    return Case(inputs, forward, backward)
+
+
+CASES.register("attention_mha")(_attention_case())
+CASES.register("attention_gqa_rope_padding")(_attention_case(kv_heads=1, positional_name="rope", mask=True))
+CASES.register("attention_alibi")(_attention_case(positional_name="alibi"))
+CASES.register("cross_attention")(_attention_case(cross=True))
+
+
+def _block_case(placement, norm, cross=False):
+    def inputs(rng):
+        values = {"x": _normal(rng, B, T, D), **attention_params(rng, "attn."), **_ffn_inputs(rng, "mlp", "ffn.")}
+        norms = ("attn_norm", "ffn_norm", "cross_norm") if cross else ("attn_norm", "ffn_norm")
+        for name in norms:
+            values[f"{name}.weight"] = 1 + _normal(rng, D, scale=0.2)
+            if norm == "layernorm":
+                values[f"{name}.bias"] = _normal(rng, D, scale=0.2)
+        if cross:
+            values.update(attention_params(rng, "cross_attn."))
+            values["memory"] = _normal(rng, B, S, D)
+        return values
+
+    def forward(i):
+        c = cfg(norm=norm, norm_placement=placement)
+        memory_ctx = context(s=S, causal=False) if cross else None
+        return block_forward(i, i["x"], c, context(), memory=i.get("memory"), memory_ctx=memory_ctx)
+
+    def backward(dy, cache):
+        dx, dmemory, grads = block_backward(dy, cache)
+        return {"x": dx, **grads, **({"memory": dmemory} if cross else {})}
+
+    return Case(inputs, forward, backward)
+
+
+CASES.register("block_pre_layernorm")(_block_case("pre", "layernorm"))
+CASES.register("block_post_rmsnorm")(_block_case("post", "rmsnorm"))
+CASES.register("block_cross_pre")(_block_case("pre", "layernorm", cross=True))
+
+_ = linear_attention  # imported for its "linear" kernel registration

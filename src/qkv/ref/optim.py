@@ -1,0 +1,87 @@
+"""Optimizers and gradient clipping in NumPy (note 000 §17.1; LLM part §4.1, §4.3, §10.3), with the
+semantics of torch.optim so the two engines train identically:
+
+    Adam   (§4.1)   g += wd * theta (coupled L2);  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+                    theta -= lr * (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)   (bias correction)
+    AdamW  (§10.3)  theta -= lr * wd * theta first (decoupled decay), then the Adam update without L2
+    SGD             g += wd * theta;  buf = momentum * buf + g (buf = g at the first step);  theta -= lr * buf
+Weight decay applies only to parameters with >= 2 dimensions (matrices), as qkv.train.optim does.
+The learning-rate schedules are qkv.train.schedules (plain Python, shared by both engines).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from qkv.registry import Registry
+
+
+def decays(value: np.ndarray) -> bool:
+    """Matrices (linear and embedding weights) decay; biases and norm gains do not."""
+    return value.ndim >= 2
+
+
+class Adam:
+    """Adam, or AdamW with `decoupled=True`. step() updates the params dict in place."""
+
+    def __init__(self, *, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool):
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay, self.decoupled = eps, weight_decay, decoupled
+        self.t = 0
+        self.m: dict[str, np.ndarray] = {}
+        self.v: dict[str, np.ndarray] = {}
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        self.t += 1
+        correction1 = 1.0 - self.beta1 ** self.t  # bias correction (LLM §4.1): E[m_t] = (1 - b1^t) E[g]
+        correction2 = 1.0 - self.beta2 ** self.t
+        for name, theta in params.items():
+            g = grads[name]
+            wd = self.weight_decay if decays(theta) else 0.0
+            if self.decoupled:
+                theta *= 1.0 - lr * wd  # AdamW: decay the weights, not the gradient
+            elif wd:
+                g = g + wd * theta  # Adam with L2: the decay term joins the gradient
+            m = self.m[name] = self.beta1 * self.m.get(name, 0.0) + (1.0 - self.beta1) * g
+            v = self.v[name] = self.beta2 * self.v.get(name, 0.0) + (1.0 - self.beta2) * g * g
+            theta -= (lr / correction1) * m / (np.sqrt(v) / math.sqrt(correction2) + self.eps)
+
+
+class SGD:
+    """SGD with momentum (torch semantics: no dampening, the buffer starts at the first gradient)."""
+
+    def __init__(self, *, momentum: float, weight_decay: float):
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.buf: dict[str, np.ndarray] = {}
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        for name, theta in params.items():
+            g = grads[name] + (self.weight_decay * theta if decays(theta) else 0.0)
+            buf = self.buf[name] = self.momentum * self.buf[name] + g if name in self.buf else g.copy()
+            theta -= lr * buf
+
+
+OPTIMIZERS: Registry[Callable[..., object]] = Registry("optimizer")
+OPTIMIZERS.register("adamw")(lambda tc: Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                                             weight_decay=tc.weight_decay, decoupled=True))
+OPTIMIZERS.register("adam")(lambda tc: Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                                            weight_decay=tc.weight_decay, decoupled=False))
+OPTIMIZERS.register("sgd")(lambda tc: SGD(momentum=tc.beta1, weight_decay=tc.weight_decay))
+
+
+def global_norm(grads: dict) -> float:
+    """||g||_2 over every parameter together (LLM §4.3)."""
+    return math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+
+
+def clip_grad_norm(grads: dict, max_norm: float) -> float:
+    """g <- g * min(1, c / (||g||_2 + 1e-6)) in place (LLM §4.3, with torch.nn.utils.clip_grad_norm_'s
+    1e-6 guard); returns the norm before clipping. max_norm <= 0 disables clipping."""
+    norm = global_norm(grads)
+    if max_norm > 0:
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        for g in grads.values():
+            g *= scale
+    return norm

@@ -1,0 +1,84 @@
+import itertools
+
+import pytest
+import torch
+
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+from qkv.models import build_model
+from qkv.nn import registries
+
+# every variant axis that shapes the network; names come from the registries, so a new variant is
+# covered here with no new test code
+AXES = ("positional", "norm", "norm_placement", "activation", "ffn", "attention")
+COMBINATIONS = list(itertools.product(*(registries.get(axis).names() for axis in AXES)))
+
+
+def combination_id(values) -> str:
+    return "-".join(values)
+
+
+@pytest.mark.parametrize("values", COMBINATIONS, ids=[combination_id(v) for v in COMBINATIONS])
+def test_every_variant_combination_builds_and_trains_one_step(values):
+    cfg = ModelConfig(vocab_size=16, d_model=8, n_heads=2, n_kv_heads=1, n_layers=1, d_ff=12, max_seq_len=8,
+                      window=2, **dict(zip(AXES, values)))
+    model = build_model(cfg)
+    ids = torch.randint(0, 16, (2, 5))
+    logits = model(ids)
+    assert logits.shape == (2, 5, 16) and torch.isfinite(logits).all()
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all(), name
+
+
+@pytest.mark.parametrize("init", registries.get("init").names())
+def test_every_init_builds_a_finite_model(tiny_cfg, init):
+    model = build_model(ModelConfig(**{**tiny_cfg.__dict__, "init": init}))
+    assert torch.isfinite(model(torch.randint(0, 32, (1, 4)))).all()
+
+
+def test_build_validates_the_config(tiny_cfg):
+    with pytest.raises(QkvError, match="model.norm='batchnorm' is not allowed; choose from: layernorm, rmsnorm"):
+        build_model(ModelConfig(**{**tiny_cfg.__dict__, "norm": "batchnorm"}))
+
+
+def expected_parameter_count(cfg: ModelConfig) -> int:
+    """Counted from the formulas: embeddings, learned positions, per layer 4 projections (K/V at Hkv heads),
+    an MLP and two LayerNorms, then the final LayerNorm of a pre-LN stack; the head is tied."""
+    D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    kv = cfg.kv_heads * cfg.head_dim
+    attention = (D * D + D) * 2 + (D * kv + kv) * 2  # q, o and k, v with biases
+    mlp = D * F + F + F * D + D
+    norms = 2 * 2 * D
+    return V * D + cfg.max_seq_len * D + L * (attention + mlp + norms) + 2 * D
+
+
+@pytest.mark.parametrize("n_kv_heads", [0, 2, 1])
+def test_parameter_count_matches_the_formula(tiny_cfg, n_kv_heads):
+    cfg = ModelConfig(**{**tiny_cfg.__dict__, "n_kv_heads": n_kv_heads})
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == expected_parameter_count(cfg)
+
+
+def test_parameter_names_are_the_stable_interop_names(tiny_cfg):
+    """interop.py and the NumPy engine copy parameters by these names (STYLE.md 9)."""
+    model = build_model(ModelConfig(**{**tiny_cfg.__dict__, "n_layers": 1}))
+    assert list(model.state_dict()) == [
+        "tok_emb.weight", "positional.weight",
+        "blocks.0.attn_norm.weight", "blocks.0.attn_norm.bias",
+        "blocks.0.attn.q_proj.weight", "blocks.0.attn.q_proj.bias", "blocks.0.attn.k_proj.weight",
+        "blocks.0.attn.k_proj.bias", "blocks.0.attn.v_proj.weight", "blocks.0.attn.v_proj.bias",
+        "blocks.0.attn.o_proj.weight", "blocks.0.attn.o_proj.bias",
+        "blocks.0.ffn_norm.weight", "blocks.0.ffn_norm.bias",
+        "blocks.0.ffn.up_proj.weight", "blocks.0.ffn.up_proj.bias",
+        "blocks.0.ffn.down_proj.weight", "blocks.0.ffn.down_proj.bias",
+        "final_norm.weight", "final_norm.bias", "lm_head.weight",
+    ]
+
+
+def test_post_ln_stack_has_no_final_norm(tiny_cfg):
+    model = build_model(ModelConfig(**{**tiny_cfg.__dict__, "norm_placement": "post"}))
+    assert isinstance(model.final_norm, torch.nn.Identity)
+    x = torch.randn(3, 16)
+    assert model.final_norm(x) is x
