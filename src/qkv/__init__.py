@@ -1,7 +1,6 @@
 """qkv: a complete Transformer system built straight from the math."""
 from qkv.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
-from qkv.models import build_model
 
 __version__ = "0.1.0"
 
@@ -12,6 +11,8 @@ __all__ = ["DataConfig", "ModelConfig", "ParallelConfig", "QkvError", "RunConfig
 def __getattr__(name: str):  # heavier parts load on first use
     import importlib
 
+    if name == "build_model":
+        return importlib.import_module("qkv.models").build_model
     if name == "presets":
         return importlib.import_module("qkv.presets")
     if name == "generate":

@@ -87,11 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args) -> int:
-    from qkv.train import job
+    from qkv.train import job, objectives
 
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    if args.engine != "torch":  # refuse rather than silently train with torch
-        raise QkvError(f"--engine {args.engine}: qkv train runs only the torch engine so far")
     if args.resume:
         if not args.out:
             raise QkvError("--resume needs --out RUN_DIR")
@@ -105,7 +103,7 @@ def cmd_train(args) -> int:
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
         f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
     try:
-        summary = trainer.run()
+        summary = job.run_reference(trainer) if args.engine == "ref" else trainer.run()
     except KeyboardInterrupt:
         log(f"qkv: interrupted; checkpoint saved at step {trainer.state.step}; continue with "
             f"`qkv train --out {out} --resume`")
@@ -116,7 +114,7 @@ def cmd_train(args) -> int:
         print(json.dumps(summary))
     else:
         print(job.describe(summary))
-    if not args.no_sample:
+    if not args.no_sample and objectives.name_for(cfg) == "lm":  # only a language model continues text
         print(job.sample(trainer, cfg))
     return 0
 
@@ -125,7 +123,9 @@ def cmd_eval(args) -> int:
     from qkv.run import load
     from qkv.train.scoring import score_run
 
-    result = score_run(load(args.run), args.data, args.stride)
+    run = load(args.run)
+    require_lm(run, "eval")
+    result = score_run(run, args.data, args.stride)
     if args.json:
         print(json.dumps(result))
     else:
@@ -143,12 +143,21 @@ def cmd_generate(args) -> int:
     if args.temperature <= 0:
         raise QkvError(f"--temperature={args.temperature} must be positive")
     run = load(args.run)
+    require_lm(run, "generate")
     text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None)
     if not args.stream:
         print(text)
     return 0
+
+
+def require_lm(run, command: str) -> None:
+    from qkv.train.objectives import name_for
+
+    if name_for(run.config) != "lm":
+        raise QkvError(f"qkv {command} supports decoder language models so far; {run.path} is a "
+                       f"model.arch={run.config.model.arch!r} run (objective {name_for(run.config)!r})")
 
 
 def cmd_presets(args) -> int:

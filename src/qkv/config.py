@@ -50,6 +50,13 @@ class ModelConfig:
     bias: bool = True
     init: str = "gpt2"
     init_std: float = 0.02
+    # encoder and encoder-decoder families (note 003; docs/DEVIATIONS.md "Model families")
+    head: str = "none"  # encoder only: none (hidden states) | mlm | classifier
+    type_vocab_size: int = 0  # encoder only: token-type (segment) embeddings, 0 = none (BERT: 2)
+    n_classes: int = 0  # head = classifier: number of classes
+    pooling: str = "first"  # head = classifier: first | mean (over unpadded tokens)
+    embed_norm: bool = False  # norm the summed embeddings (BERT); encoder / encoder-decoder only
+    embed_scale: bool = False  # token embeddings * sqrt(D) (Vaswani et al. §3.4); encoder / encoder-decoder only
 
     @property
     def head_dim(self) -> int:  # Dh
@@ -92,7 +99,29 @@ class ModelConfig:
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
         for axis, value in registries.model_axes(self).items():
             _choice(f"model.{axis}", value, registries.get(axis).names())
+        self._validate_family()
         return self
+
+    def _validate_family(self) -> None:
+        """The fields that only some architectures use (encoder heads, token types, embedding options)."""
+        from qkv.models.build import HEADS  # the builders of each head live beside build_model
+        from qkv.models.heads import POOLINGS
+
+        _choice("model.head", self.head, HEADS.names())
+        _choice("model.pooling", self.pooling, POOLINGS.names())
+        _at_least("model.type_vocab_size", self.type_vocab_size, 0)
+        _at_least("model.n_classes", self.n_classes, 0)
+        if self.arch != "encoder":
+            for name, default in (("head", "none"), ("type_vocab_size", 0)):
+                if getattr(self, name) != default:
+                    raise QkvError(f"model.{name}={getattr(self, name)!r} needs model.arch='encoder', "
+                                   f"got model.arch={self.arch!r}")
+        if self.arch == "decoder":
+            for name in ("embed_norm", "embed_scale"):
+                if getattr(self, name):
+                    raise QkvError(f"model.{name}=True needs model.arch='encoder' or 'encoder-decoder'")
+        if self.head == "classifier" and self.n_classes < 2:
+            raise QkvError(f"model.n_classes={self.n_classes} must be at least 2 with model.head='classifier'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +153,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     time_horizon: bool = True  # with max_time, fit the LR schedule to the steps the time allows
+    objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
+    mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
 
     def validate(self) -> "TrainConfig":
         from qkv.train import optim, schedules
@@ -145,6 +176,11 @@ class TrainConfig:
                 f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}"
             )
         _choice("train.precision", self.precision, PRECISIONS)
+        if not 0.0 < self.mask_prob < 1.0:
+            raise QkvError(f"train.mask_prob={self.mask_prob} must be in (0, 1)")
+        from qkv.train.objectives import OBJECTIVES  # imports torch: only when validating a train section
+
+        _choice("train.objective", self.objective, ("auto", *OBJECTIVES.names()))
         schedules.SCHEDULES.get(self.schedule)
         optim.OPTIMIZERS.get(self.optimizer)
         return self
@@ -157,6 +193,7 @@ class DataConfig:
     spelling: str = "modern"  # modern | first-folio (bundled corpus only)
     vocab_size: int = 2048  # BPE vocabulary to train; the model's V comes from the trained tokenizer
     val_fraction: float = 0.1  # user corpora: held-out share (whole documents where there are several)
+    seq2seq_task: str = "next-line"  # objective seq2seq: next-line | reverse (qkv.data.seq2seq.TASKS)
 
     def validate(self) -> "DataConfig":
         _positive("data.vocab_size", self.vocab_size)
@@ -166,6 +203,9 @@ class DataConfig:
             raise QkvError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         _choice("data.spelling", self.spelling, ("modern", "first-folio"))
         _choice("data.corpus", self.corpus, ("shakespeare",))
+        from qkv.data.seq2seq import TASKS
+
+        _choice("data.seq2seq_task", self.seq2seq_task, TASKS.names())
         return self
 
 

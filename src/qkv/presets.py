@@ -75,3 +75,49 @@ def gpt3_175b() -> RunConfig:
         train=TrainConfig(batch_size=1536, seq_len=2048, lr=6e-5, min_lr=6e-6, warmup_steps=375),
         data=DataConfig(vocab_size=50257),
     )
+
+
+@PRESETS.register("bert-base")
+def bert_base() -> RunConfig:
+    """BERT-base (Devlin et al. 2019): 12-layer Post-LN encoder, 768 wide, 12 heads, GELU, MLM head, 2 token types."""
+    return RunConfig(
+        model=ModelConfig(arch="encoder", head="mlm", vocab_size=30522, d_model=768, n_heads=12, n_layers=12,
+                          d_ff=3072, max_seq_len=512, positional="learned", norm="layernorm", norm_eps=1e-12,
+                          norm_placement="post", activation="gelu", type_vocab_size=2, embed_norm=True,
+                          dropout=0.1),
+        # BERT's phase 1: 128-token sequences, Adam (1e-4, b2 0.999, decay 0.01), 10k warmup, linear decay
+        train=TrainConfig(batch_size=256, seq_len=128, max_steps=1_000_000, lr=1e-4, min_lr=0.0, schedule="linear",
+                          warmup_steps=10_000, weight_decay=0.01, beta2=0.999, eps=1e-6),
+        data=DataConfig(vocab_size=30522),
+    )
+
+
+@PRESETS.register("t5-small")
+def t5_small() -> RunConfig:
+    """T5-small (Raffel et al. 2020): 6+6 Pre-LN layers, 512 wide, 8 heads, RMSNorm, ReLU FFN 2048, no biases."""
+    return RunConfig(
+        # TODO(lead): positional="t5" (bucketed relative bias, 32 buckets up to distance 128) once qkv.nn has it
+        model=ModelConfig(arch="encoder-decoder", vocab_size=32128, d_model=512, n_heads=8, n_layers=6, d_ff=2048,
+                          max_seq_len=512, positional="none", max_distance=128, norm="rmsnorm", norm_eps=1e-6,
+                          norm_placement="pre", activation="relu", bias=False, dropout=0.1),
+        # T5 pre-trains with Adafactor at 1/sqrt(max(step, 10^4)); qkv has no Adafactor (docs/DEVIATIONS.md)
+        train=TrainConfig(batch_size=128, seq_len=512, max_steps=524_288, lr=1e-3, min_lr=1e-5, warmup_steps=10_000,
+                          weight_decay=0.0),
+        data=DataConfig(vocab_size=32128),
+    )
+
+
+@PRESETS.register("vaswani-base")
+def vaswani_base() -> RunConfig:
+    """The original Transformer base (Vaswani et al. 2017): 6+6 Post-LN layers, 512 wide, sinusoidal, ReLU, Noam."""
+    return RunConfig(
+        model=ModelConfig(arch="encoder-decoder", vocab_size=37000, d_model=512, n_heads=8, n_layers=6, d_ff=2048,
+                          max_seq_len=256, positional="sinusoidal", norm="layernorm", norm_placement="post",
+                          activation="relu", dropout=0.1, tie_embeddings=True, embed_scale=True, init="xavier"),
+        # §5.3: Adam b1 0.9, b2 0.98, eps 1e-9, lrate = d^-0.5 min(s^-0.5, s 4000^-1.5); §5.4 label smoothing 0.1;
+        # 100k steps of ~25k source + 25k target tokens (here 192 pairs of up to 128 tokens)
+        train=TrainConfig(batch_size=192, seq_len=128, max_steps=100_000, lr=1.0, schedule="noam", warmup_steps=4000,
+                          optimizer="adam", beta1=0.9, beta2=0.98, eps=1e-9, weight_decay=0.0, grad_clip=0.0,
+                          label_smoothing=0.1),
+        data=DataConfig(vocab_size=37000),
+    )

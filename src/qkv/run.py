@@ -26,10 +26,17 @@ class Run:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
-    """Load a qkv run dir: its config, tokenizer and the weights of its last complete checkpoint."""
+    """Load a qkv run dir: its config, tokenizer and the weights of its last complete checkpoint.
+    A Hugging Face model dir (config.json with "model_type" or "architectures") is read by qkv.hf.load."""
     path = Path(path)
     if not path.is_dir():
         raise QkvError(f"{path}: no such run directory")
+    from qkv.hf.files import is_hf_dir  # JSON only; qkv.hf itself imports this module
+
+    if is_hf_dir(path):
+        from qkv import hf
+
+        return hf.load(path, device)
     if not (path / CONFIG_FILE).is_file():
         raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
     config = RunConfig.load(path / CONFIG_FILE).validate()

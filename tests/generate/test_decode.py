@@ -1,7 +1,9 @@
 """KV-cached decoding against full recomputation, beam search against exhaustive search, batching,
 seeds, stop tokens and the context limit, for every positional encoding in the registry."""
+import importlib.util
 import itertools
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from qkv.generate import CachedDecoder, PromptTruncatedWarning, beam_search, gen
 from qkv.nn.positional import POSITIONALS
 
 POSITIONAL_NAMES = POSITIONALS.names()
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "generate.py"
 
 
 @pytest.fixture(autouse=True)
@@ -98,14 +101,13 @@ def test_beam_width_one_is_greedy(positional):
     assert torch.equal(generate(model, ids, max_new_tokens=10, strategy="beam", num_beams=1), greedy)
 
 
-def exhaustive(model, prompt: list[int], vocab: int, new: int) -> list[tuple[float, list[int]]]:
-    """(sum log p, tokens) of every continuation of exactly `new` tokens, best first."""
+def exhaustive(model, prompt: list[int], vocab: int, new: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Every continuation of exactly `new` tokens and its tokens' log-probabilities (V^new, new)."""
     continuations = torch.tensor(list(itertools.product(range(vocab), repeat=new)))  # (V^new, new)
     ids = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
     with torch.no_grad():
         log_probs = model(ids).log_softmax(-1)[:, len(prompt) - 1:-1]  # (V^new, new, V)
-    totals = log_probs.gather(-1, continuations[..., None])[..., 0].double().sum(-1)
-    return sorted(zip(totals.tolist(), continuations.tolist()), key=lambda pair: -pair[0])
+    return continuations.tolist(), log_probs.gather(-1, continuations[..., None])[..., 0].double()
 
 
 @pytest.mark.parametrize("positional", ["learned", "rope"])
@@ -114,7 +116,8 @@ def test_beam_search_equals_exhaustive_search(positional):
     vocab, new = 5, 3
     model = tiny_model(positional, vocab=vocab)
     prompt = [1, 4, 2]
-    truth = exhaustive(model, prompt, vocab, new)
+    continuations, log_probs = exhaustive(model, prompt, vocab, new)
+    truth = sorted(zip(log_probs.sum(-1).tolist(), continuations), key=lambda pair: -pair[0])
     found = beam_search(model, torch.tensor(prompt), max_new_tokens=new, num_beams=vocab ** 2,
                         length_penalty=0.0)
     assert len(found) == vocab ** 2
@@ -129,27 +132,23 @@ def test_beam_search_equals_exhaustive_search(positional):
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, -0.5])
 def test_beam_search_with_a_stop_token_equals_exhaustive_search(length_penalty):
-    """Hypotheses end at the stop token or after 3 tokens; score = log p / n^alpha (n with the stop)."""
+    """Hypotheses end at the stop token or after 3 tokens, score = log p / n^alpha (n counts the stop).
+    With K >= (V - 1)^2 every unstopped prefix survives, and the exact bound (early_stopping=False)
+    ends nothing too soon, so the K best found are the K best of all."""
     vocab, new, stop = 5, 3, 0
     model = tiny_model("rope", vocab=vocab, seed=3)
     prompt = [1, 4, 2]
-    candidates = {}
-    for log_prob, tokens in exhaustive(model, prompt, vocab, new):
+    continuations, log_probs = exhaustive(model, prompt, vocab, new)
+    scores = {}
+    for tokens, token_log_probs in zip(continuations, log_probs):
         n = tokens.index(stop) + 1 if stop in tokens else new
-        if tuple(tokens[:n]) not in candidates:  # log p of the prefix up to the stop token
-            prefix = exhaustive_prefix(model, prompt, tokens[:n])
-            candidates[tuple(tokens[:n])] = prefix / n ** length_penalty
-    best_tokens, best_score = max(candidates.items(), key=lambda item: item[1])
+        scores[tuple(tokens[:n])] = float(token_log_probs[:n].sum()) / n ** length_penalty
+    truth = sorted(scores.items(), key=lambda item: -item[1])[:vocab ** 2]
     found = beam_search(model, torch.tensor(prompt), max_new_tokens=new, num_beams=vocab ** 2,
                         length_penalty=length_penalty, early_stopping=False, stop_tokens=[stop])
-    assert found[0].tokens.tolist() == list(best_tokens)
-    assert found[0].score == pytest.approx(best_score, abs=1e-5)
-
-
-def exhaustive_prefix(model, prompt: list[int], tokens: list[int]) -> float:
-    with torch.no_grad():
-        log_probs = model(torch.tensor([prompt + tokens])).log_softmax(-1)[0, len(prompt) - 1:-1]
-    return float(log_probs.gather(-1, torch.tensor(tokens)[:, None]).double().sum())
+    assert [hyp.tokens.tolist() for hyp in found] == [list(tokens) for tokens, _ in truth]
+    assert [hyp.score for hyp in found] == pytest.approx([score for _, score in truth], abs=1e-5)
+    assert any(hyp.tokens[-1] == stop for hyp in found[:3])  # stopped hypotheses compete at the top
 
 
 def test_seeds_reproduce_and_different_seeds_differ():
@@ -260,3 +259,52 @@ def test_pad_left():
 def test_bad_arguments_are_errors_for_people(kwargs, message):
     with pytest.raises(QkvError, match=message):
         generate(tiny_model("rope"), torch.tensor([[3, 14, 15]]), **{"max_new_tokens": 2, **kwargs})
+
+
+def hf_gpt2_pair(vocab: int = 50):
+    """A tiny random GPT-2 from transformers and the same weights in qkv (benchmarks/generate.py maps them)."""
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("bench_generate", BENCHMARK)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=vocab - 1)).eval()
+    model = qkv.build_model(qkv.ModelConfig(
+        vocab_size=vocab, d_model=32, n_heads=4, n_layers=2, d_ff=128, max_seq_len=32, positional="learned",
+        norm="layernorm", norm_eps=1e-5, norm_placement="pre", activation="gelu_tanh", bias=True,
+        tie_embeddings=True)).eval()
+    bench.copy_gpt2_weights(hf, model)
+    return hf, model
+
+
+def test_greedy_matches_transformers_gpt2():
+    hf, model = hf_gpt2_pair()
+    ids = torch.tensor([[3, 14, 15, 9], [2, 6, 5, 35]])
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(generate(model, ids, max_new_tokens=12), expected)
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, True), (2.0, True), (0.0, False), (-1.0, False)])
+def test_beam_search_matches_transformers_gpt2(length_penalty, early_stopping):
+    """early_stopping=False is our exact bound, which is transformers' early_stopping="never"."""
+    hf, model = hf_gpt2_pair()
+    ids = torch.tensor([[3, 14, 15, 9], [2, 6, 5, 35]])
+    stop = int(generate(model, ids, max_new_tokens=3)[0, -1])  # a token the beams do meet
+    kwargs = dict(max_new_tokens=7, num_beams=3, length_penalty=length_penalty)
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=stop,
+                               early_stopping=early_stopping or "never", num_return_sequences=3,
+                               return_dict_in_generate=True, output_scores=True, **kwargs)
+    best = generate(model, ids, strategy="beam", early_stopping=early_stopping, stop_tokens=[stop],
+                    pad_id=49, **kwargs)
+    assert torch.equal(best, expected.sequences[::3])
+    for row in range(2):
+        found = beam_search(model, ids[row], early_stopping=early_stopping, stop_tokens=[stop], **kwargs)
+        theirs = expected.sequences[3 * row:3 * row + 3, 4:]
+        for hyp, tokens, score in zip(found, theirs, expected.sequences_scores[3 * row:3 * row + 3]):
+            assert hyp.tokens.tolist() == tokens[:len(hyp.tokens)].tolist()
+            assert hyp.score == pytest.approx(float(score), rel=1e-6, abs=1e-5)

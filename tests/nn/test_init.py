@@ -75,3 +75,12 @@ def test_init_std_setting_is_used():
     model = build_model(ModelConfig(**WIDE, init="gpt2", init_std=0.05))
     assert_std(model.blocks[0].attn.q_proj.weight, 0.05)
     assert_std(model.blocks[0].attn.o_proj.weight, 0.05 / math.sqrt(6))
+
+
+@pytest.mark.parametrize("init", ["xavier", "kaiming"])
+def test_a_tied_embedding_keeps_the_embedding_init_not_the_linear_one(init):
+    """W_out = W_E is one tensor: it is initialised once, as the embedding (N(0, std)), whatever order
+    the modules are visited in."""
+    model = build_model(ModelConfig(**{**WIDE, "tie_embeddings": True}, init=init, init_std=0.02))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert_std(model.tok_emb.weight, 0.02)

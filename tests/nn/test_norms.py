@@ -120,3 +120,25 @@ def test_norm_is_invariant_to_scaling_the_row(name):
     norm = randomise(NORMS.get(name)(16, eps=1e-12)).double()
     x = torch.randn(3, 16, dtype=torch.float64)
     torch.testing.assert_close(norm(7.5 * x), norm(x), rtol=1e-10, atol=1e-10)
+
+
+def test_layernorm_jacobian_matches_the_closed_form():
+    """SPEC claim 9: dx^_i/dx_j = (delta_ij - 1/d - x^_i x^_j / d) / sigma, sigma = sqrt(var + eps)."""
+    d, eps = 10, 1e-5
+    norm = LayerNorm(d, eps=eps).double()
+    x = torch.randn(d, dtype=torch.float64) * 2 + 1
+    sigma = torch.sqrt(x.var(unbiased=False) + eps)
+    x_hat = (x - x.mean()) / sigma
+    expected = (torch.eye(d, dtype=torch.float64) - 1 / d - torch.outer(x_hat, x_hat) / d) / sigma
+    jacobian = torch.autograd.functional.jacobian(norm, x)
+    torch.testing.assert_close(jacobian, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_rmsnorm_jacobian_matches_the_closed_form():
+    """dy_i/dx_j = delta_ij / r - x_i x_j / (d r^3), r = sqrt(mean(x^2) + eps)."""
+    d, eps = 10, 1e-5
+    norm = RMSNorm(d, eps=eps).double()
+    x = torch.randn(d, dtype=torch.float64)
+    r = torch.sqrt((x * x).mean() + eps)
+    expected = torch.eye(d, dtype=torch.float64) / r - torch.outer(x, x) / (d * r ** 3)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(norm, x), expected, rtol=1e-10, atol=1e-12)

@@ -65,8 +65,9 @@ def test_sinusoidal_embed_is_exact_in_fp64():
 
 @pytest.mark.parametrize("k", [1, 3, 17])
 def test_sinusoidal_shift_is_a_rotation_of_each_pair(k):
-    """SPEC claim 3: (PE(pos+k, 2i), PE(pos+k, 2i+1)) = R(k w_i) (PE(pos, 2i), PE(pos, 2i+1)) with R built
-    from k alone, the same matrix for every pos: sin(a+b) = sin a cos b + cos a sin b, cos(a+b) = cos a cos b - sin a sin b."""
+    """SPEC claim 3: (PE(pos+k, 2i), PE(pos+k, 2i+1)) = R(k w_i) (PE(pos, 2i), PE(pos, 2i+1)), R built from
+    k alone, the same matrix for every pos: sin(a+b) = sin a cos b + cos a sin b,
+    cos(a+b) = cos a cos b - sin a sin b."""
     d = 12
     positions = torch.arange(0, 40, dtype=torch.float64)
     table = sinusoidal_table(positions, d).double().view(40, d // 2, 2)  # (pos, i, (sin, cos))
@@ -89,6 +90,7 @@ def test_sinusoidal_positions_are_distinct():
 
 def test_sinusoidal_embed_adds_the_table_at_each_rows_positions():
     pe = make("sinusoidal")
+    assert isinstance(pe, Sinusoidal)
     positions = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]])
     x = torch.randn(2, 4, 16)
     torch.testing.assert_close(pe.embed(x, positions) - x, sinusoidal_table(positions, 16), rtol=0, atol=1e-6)

@@ -1,7 +1,7 @@
 import torch
 
 from qkv.nn.norms import LayerNorm
-from qkv.nn.residual import RESIDUALS, post_norm, pre_norm
+from qkv.nn.residual import RESIDUALS, NormPair, needs_final_norm, post_norm, pre_norm, sandwich_norm, sublayer_norm
 
 
 def layer_norm(x, eps=1e-5):
@@ -9,9 +9,10 @@ def layer_norm(x, eps=1e-5):
     return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps)
 
 
-def test_registry_holds_pre_and_post():
-    assert RESIDUALS.names() == ["post", "pre"]
+def test_registry_holds_pre_post_and_sandwich():
+    assert RESIDUALS.names() == ["post", "pre", "sandwich"]
     assert RESIDUALS.get("pre") is pre_norm and RESIDUALS.get("post") is post_norm
+    assert RESIDUALS.get("sandwich") is sandwich_norm
 
 
 def sublayer_and_inputs():
@@ -48,3 +49,30 @@ def test_residual_jacobian_is_identity_plus_sublayer_jacobian():
     x = torch.randn(6, dtype=torch.float64)
     jac = torch.autograd.functional.jacobian(lambda z: pre_norm(z, torch.nn.Identity(), lambda u: u @ W), x)
     torch.testing.assert_close(jac, torch.eye(6, dtype=torch.float64) + W.T, rtol=1e-12, atol=1e-12)
+
+
+def test_sandwich_is_x_plus_ln_out_of_f_of_ln_in_x():
+    """x + LN_out(F(LN_in(x))) with two distinct norms (different gains, so swapping them would show)."""
+    f, x, _ = sublayer_and_inputs()
+    pair = NormPair(LayerNorm(8, eps=1e-5).double(), LayerNorm(8, eps=1e-5).double())
+    with torch.no_grad():
+        pair.inner.weight.copy_(torch.linspace(0.5, 2.0, 8))
+        pair.outer.weight.copy_(torch.linspace(2.0, 0.5, 8))
+        pair.outer.bias.fill_(0.3)
+    expected = x + (layer_norm(f(layer_norm(x) * pair.inner.weight)) * pair.outer.weight + 0.3)
+    torch.testing.assert_close(sandwich_norm(x, pair, f), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sandwich_norm(x, pair, f, 2.0) - x, pair.outer(2.0 * f(pair.inner(x))),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_every_placement_gets_the_norms_it_needs():
+    made = []
+
+    def make():
+        made.append(LayerNorm(4, eps=1e-5))
+        return made[-1]
+
+    for placement in RESIDUALS.names():
+        norm = sublayer_norm(placement, make)
+        assert isinstance(norm, NormPair) == (placement == "sandwich")
+    assert [needs_final_norm(p) for p in RESIDUALS.names()] == [False, True, True]

@@ -19,7 +19,8 @@ def test_a_wrong_backward_is_caught():
     if name not in gradcheck.CASES:
         linear = gradcheck.CASES.get("linear")
         gradcheck.CASES.register(name)(gradcheck.Case(
-            linear.inputs, linear.forward, lambda dy, c: {**linear.backward(dy, c), "x": 2 * linear.backward(dy, c)["x"]}))
+            linear.inputs, linear.forward,
+            lambda dy, c: {**linear.backward(dy, c), "x": 2 * linear.backward(dy, c)["x"]}))
     checks = {c.name: c.passed for c in gradcheck.check_fd(name)}
     assert checks == {f"{name}: x": False, f"{name}: p.weight": True, f"{name}: p.bias": True}
 

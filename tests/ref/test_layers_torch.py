@@ -8,8 +8,11 @@ from qkv.ref import gradcheck
 from tests.ref.torch_oracles import ORACLES
 
 
-def test_every_case_has_a_torch_oracle():
-    assert sorted(ORACLES) == [n for n in gradcheck.CASES.names() if not n.startswith("test-")]
+def test_every_layer_case_has_a_torch_oracle():
+    """Whole-model cases ("model_*": MoE and flash inside a decoder, which the torch engine does not
+    have yet) are proved by finite differences here and by tests/ref/test_models.py against torch."""
+    layer_cases = [n for n in gradcheck.CASES.names() if not n.startswith(("test-", "model_"))]
+    assert sorted(ORACLES) == layer_cases
 
 
 def _to_torch(value):

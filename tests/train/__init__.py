@@ -5,10 +5,11 @@ vocabulary, one torch thread, and a token cache in a temporary folder (QKV_CACHE
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import random
 from pathlib import Path
-
-import torch
 
 WORDS = ("moon sea night doth sing upon silver wind where golden crowns lie sleeping under stars love "
          "heart shall fade while summer breathes gentle rain thou art more fair than morning light "
@@ -43,24 +44,30 @@ def shared_dir(tmp_path_factory, name: str) -> Path:
 
 
 def setup_env(monkeypatch, tmp_path_factory) -> Path:
-    """QKV_CACHE in the session's temporary folder and one torch thread (two threads on a busy two-core
-    machine make the tiny model ~50x slower); returns the verse file."""
+    """QKV_CACHE in the session's temporary folder (tests/conftest.py already sets one torch thread);
+    returns the verse file."""
     monkeypatch.setenv("QKV_CACHE", str(shared_dir(tmp_path_factory, "cache")))
-    torch.set_num_threads(1)
     path = shared_dir(tmp_path_factory, "text") / "verse.txt"
     if not path.exists():
         path.write_text(verse(), encoding="utf-8")
     return path
 
 
-def trained_run(tmp_path_factory) -> Path:
-    """A tiny run trained once per session through the CLI (12 steps); tests must not modify it."""
+def trained_run(tmp_path_factory) -> tuple[Path, dict]:
+    """A tiny run trained once per session through the CLI (12 steps) and its --json summary.
+    Tests must not modify it."""
     run = shared_dir(tmp_path_factory, "runs") / "tiny"
-    if not run.exists():
+    if run.name not in _SUMMARIES:
         from qkv.cli import main
 
         text = shared_dir(tmp_path_factory, "text") / "verse.txt"
-        rc = main(["train", *TINY, "--data", str(text), "--out", str(run), "--max-steps", "12",
-                   "--set", "train.log_every=1", "--no-sample", "--json"])
-        assert rc == 0
-    return run
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["train", *TINY, "--data", str(text), "--out", str(run), "--max-steps", "12",
+                       "--set", "train.log_every=1", "--no-sample", "--json"])
+        assert rc == 0, err.getvalue()
+        _SUMMARIES[run.name] = json.loads(out.getvalue())
+    return run, _SUMMARIES[run.name]
+
+
+_SUMMARIES: dict[str, dict] = {}

@@ -19,6 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from qkv.errors import QkvError
 
 EOS = "<|endoftext|>"
+MASK = "<|mask|>"  # the MLM objective's [MASK] (qkv.data.mlm); added by `add_specials`, not trained
+PAD = "<|pad|>"  # the filler of variable-length batches (qkv.data.seq2seq); added by `add_specials`
 MIN_VOCAB = 256 + 1  # the byte alphabet + EOS
 
 
@@ -62,6 +64,23 @@ class Tokenizer:
         )
         hf.train_from_iterator(texts, trainer)
         return cls(hf)
+
+    def add_specials(self, names: Sequence[str]) -> None:
+        """Append special tokens after the trained vocabulary: no existing id changes (the token files
+        stay valid) and a token already present keeps its id. They are saved with the tokenizer."""
+        self._hf.add_special_tokens(list(names))
+        self.__dict__.pop("token_bytes", None)  # drop the cached id -> bytes table
+
+    def special_id(self, name: str) -> int:
+        token_id = self._hf.token_to_id(name)
+        if token_id is None:
+            raise QkvError(f"tokenizer has no {name} token; add it with add_specials")
+        return token_id
+
+    @property
+    def trained_size(self) -> int:
+        """Ids of the trained vocabulary (bytes, merges, EOS); `add_specials` appends after them."""
+        return self._hf.get_vocab_size(with_added_tokens=False)
 
     @property
     def vocab_size(self) -> int:

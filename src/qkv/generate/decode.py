@@ -116,7 +116,8 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, str
     """Continue `input_ids` (B, T) (or (T,)) by up to `max_new_tokens`; returns (B, T + new) (or (T + new,)).
 
     strategy: greedy | sample | top-k | top-p | beam (sampling.STRATEGIES). Sampling draws from a
-    torch.Generator seeded with `seed` (None: a fresh random seed). A row stops at its first token
+    torch.Generator seeded with `seed` (None: a fresh random seed), one draw for all rows per step,
+    so a seed reproduces a call with the same batch. A row stops at its first token
     in `stop_tokens` (kept in the output); afterwards it receives `pad_id` (default: the stop token
     it hit), and decoding ends early, with a shorter output, once every row has stopped.
     `on_token(step, tokens (B,))` is called after each step (not with beam search, which only
@@ -155,7 +156,7 @@ def as_batch(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None)
     ids = torch.as_tensor(input_ids, device=device).long()
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise QkvError(f"input_ids must be (B, T) or (T,) with T >= 1, got shape {tuple(input_ids.shape)}")
+        raise QkvError(f"input_ids must be (B, T) or (T,) with T >= 1, got shape {tuple(ids.shape)}")
     if attention_mask is None:
         return ids, None
     mask = torch.as_tensor(attention_mask, device=device)
@@ -262,7 +263,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, 
 
 def beam_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, beams: BeamConfig,
               stop: Tensor, params: SamplingParams) -> list[list[Hypothesis]]:
-    """Beam search for every row of a (B, T) batch at once (Graves 2012; Hugging Face's bookkeeping).
+    """Beam search for every row of a (B, T) batch at once, with Hugging Face's bookkeeping.
 
     Each step extends each of the K live beams of a row by every token, ranks the K*V sums of
     log-probabilities (stable sort: ties to the lower beam, then token), moves stop-token
@@ -297,10 +298,10 @@ def beam_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, 
         flat = (torch.arange(B, device=ids.device)[:, None] * K + source.gather(1, keep)).view(-1)  # (B*K,)
         tokens = tokens[flat]
         tokens[:, end] = new_token.gather(1, keep).view(-1)
+        best_running = beam_scores[:, 0].tolist()  # (B,) beams are sorted: the first is the best
         for row in range(B):
             if not done[row]:
-                done[row] = finished[row].is_done(float(beam_scores[row, 0]), step + 1, max_new,
-                                                  beams.early_stopping)
+                done[row] = finished[row].is_done(best_running[row], step + 1, max_new, beams.early_stopping)
             if done[row]:
                 beam_scores[row] = float("-inf")  # a finished row adds nothing more
         if all(done) or step + 1 == max_new:

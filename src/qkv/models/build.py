@@ -8,23 +8,29 @@ from torch import nn
 
 from qkv.config import ModelConfig
 from qkv.models.decoder import DecoderLM
+from qkv.models.encoder import Encoder
+from qkv.models.encoder_decoder import EncoderDecoder
+from qkv.models.heads import POOLINGS, ClassifierHead, EncoderClassifier, EncoderMLM, MLMHead
 from qkv.nn.attention import Attention
 from qkv.nn.block import Block
-from qkv.nn.ffn import FFNS
+from qkv.nn.ffn import ACTIVATIONS, FFNS
 from qkv.nn.init import INITS
 from qkv.nn.norms import NORMS
 from qkv.nn.positional import POSITIONALS
-from qkv.nn.residual import RESIDUALS
+from qkv.nn.moe import MoE
+from qkv.nn.residual import RESIDUALS, needs_final_norm, sublayer_norm
 from qkv.registry import Registry
 
 ARCHITECTURES: Registry[Callable[[ModelConfig], nn.Module]] = Registry("architecture")
+HEADS: Registry[Callable[[ModelConfig, Encoder], nn.Module]] = Registry("encoder head")  # model.head
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Validate `cfg`, build the model and initialise it with `cfg.init`."""
     cfg.validate()
     model = ARCHITECTURES.get(cfg.arch)(cfg)
-    INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=cfg.decoder_layers)
+    depth = cfg.encoder_layers if cfg.arch == "encoder" else cfg.decoder_layers
+    INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=depth)
     return model
 
 
@@ -32,31 +38,43 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return NORMS.get(cfg.norm)(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def positional(cfg: ModelConfig) -> nn.Module:
+def positional(cfg: ModelConfig, causal: bool = True) -> nn.Module:
+    """`causal` says whether the stack is masked causally (decoders) or not (encoders): an encoding whose
+    form depends on it (T5's buckets spend half on the future only in an encoder) may read it; others ignore it."""
     return POSITIONALS.get(cfg.positional)(
         d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance)
+        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, causal=causal)
 
 
 def attention(cfg: ModelConfig) -> Attention:
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=cfg.attention, bias=cfg.bias,
-                     dropout=cfg.dropout)
+                     dropout=cfg.dropout, window=cfg.window)
 
 
 def ffn(cfg: ModelConfig) -> nn.Module:
+    """The dense FFN `cfg.ffn`, or a mixture of moe_experts of them when moe_experts > 0."""
+    if cfg.moe_experts:
+        return MoE(cfg.d_model, cfg.d_ff, experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+                   capacity_factor=cfg.moe_capacity_factor, ffn=cfg.ffn, activation=cfg.activation,
+                   bias=cfg.bias, dropout=cfg.dropout)
     return FFNS.get(cfg.ffn)(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
                              dropout=cfg.dropout)
 
 
+def sublayer_norm_of(cfg: ModelConfig) -> nn.Module:
+    """One norm per sublayer, or the (inner, outer) pair of a sandwich placement (qkv.nn.residual)."""
+    return sublayer_norm(cfg.norm_placement, lambda: norm(cfg))
+
+
 def block(cfg: ModelConfig, cross: bool = False) -> Block:
-    return Block(attn=attention(cfg), ffn=ffn(cfg), attn_norm=norm(cfg), ffn_norm=norm(cfg),
-                 residual=RESIDUALS.get(cfg.norm_placement),
-                 cross_attn=attention(cfg) if cross else None, cross_norm=norm(cfg) if cross else None)
+    return Block(attn=attention(cfg), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
+                 residual=RESIDUALS.get(cfg.norm_placement), cross_attn=attention(cfg) if cross else None,
+                 cross_norm=sublayer_norm_of(cfg) if cross else None)
 
 
 def final_norm(cfg: ModelConfig) -> nn.Module:
-    """Pre-LN stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
-    return norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
+    """Pre-LN and sandwich stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
+    return norm(cfg) if needs_final_norm(cfg.norm_placement) else nn.Identity()
 
 
 @ARCHITECTURES.register("decoder")
@@ -68,3 +86,59 @@ def decoder(cfg: ModelConfig) -> DecoderLM:
     return DecoderLM(tok_emb=tok_emb, positional=positional(cfg),
                      blocks=[block(cfg) for _ in range(cfg.decoder_layers)], final_norm=final_norm(cfg),
                      lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len)
+
+
+def embed_norm(cfg: ModelConfig) -> nn.Module | None:
+    return norm(cfg) if cfg.embed_norm else None
+
+
+def encoder_stack(cfg: ModelConfig, tok_emb: nn.Embedding) -> Encoder:
+    """The bare encoder: bidirectional blocks (note 000 §7), token types when type_vocab_size > 0."""
+    type_emb = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+    return Encoder(tok_emb=tok_emb, positional=positional(cfg, causal=False),
+                   blocks=[block(cfg) for _ in range(cfg.encoder_layers)], final_norm=final_norm(cfg),
+                   dropout=cfg.dropout, type_emb=type_emb, embed_norm=embed_norm(cfg),
+                   embed_scale=cfg.embed_scale)
+
+
+@ARCHITECTURES.register("encoder")
+def encoder(cfg: ModelConfig) -> nn.Module:
+    return HEADS.get(cfg.head)(cfg, encoder_stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model)))
+
+
+@HEADS.register("none")
+def bare_encoder(cfg: ModelConfig, stack: Encoder) -> Encoder:
+    return stack  # model(input_ids, attention_mask=mask) -> hidden (B, T, D)
+
+
+@HEADS.register("mlm")
+def mlm_head(cfg: ModelConfig, stack: Encoder) -> EncoderMLM:
+    decoder = nn.Linear(cfg.d_model, cfg.vocab_size, bias=True)  # BERT's output bias b_V, even when tied
+    if cfg.tie_embeddings:
+        decoder.weight = stack.tok_emb.weight  # W_V = W_E (note 003: the vocabulary matrix is shared)
+    nn.init.zeros_(decoder.bias)  # the init schemes skip a tied module (its weight belongs to W_E)
+    head = MLMHead(transform=nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias),
+                   activation=ACTIVATIONS.get(cfg.activation), norm=norm(cfg), decoder=decoder)
+    return EncoderMLM(stack, head)
+
+
+@HEADS.register("classifier")
+def classifier_head(cfg: ModelConfig, stack: Encoder) -> EncoderClassifier:
+    head = ClassifierHead(pool=POOLINGS.get(cfg.pooling), pooler=nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias),
+                          out_proj=nn.Linear(cfg.d_model, cfg.n_classes, bias=cfg.bias), dropout=cfg.dropout)
+    return EncoderClassifier(stack, head)
+
+
+@ARCHITECTURES.register("encoder-decoder")
+def encoder_decoder(cfg: ModelConfig) -> EncoderDecoder:
+    """Vaswani et al. §3.4: with tie_embeddings one W_E serves the source and target embeddings and the
+    output projection."""
+    tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    src_emb = tok_emb if cfg.tie_embeddings else nn.Embedding(cfg.vocab_size, cfg.d_model)
+    lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    if cfg.tie_embeddings:
+        lm_head.weight = tok_emb.weight
+    return EncoderDecoder(tok_emb=tok_emb, encoder=encoder_stack(cfg, src_emb), positional=positional(cfg),
+                          blocks=[block(cfg, cross=True) for _ in range(cfg.decoder_layers)],
+                          final_norm=final_norm(cfg), lm_head=lm_head, dropout=cfg.dropout,
+                          max_seq_len=cfg.max_seq_len, embed_norm=embed_norm(cfg), embed_scale=cfg.embed_scale)

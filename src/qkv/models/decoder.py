@@ -6,13 +6,11 @@
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-from qkv.nn.attention import AttentionContext
+from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache
-from qkv.nn import masks
 from qkv.nn.positional import Positional
 
 
@@ -39,22 +37,7 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
-        B, T = input_ids.shape
-        start = cache.next_position if cache is not None else torch.zeros(B, dtype=torch.long,
-                                                                           device=input_ids.device)
-        if attention_mask is None:
-            offsets = torch.arange(T, device=input_ids.device)[None, :]  # (1, T)
-            counts = torch.full_like(start, T)
-        else:  # a row's position counts its real tokens only, so left padding shifts nothing
-            offsets = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            counts = attention_mask.long().sum(-1)
-        positions = start[:, None] + offsets  # (B, T)
-        key_positions, key_padding = positions, attention_mask
-        if cache is not None:
-            cache.next_position = start + counts
-            key_positions, key_padding = cache.extend(positions, attention_mask)
-        mask = masks.attention_mask(T, key_padding, causal=True, device=input_ids.device)
-        return AttentionContext(self.positional, positions, key_positions, mask, causal=mask is None)
+        return self_context(self.positional, input_ids, attention_mask, cache, causal=True)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A preallocated KV cache for `batch` rows of up to `max_len` tokens."""

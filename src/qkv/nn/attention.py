@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from qkv.nn.cache import LayerCache
-from qkv.nn.kernels import KERNELS
+from qkv.nn.kernels import kernel_for
 from qkv.nn.positional import Positional
 
 
@@ -19,7 +19,7 @@ from qkv.nn.positional import Positional
 class AttentionContext:
     """What every attention layer of one forward pass shares."""
 
-    positional: Positional  # its rotate / score_bias hooks (identity for cross-attention)
+    positional: Positional  # its rotate / score_bias / value_bias hooks (identity for cross-attention)
     positions: Tensor  # (B, T) positions of this call's queries (and of its new keys)
     key_positions: Tensor  # (B, S) positions of every key, cached ones included
     mask: Tensor | None  # (B, 1, T, S) bool, True where attention is allowed
@@ -28,11 +28,12 @@ class AttentionContext:
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, window: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
-        self.kernel = KERNELS.get(kernel)
+        self.kernel_name, self.window = kernel, window  # record_attention rebuilds the kernel's weights
+        self.kernel = kernel_for(kernel, window=window)  # the sparse kinds get their window bound here
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)  # W^Q (H*Dh, D)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^K (Hkv*Dh, D)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^V (Hkv*Dh, D)
@@ -51,9 +52,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)
-        bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions)
+        bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
+        value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0
-        out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias,
+        out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, value_bias=value_bias,
                           scale=self.head_dim ** -0.5, dropout=dropout)  # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # concat heads (B, T, H*Dh)
         return self.dropout(self.o_proj(out))  # (B, T, D)

@@ -23,9 +23,12 @@ class Block(nn.Module):
         self.residual = residual
 
     def forward(self, x: Tensor, ctx: AttentionContext, cache: LayerCache | None = None,
-                memory: Tensor | None = None, memory_ctx: AttentionContext | None = None) -> Tensor:
+                memory: Tensor | None = None, memory_ctx: AttentionContext | None = None,
+                memory_cache: LayerCache | None = None) -> Tensor:
+        """`memory_cache` keeps the cross-attention K/V of the encoder output between decoding steps
+        (qkv.models.encoder_decoder.MemoryCache)."""
         x = self.residual(x, self.attn_norm, self.attn, ctx, cache)
         if self.cross_attn is not None:
-            x = self.residual(x, self.cross_norm, self.cross_attn, memory_ctx, None, memory)
+            x = self.residual(x, self.cross_norm, self.cross_attn, memory_ctx, memory_cache, memory)
         x = self.residual(x, self.ffn_norm, self.ffn)
         return x

@@ -3,6 +3,11 @@
 Each attention layer owns a `LayerCache` of (B, Hkv, max_len, Dh) keys and values; the `KVCache`
 also keeps, per column, the position and the padding flag of the token stored there, so left-padded
 batches decode with per-row positions.
+
+The cache is also Transformer-XL's segment memory (qkv.nn.relative.TransformerXL): the next segment runs
+with the cache the previous one filled; `detach()` is the paper's stop-gradient and `keep_last(M)` keeps
+a memory of M columns. The cache holds every column until then: a sliding-window kernel (local) reads
+only the last w + 1 columns, but a rolling cache that drops the rest on its own is not built yet.
 """
 from __future__ import annotations
 
@@ -31,6 +36,16 @@ class LayerCache:
         """Keep rows `rows` of the batch (beam search)."""
         self.k, self.v = self.k[rows], self.v[rows]
 
+    def detach(self) -> None:
+        """Cut the autograd history of the stored keys and values (Transformer-XL's SG(.))."""
+        self.k, self.v = self.k.detach(), self.v.detach()
+
+    def keep_last(self, n: int) -> None:
+        """Keep the last n stored columns, moved to the front."""
+        start = max(self.length - n, 0)
+        self.k, self.v = self.k.roll(-start, dims=2), self.v.roll(-start, dims=2)  # columns start.. first
+        self.length -= start
+
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
@@ -56,6 +71,19 @@ class KVCache:
             self.padded = self.padded or not bool(key_padding.all())
         self.length = end
         return self.positions[:, :end], (self.padding[:, :end] if self.padded else None)
+
+    def detach(self) -> None:
+        """Stop gradients at the cached keys/values: call between Transformer-XL training segments."""
+        for layer in self.layers:
+            layer.detach()
+
+    def keep_last(self, n: int) -> None:
+        """Keep the last n columns (keys, values, positions, padding) as the memory of the next call."""
+        start = max(self.length - n, 0)
+        for layer in self.layers:
+            layer.keep_last(n)
+        self.positions, self.padding = self.positions.roll(-start, dims=1), self.padding.roll(-start, dims=1)
+        self.length -= start
 
     def reorder(self, rows: Tensor) -> None:
         for layer in self.layers:

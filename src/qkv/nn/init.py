@@ -17,8 +17,10 @@ RESIDUAL_PROJECTIONS = ("o_proj", "down_proj")  # write into the residual stream
 
 
 def _linears_and_embeddings(model: nn.Module):
+    seen: set[int] = set()
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, Learned)):
+        if isinstance(module, (nn.Linear, nn.Embedding, Learned)) and id(module.weight) not in seen:
+            seen.add(id(module.weight))  # a tied W_out = W_E is initialised once, as its first owner, W_E
             yield name, module
 
 

@@ -1,18 +1,26 @@
 """Attention kernels: one signature for all (STYLE.md 4).
 
-    kernel(q, k, v, *, mask, causal, bias, scale, dropout) -> out
+    kernel(q, k, v, *, mask, causal, bias, scale, dropout=0.0, value_bias=None) -> out
     q: (B, H, T, Dh); k, v: (B, H, S, Dh) (key/value heads already repeated for GQA/MQA)
     mask: (B, 1, T, S) bool, True where attention is allowed, or None
     causal: apply the causal triangle (bottom-right aligned) when mask is None
     bias: additive score bias broadcastable to (B, H, T, S), or None
+    value_bias: a `RelativeValues` term added to the weighted values (Shaw et al.'s a^V_ij), or None
     out: (B, H, T, Dh)
 
-`naive` writes note 000 §2.1 / §8.2 out: softmax(Q K^T / sqrt(d_k) + M) V; every faster kernel is
-tested against it.
+`naive` writes note 000 §2.1 / §8.2 out: softmax(Q K^T / sqrt(d_k) + M) V; every other kernel is tested
+against it (the sparse ones with their pattern in the mask). Kernels with a parameter (the window of the
+sparse kinds) take it as a keyword and are bound once by `kernel_for(name, window=...)`, so every call
+site sees the signature above. Queries are the last T of S key columns (a KV cache holds the first
+S - T): query t sits at column S - T + t, and every pattern is a function of (query column, key column).
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +31,43 @@ from qkv.registry import Registry
 
 Kernel = Callable[..., Tensor]
 KERNELS: Registry[Kernel] = Registry("attention kernel")
+# name -> weights(q, k, *, mask, causal, bias, scale[, window]) -> A (B, H, T, S): the explicit attention
+# matrix each kernel computes (naive with the kernel's pattern, or linear attention's normalised kernel).
+# The recording kernel and the tests use it; a new kernel registers its weights here too.
+WEIGHTS: dict[str, Callable[..., Tensor]] = {}
+BLOCK = 128  # key tile of the tiled kernels: extra memory O(T * BLOCK), O(n) for a fixed tile
+
+
+@dataclass(frozen=True)
+class RelativeValues:
+    """A value term: out_i += sum_j A_ij table[index_ij] (Shaw et al. 2018, z_i = sum_j a_ij (v_j + a^V_ij)).
+
+    It is linear in the weights, so a tiled kernel adds it tile by tile: the weights of a tile are summed
+    into R buckets (one per table row) and the buckets are multiplied by the table once.
+    """
+
+    index: Tensor  # (B, T, S) long: the table row key j adds to query i
+    table: Tensor  # (R, Dh)
+
+    def buckets(self, weights: Tensor, index: Tensor) -> Tensor:
+        """sum_j weights[..., j] [index[..., j] = r] for every row r. weights (B, H, .., s), index (B, 1, .., s)."""
+        out = weights.new_zeros(*weights.shape[:-1], self.table.shape[0])  # (B, H, .., R)
+        return out.scatter_add_(-1, index.expand_as(weights), weights)
+
+    def term(self, weights: Tensor, index: Tensor) -> Tensor:  # (B, H, .., Dh)
+        return self.buckets(weights, index) @ self.table.to(weights.dtype)
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics in at least fp32: exp of bf16 scores loses most bits (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool,
                       bias: Tensor | None, scale: float) -> Tensor:
     """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)"""
     T, S = q.shape[-2], k.shape[-2]
-    wide = torch.promote_types(q.dtype, torch.float32)  # softmax in fp32 (fp64 stays fp64)
-    scores = (q @ k.transpose(-2, -1)).to(wide) * scale  # (B, H, T, S)
+    scores = (q @ k.transpose(-2, -1)).to(wide_dtype(q.dtype)) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias
     if mask is None and causal:
@@ -40,18 +77,30 @@ def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool
     return scores.softmax(dim=-1)
 
 
-@KERNELS.register("naive")
-def naive(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
-          bias: Tensor | None, scale: float, dropout: float = 0.0) -> Tensor:
-    weights = attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)
+def weighted_values(weights: Tensor, v: Tensor, value_bias: RelativeValues | None, dropout: float) -> Tensor:
+    """out = dropout(A) V (+ the value term): the last step of every kernel that forms A. (B, H, T, Dh)"""
     weights = F.dropout(weights, p=dropout) if dropout else weights
-    return weights.to(v.dtype) @ v  # (B, H, T, Dh)
+    out = weights.to(v.dtype) @ v
+    if value_bias is not None:
+        out = out + value_bias.term(weights, value_bias.index[:, None]).to(v.dtype)
+    return out
+
+
+@KERNELS.register("naive")
+def naive(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
+    weights = attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)
+    return weighted_values(weights, v, value_bias, dropout)  # (B, H, T, Dh)
 
 
 @KERNELS.register("sdpa")
-def sdpa(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
-         bias: Tensor | None, scale: float, dropout: float = 0.0) -> Tensor:
-    """torch's fused scaled_dot_product_attention (flash / memory-efficient kernels where available)."""
+def sdpa(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+         scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
+    """torch's fused scaled_dot_product_attention (flash / memory-efficient kernels where available).
+    A value term needs the weights, which the fused kernel never forms: then it is the naive kernel."""
+    if value_bias is not None:
+        return naive(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                     value_bias=value_bias)
     T, S = q.shape[-2], k.shape[-2]
     is_causal = causal and mask is None and bias is None and T == S  # torch aligns is_causal top-left
     if causal and mask is None and not is_causal and T > 1:
@@ -61,3 +110,149 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
         attn_mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
                                           is_causal=is_causal, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------- tiled (flash)
+
+Pattern = Callable[[Tensor, Tensor], Tensor]  # (query columns (r,), key columns (c,)) -> allowed (r, c)
+
+
+def tile(x: Tensor, T: int, S: int, rows: slice, cols: slice) -> Tensor:
+    """The (rows, cols) tile of a tensor broadcastable to (.., T, S), without expanding it in memory."""
+    return x.expand(*x.shape[:-2], T, S)[..., rows, cols]
+
+
+def tiled(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None,
+          pattern: Pattern | None = None, block: int | None = None) -> Tensor:
+    """Softmax attention swept over key tiles with an online softmax (note 002 "Flash Attention"; Dao et al.
+    2022, Algorithm 1): per query row a running max m, running sum l = sum exp(s - m) and an unnormalised
+    output acc = sum exp(s - m) v; a tile that raises the max rescales both by exp(m_old - m_new).
+    out = acc / l. Only (B, H, T, block) scores exist at a time. `pattern` restricts the keys further
+    (the sparse kernels); tiles that nothing may see are skipped. Gradients come from autograd through
+    the tiles (exact; the max is detached, which changes nothing since out does not depend on it)."""
+    B, H, T, _ = q.shape
+    S = k.shape[-2]
+    block = block or BLOCK  # read at call time: tests shrink it to exercise many tiles
+    wide = wide_dtype(q.dtype)
+    query_cols = torch.arange(S - T, S, device=q.device)  # (T,)
+    m = q.new_full((B, H, T, 1), float("-inf"), dtype=wide)
+    l = q.new_zeros((B, H, T, 1), dtype=wide)
+    acc = q.new_zeros((B, H, T, v.shape[-1]), dtype=wide)
+    buckets = None if value_bias is None else q.new_zeros((B, H, T, value_bias.table.shape[0]), dtype=wide)
+    for start in range(0, S, block):
+        cols = slice(start, min(start + block, S))
+        first = max(0, start - (S - T)) if causal and mask is None else 0  # earlier queries see none of it
+        if first >= T:
+            break
+        rows = slice(first, T)
+        allowed = tile_allowed(query_cols[rows], torch.arange(cols.start, cols.stop, device=q.device),
+                               mask=None if mask is None else tile(mask, T, S, rows, cols), causal=causal,
+                               pattern=pattern)
+        if allowed is not None and not bool(allowed.any()):
+            continue
+        scores = (q[:, :, rows] @ k[:, :, cols].transpose(-2, -1)).to(wide) * scale  # (B, H, r, c)
+        if bias is not None:
+            scores = scores + tile(bias, T, S, rows, cols)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(m[:, :, rows], scores.amax(-1, keepdim=True)).detach()
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that have seen nothing yet
+        p = torch.exp(scores - m_safe)  # (B, H, r, c)
+        correction = torch.exp(m[:, :, rows] - m_safe)  # (B, H, r, 1)
+        kept = F.dropout(p, p=dropout) if dropout else p  # dropout of A = dropout of p; l keeps every p
+        l = update(l, first, l[:, :, rows] * correction + p.sum(-1, keepdim=True))
+        acc = update(acc, first, acc[:, :, rows] * correction + kept.to(v.dtype) @ v[:, :, cols])
+        if value_bias is not None:
+            index = tile(value_bias.index, T, S, rows, cols)[:, None]  # (B, 1, r, c)
+            buckets = update(buckets, first, buckets[:, :, rows] * correction + value_bias.buckets(kept, index))
+        m = update(m, first, m_new)
+    if buckets is not None:
+        acc = acc + buckets @ value_bias.table.to(wide)
+    return (acc / l).to(v.dtype)  # (B, H, T, Dh)
+
+
+def update(old: Tensor, first: int, new_rows: Tensor) -> Tensor:
+    """old with rows first.. replaced, out of place (autograd keeps every version it needs)."""
+    return new_rows if first == 0 else torch.cat((old[:, :, :first], new_rows), dim=2)
+
+
+def tile_allowed(query_cols: Tensor, key_cols: Tensor, *, mask: Tensor | None, causal: bool,
+                 pattern: Pattern | None) -> Tensor | None:
+    """Mask, causal triangle and pattern of one tile combined, or None when everything is allowed."""
+    allowed = mask
+    if mask is None and causal:
+        allowed = key_cols[None, :] <= query_cols[:, None]  # (r, c)
+    if pattern is not None:
+        seen = pattern(query_cols, key_cols)
+        allowed = seen if allowed is None else allowed & seen
+    return allowed
+
+
+@KERNELS.register("flash")
+def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
+    """Exact softmax attention, tiled: O(n) extra memory for a fixed tile (note 002; SPEC claim 18)."""
+    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                 value_bias=value_bias)
+
+
+# ---------------------------------------------------------------------------------------- binding, recording
+
+
+def kernel_for(name: str, *, window: int = 0) -> Kernel:
+    """The kernel `name`, with its parameter (`window`) bound when it takes one: one signature after."""
+    kernel = KERNELS.get(name)
+    if "window" in inspect.signature(kernel).parameters:
+        return functools.partial(kernel, window=window)
+    return kernel
+
+
+def weights_for(name: str, *, window: int = 0) -> Callable[..., Tensor]:
+    """The explicit (B, H, T, S) attention matrix kernel `name` computes, with its window bound."""
+    weights = WEIGHTS[name]
+    if "window" in inspect.signature(weights).parameters:
+        return functools.partial(weights, window=window)
+    return weights
+
+
+def recording_kernel(weights: Callable[..., Tensor], records: list, slot: int) -> Kernel:
+    """A kernel computing `weights` explicitly and storing them (detached) in records[slot]."""
+    def kernel(q, k, v, *, mask, causal, bias, scale, dropout=0.0, value_bias=None):
+        attn = weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)  # (B, H, T, S)
+        records[slot] = attn.detach()
+        return weighted_values(attn, v, value_bias, dropout)
+    return kernel
+
+
+@contextlib.contextmanager
+def record_attention(model: torch.nn.Module) -> Iterator[list]:
+    """Record the attention weights of every attention layer (note 000 §14; SPEC A9), without flags:
+
+        with record_attention(model) as maps:
+            model(ids)
+        maps[layer]  # (B, H, T, S) weights of the layer-th attention module (model.modules() order) in its
+                     # latest call; cross-attention modules count as layers too
+
+    Each layer's kernel is swapped for one that forms the weights its own kernel computes (the sparse
+    kinds with their pattern, linear attention its normalised feature-map products) and restored after.
+    """
+    from qkv.nn.attention import Attention  # attention imports this module
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    records: list = [None] * len(layers)
+    saved = [layer.kernel for layer in layers]
+    for slot, layer in enumerate(layers):
+        layer.kernel = recording_kernel(weights_for(layer.kernel_name, window=layer.window), records, slot)
+    try:
+        yield records
+    finally:
+        for layer, kernel in zip(layers, saved):
+            layer.kernel = kernel
+
+
+for _name in ("naive", "sdpa", "flash"):
+    WEIGHTS[_name] = attention_weights
+
+# the kernels defined in their own files register themselves here
+from qkv.nn import linear_attention, sparse  # noqa: E402,F401

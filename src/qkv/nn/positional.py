@@ -1,8 +1,13 @@
-"""Positional encodings, acting through three hooks with identity defaults.
+"""Positional encodings, acting through hooks with identity defaults.
 
 - `embed(x, positions)`: added to the token embeddings (absolute encodings);
 - `rotate(q, k, positions)`: applied to queries and keys in every layer (RoPE);
-- `score_bias(q_positions, k_positions)`: added to the attention scores (ALiBi, relative).
+- `score_bias(q_positions, k_positions, q=None, k=None)`: added to the scaled attention scores (ALiBi, T5).
+  Content-dependent biases (Shaw's q_i . a^K_ij, Transformer-XL's u . k_j + (q_i + v) . W_R R_{i-j}) read
+  q (B, H, T, Dh) and k (B, H, S, Dh), both after `rotate` and the K/V head repeat, and return their term
+  already multiplied by 1/sqrt(Dh), since kernels add the bias to Q K^T * scale;
+- `value_bias(q_positions, k_positions)`: a `RelativeValues` term the kernel adds to the weighted values
+  (Shaw's sum_j a_ij a^V_ij), or None.
 
 Every encoding takes the same keyword arguments (d_model, n_heads, head_dim, max_seq_len,
 rope_theta, max_distance) and ignores the ones it does not use. Positions are (B, T) integer
@@ -16,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
+from qkv.nn.kernels import RelativeValues
 from qkv.registry import Registry
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
@@ -33,7 +39,11 @@ class Positional(nn.Module):
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return q, k
 
-    def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+    def score_bias(self, q_positions: Tensor, k_positions: Tensor, q: Tensor | None = None,
+                   k: Tensor | None = None) -> Tensor | None:
+        return None
+
+    def value_bias(self, q_positions: Tensor, k_positions: Tensor) -> RelativeValues | None:
         return None
 
 
@@ -126,6 +136,10 @@ class ALiBi(Positional):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)  # (H,)
 
-    def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    def score_bias(self, q_positions: Tensor, k_positions: Tensor, q: Tensor | None = None,
+                   k: Tensor | None = None) -> Tensor:
         distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().float()  # (B, T, S)
         return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, T, S)
+
+
+from qkv.nn import relative  # noqa: E402,F401  (Shaw, Transformer-XL, T5: registered there)

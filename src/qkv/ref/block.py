@@ -16,14 +16,14 @@ import numpy as np
 from qkv.ref.attention import attention_backward, attention_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.functional import accumulate, scope
-from qkv.ref.moe import moe_backward, moe_forward
+from qkv.ref.moe import MoECache, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.registry import Registry
 
 
 class Sublayer(NamedTuple):
     forward: Callable  # x -> (y, cache)
-    backward: Callable  # (dy, cache) -> (dx, extra)
+    backward: Callable  # (dy, cache) -> (dx, extra); for attention and FFN sublayers extra = (grads, dmemory)
 
 
 class Residual(NamedTuple):
@@ -81,11 +81,19 @@ def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
 
 def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
     if cfg.moe_experts:
-        return Sublayer(lambda x: moe_forward(params, x, ffn=cfg.ffn, activation=cfg.activation,
-                                              experts=cfg.moe_experts, top_k=cfg.moe_top_k,
-                                              aux_weight=aux_weight), moe_backward)
-    ffn = FFNS.get(cfg.ffn)
-    return Sublayer(lambda x: ffn.forward(params, x, cfg.activation), ffn.backward)
+        def forward(x):
+            return moe_forward(params, x, ffn=cfg.ffn, activation=cfg.activation, experts=cfg.moe_experts,
+                               top_k=cfg.moe_top_k, aux_weight=aux_weight)
+        backward = moe_backward
+    else:
+        ffn = FFNS.get(cfg.ffn)
+        forward, backward = (lambda x: ffn.forward(params, x, cfg.activation)), ffn.backward
+
+    def backward_with_no_memory(dy, cache):
+        dx, grads = backward(dy, cache)
+        return dx, (grads, None)
+
+    return Sublayer(forward, backward_with_no_memory)
 
 
 def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
@@ -116,7 +124,7 @@ def block_backward(dy: np.ndarray, cache):
     for (name, norm_name, norm, sub), part_cache in zip(reversed(parts), reversed(caches)):
         dy, norm_grads, sub_extra = residual.backward(dy, part_cache, norm, sub)
         accumulate(grads, norm_grads, norm_name)
-        sub_grads, dmem = sub_extra if name != "ffn" else (sub_extra, None)
+        sub_grads, dmem = sub_extra
         accumulate(grads, sub_grads, name)
         if dmem is not None:
             dmemory = dmem
@@ -126,4 +134,4 @@ def block_backward(dy: np.ndarray, cache):
 def aux_losses(cache) -> float:
     """The MoE load-balancing losses recorded in one block's forward (0 for a dense FFN)."""
     parts, caches, _ = cache
-    return sum(getattr(sub_cache, "aux", 0.0) for (_, sub_cache) in caches)
+    return sum(sub_cache.aux for (_, sub_cache) in caches if isinstance(sub_cache, MoECache))

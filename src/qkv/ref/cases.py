@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from qkv.ref import functional as fn
-from qkv.ref import kernels, linear_attention, positional
+from qkv.ref import kernels, positional
 from qkv.ref.attention import AttentionContext, attention_backward, attention_forward
 from qkv.ref.block import block_backward, block_forward
 from qkv.ref.ffn import FFNS
@@ -137,7 +137,8 @@ def _kernel_case(make_kernel, *, mask=False, causal=True, bias=False, t=T, s=T):
         return values
 
     def forward(i):
-        return make_kernel().forward(i["q"], i["k"], i["v"], mask=i["mask"], causal=causal, bias=i["bias"], scale=Dh ** -0.5)
+        return make_kernel().forward(i["q"], i["k"], i["v"], mask=i["mask"], causal=causal, bias=i["bias"],
+                                     scale=Dh ** -0.5)
 
     def backward(dy, cache):
         return dict(zip("qkv", make_kernel().backward(dy, cache)))
@@ -148,7 +149,8 @@ def _kernel_case(make_kernel, *, mask=False, causal=True, bias=False, t=T, s=T):
 _flash_tiny = lambda: kernels.Kernel(lambda *a, **k: flash_forward(*a, **k, block=2), flash_backward)  # noqa: E731
 CASES.register("kernel_naive_causal")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg())))
 CASES.register("kernel_naive_padding")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), mask=True))
-CASES.register("kernel_naive_bias_full")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), causal=False, bias=True))
+CASES.register("kernel_naive_bias_full")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), causal=False,
+                                                      bias=True))
 CASES.register("kernel_naive_cached_keys")(_kernel_case(lambda: kernels.KERNELS.get("naive")(cfg()), t=3, s=T))
 for _kind in ("local", "dilated", "random"):
     CASES.register(f"kernel_{_kind}")(_kernel_case(lambda _kind=_kind: kernels.KERNELS.get(_kind)(cfg(window=2))))
@@ -240,4 +242,49 @@ CASES.register("block_pre_layernorm")(_block_case("pre", "layernorm"))
 CASES.register("block_post_rmsnorm")(_block_case("post", "rmsnorm"))
 CASES.register("block_cross_pre")(_block_case("pre", "layernorm", cross=True))
 
-_ = linear_attention  # imported for its "linear" kernel registration
+
+
+# ---- whole models: the loss (CE + aux) as a function of every parameter, checked along 3 random
+# directions per parameter array (every layer inside is checked element by element above) ----------
+
+def _model_case(aux_weight=0.01, **overrides):
+    from qkv.config import ModelConfig
+    from qkv.ref import model
+    from qkv.ref.model import loss_and_grads
+
+    model_cfg = ModelConfig(**{**dict(vocab_size=V, d_model=D, n_heads=H, n_layers=1, d_ff=F, max_seq_len=T),
+                               **overrides})
+
+    def inputs(rng):
+        shapes = {"tok_emb.weight": (V, D), "final_norm.weight": (D,), "final_norm.bias": (D,)}
+        if model_cfg.positional == "learned":
+            shapes["positional.weight"] = (T, D)
+        params = {name: _normal(rng, *shape, scale=0.5) for name, shape in shapes.items()}
+        params["final_norm.weight"] += 1.0
+        block = {**attention_params(rng, "attn."), "router.weight": _normal(rng, model_cfg.moe_experts, D)}
+        for e in range(model_cfg.moe_experts):
+            block.update(_ffn_inputs(rng, model_cfg.ffn, f"ffn.experts.{e}."))
+        block["ffn.router.weight"] = block.pop("router.weight")
+        for name in ("attn_norm", "ffn_norm"):
+            block[f"{name}.weight"], block[f"{name}.bias"] = 1 + _normal(rng, D, scale=0.2), _normal(rng, D, scale=0.2)
+        params.update({f"blocks.0.{name}": value for name, value in block.items()})
+        ids = rng.integers(0, V, (B, T))
+        return {**params, "ids": ids, "targets": np.roll(ids, -1, axis=1)}
+
+    def forward(i):  # the loss alone: finite differences call this many times
+        params = {k: v for k, v in i.items() if k not in ("ids", "targets")}
+        logits, cache = model.forward(params, model_cfg, i["ids"], aux_weight=aux_weight)
+        loss = fn.cross_entropy_forward(logits, i["targets"])[0] + aux_weight * model.aux_loss(cache)
+        return loss, (params, i["ids"], i["targets"])
+
+    def backward(dloss, cache):
+        params, ids, targets = cache
+        _, grads, _ = loss_and_grads(params, model_cfg, ids, targets, aux_weight=aux_weight)
+        return {name: dloss * g for name, g in grads.items()}
+
+    return Case(inputs, forward, backward, directions=3)
+
+
+CASES.register("model_decoder_moe_flash_rope")(_model_case(moe_experts=3, moe_top_k=2, ffn="glu", activation="silu",
+                                                           attention="flash", positional="rope"))
+CASES.register("model_decoder_moe_top1_linear")(_model_case(moe_experts=2, moe_top_k=1, attention="linear"))

@@ -80,7 +80,7 @@ def head_forward(params, cfg, x):
     cn = None
     if cfg.norm_placement == "pre":
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "final_norm"), x, cfg.norm_eps)
-    out_name = "lm_head" if "lm_head.weight" in params else "tok_emb"  # tied: W_out is W_E itself
+    out_name = "tok_emb" if cfg.tie_embeddings else "lm_head"  # tied: W_out is W_E itself
     logits, ch = linear_forward(x, params[f"{out_name}.weight"])  # L = H^L W_o   (B, T, V)
     return logits, (cn, ch, out_name, cfg)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +12,7 @@ from qkv.config import RunConfig, read_json, section_from_dict
 from qkv.data.sources import prepare_data
 from qkv.errors import QkvError
 from qkv.run import CONFIG_FILE, TOKENIZER_FILE
+from qkv.train import objectives
 from qkv.train.loop import Trainer
 
 
@@ -23,6 +25,9 @@ def resolve_config(*, preset: str, config_file: str | None, overrides: list[str]
     cfg = cfg.override(overrides)
     if data:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=tuple(data)))
+    # absolute, so that a resume or `qkv eval` from another working directory reads the same text
+    paths = tuple(os.path.abspath(os.path.expanduser(path)) for path in cfg.data.paths)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=paths))
     return with_limits(cfg, max_steps, max_time)
 
 
@@ -68,9 +73,11 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     elif out.exists() and any(out.iterdir()):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
     cfg.validate()
+    objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     prepared = prepare_data(cfg.data)
+    prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; the model's V counts them
     if len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
         raise QkvError(f"validation split too short: {len(prepared.val)} tokens, but train.seq_len="
                        f"{cfg.train.seq_len} needs more than {cfg.train.seq_len + 1}; give more text "
@@ -83,6 +90,8 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         prepared.tokenizer.save(out / TOKENIZER_FILE)
     if resume and not trainer.resume():
         log(f"{out}: no complete checkpoint yet; starting from step 0")
+    elif resume:
+        log(f"{out}: resuming from the checkpoint at step {trainer.state.step}")
     return trainer, cfg
 
 
@@ -101,10 +110,13 @@ def summary_line(summary: dict) -> str:
     return json.dumps(summary)
 
 
-def bits_per_char(trainer: Trainer) -> float:
-    """The final model's bits per character on the whole validation text (sliding window)."""
+def bits_per_char(trainer: Trainer) -> float | None:
+    """The final model's bits per character on the whole validation text (sliding window); None for
+    objectives other than lm (an MLM or seq2seq loss is not a per-character code length)."""
     from qkv.train.evaluate import score_tokens
 
+    if objectives.name_for(trainer.cfg) != "lm":
+        return None
     context = trainer.cfg.model.max_seq_len
     result = score_tokens(trainer.model, trainer.data.val, characters=trainer.data.val_chars,
                           seq_len=context, stride=max(1, context // 2), device=trainer.device)
@@ -112,9 +124,11 @@ def bits_per_char(trainer: Trainer) -> float:
 
 
 def describe(summary: dict) -> str:
+    bits = summary.get("val_bits_per_char")
+    bits_text = "" if bits is None else f", {bits:.4f} bits/char"
     return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
-            f"({summary['tokens_per_s']:,} tokens/s); validation loss {summary['val_loss']:.4f}, "
-            f"{summary['val_bits_per_char']:.4f} bits/char; run saved in {summary['run']}")
+            f"({summary['tokens_per_s']:,} tokens/s); validation loss {summary['val_loss']:.4f}"
+            f"{bits_text}; run saved in {summary['run']}")
 
 
 def sample(trainer: Trainer, cfg: RunConfig, max_new_tokens: int = 200) -> str:
@@ -129,3 +143,44 @@ def sample(trainer: Trainer, cfg: RunConfig, max_new_tokens: int = 200) -> str:
     ids = generate(trainer.model, start_ids, max_new_tokens=new, strategy="top-p", top_p=0.9, temperature=0.8,
                    seed=cfg.train.seed, stop_tokens=(tokenizer.eos_id,))
     return "--- sample ---\n" + tokenizer.decode([i for i in ids[0, 1:].tolist() if i != tokenizer.eos_id])
+
+
+def run_reference(trainer: Trainer) -> dict:
+    """Train with the NumPy engine (hand-written backward passes, no autograd) from the torch engine's
+    initial weights and the same batches, then store the result as an ordinary run checkpoint."""
+    import time
+
+    from qkv import interop
+    from qkv.ref.train import train_ref
+    from qkv.train.metrics import MetricsLog
+
+    tc, state = trainer.tc, trainer.state
+    if state.step:
+        raise QkvError("--engine ref cannot resume a run; it trains from step 0 in one go")
+    if tc.max_time:
+        raise QkvError("--engine ref takes --max-steps, not a time budget")
+    params = interop.to_numpy(trainer.model)
+    metrics = MetricsLog(trainer.run_dir / "metrics.csv", 0)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    start = time.perf_counter()
+
+    def batches():
+        while True:
+            yield trainer.batches.next()
+
+    def on_step(step: int, loss: float, grad_norm: float, lr: float) -> None:
+        if (step + 1) % tc.log_every == 0 or step + 1 == tc.max_steps:
+            elapsed = time.perf_counter() - start
+            metrics.write(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
+                          tokens_per_s=(step + 1) * tokens_per_step / elapsed, elapsed_s=elapsed)
+
+    train_ref(params, trainer.cfg, batches(), tc.max_steps, on_step)
+    interop.load_numpy(trainer.model, params)
+    state.step, state.tokens = tc.max_steps, tc.max_steps * tokens_per_step
+    state.elapsed = time.perf_counter() - start
+    val = trainer.evaluate()
+    metrics.write(step=state.step, val_loss=val, elapsed_s=state.elapsed)
+    trainer.save()
+    return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.elapsed, 2),
+            "tokens_per_s": round(state.tokens / max(1e-9, state.elapsed)), "val_loss": val,
+            "best_val_loss": val, "engine": "ref"}

@@ -17,16 +17,15 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from qkv.config import RunConfig, TrainConfig
-from qkv.data.dataset import Batches, Prepared
+from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
 from qkv.models import build_model
-from qkv.train import checkpoint
-from qkv.train.evaluate import val_loss
+from qkv.train import checkpoint, objectives
+from qkv.train.objectives import cross_entropy  # noqa: F401 (defined beside the objectives that use it)
 from qkv.train.metrics import MetricsLog
 from qkv.train.optim import OPTIMIZERS
 from qkv.train.schedules import SCHEDULES
@@ -44,13 +43,6 @@ def resolve_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise QkvError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in fp32; targets of -100
-    (padding) are ignored. Label smoothing uses the target (1 - eps) onehot + eps / V (note 000 §13.3)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                           label_smoothing=label_smoothing)
 
 
 def autocast(device: torch.device, precision: str):
@@ -86,7 +78,10 @@ class Trainer:
         self.model = build_model(cfg.model).to(self.device)
         self.optimizer = OPTIMIZERS.get(self.tc.optimizer)(self.model, self.tc)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16")
-        self.batches = Batches(data.train, self.tc.seq_len, self.tc.batch_size, self.tc.seed)
+        self.objective = objectives.for_run(cfg)  # lm, mlm or seq2seq: its batches and its loss
+        self.batches = self.objective.batches(data.train, data.tokenizer, cfg, batch_size=self.tc.batch_size,
+                                              seed=self.tc.seed)
+        self.objective.batches(data.val, data.tokenizer, cfg, batch_size=1, seed=0)  # fail now, not at eval
         self.state = State(horizon=self.tc.max_steps)
         self.bad_steps = 0
 
@@ -125,15 +120,16 @@ class Trainer:
             step, lr=self.tc.lr, min_lr=self.tc.min_lr, warmup=self.tc.warmup_steps,
             total=self.state.horizon, d_model=self.cfg.model.d_model)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
-        """One optimizer update over `accumulation` micro-batches; returns (loss, grad norm)."""
+    def step(self, *batch: torch.Tensor, lr: float) -> tuple[float, float]:
+        """One optimizer update over `accumulation` micro-batches of `batch` (the objective's tensors,
+        e.g. inputs and targets); returns (loss, grad norm)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         k = self.tc.accumulation
         total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.chunk(k), targets.chunk(k)):
+        for micro in zip(*(tensor.chunk(k) for tensor in batch)):
             with autocast(self.device, self.tc.precision):
-                loss = cross_entropy(self.model(x), y, self.tc.label_smoothing)
+                loss = self.objective.loss(self.model, micro, self.tc.label_smoothing)
             self.scaler.scale(loss / k).backward()
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)
@@ -167,9 +163,9 @@ class Trainer:
         self.model.train()
         try:
             while state.step < state.horizon:
-                inputs, targets = (torch.from_numpy(a).to(self.device) for a in self.batches.next())
+                batch = [torch.from_numpy(a).to(self.device) for a in self.batches.next()]
                 lr = self.lr(state.step)
-                loss, norm = self.step(inputs, targets, lr)
+                loss, norm = self.step(*batch, lr=lr)
                 state.step += 1
                 state.tokens += tokens_per_step
                 window_tokens += tokens_per_step
@@ -203,9 +199,9 @@ class Trainer:
 
     def evaluate(self) -> float:
         tc = self.tc
-        loss = val_loss(self.model, self.data.val, seq_len=tc.seq_len,
-                        batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
-                        seed=tc.seed + 1, device=self.device)
+        loss = objectives.evaluate(self.objective, self.model, self.data.val, self.data.tokenizer, self.cfg,
+                                   batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
+                                   seed=tc.seed + 1, device=self.device)
         self.state.best_val = min(self.state.best_val, loss)
         return loss
 

@@ -1,0 +1,82 @@
+"""`qkv calc`: every calculator on one config, as one JSON-ready dict (SPEC F1).
+
+    params      per component, total, non-embedding, active (MoE)          qkv.analysis.params
+    flops       forward / backward / train per component for batch x seq  qkv.analysis.flops
+    memory      bytes per GPU: weights, gradients, master, optimizer, activations   qkv.analysis.memory
+    kv_cache    inference K/V bytes for batch x seq (bf16/fp16, fp32 for fp32)
+    compute     6ND and 3 x forward FLOPs for D training tokens (with --tokens)
+    mfu         model FLOPs utilisation for a measured step time and a peak FLOP/s
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from qkv import presets
+from qkv.analysis import flops, memory, params
+from qkv.config import RunConfig
+from qkv.errors import QkvError
+
+
+def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -> RunConfig:
+    """The preset (or the defaults), then the JSON file, then --set; the model section validated."""
+    cfg = presets.get(preset) if preset else RunConfig()
+    if config_file:
+        from qkv.train.job import merge_file
+
+        cfg = merge_file(cfg, Path(config_file))
+    cfg = cfg.override(overrides)
+    cfg.model.validate()
+    return cfg
+
+
+def setup_from(cfg: RunConfig, **given) -> memory.Setup:
+    """Options given on the command line, else the config's: the micro-batch per GPU is
+    batch_size / (accumulation x dp), the GPUs are parallel.dp."""
+    tc, pc = cfg.train, cfg.parallel
+    default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp)), seq=tc.seq_len,
+                   precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
+                   checkpointing=tc.activation_checkpointing)
+    chosen = {key: value for key, value in given.items() if value not in (None, False)}
+    return memory.Setup(**{**default, **chosen}).check()
+
+
+def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float | None = None,
+              peak_flops: float | None = None, **options) -> dict:
+    model = cfg.model
+    setup = setup_from(cfg, **options)
+    if setup.seq > model.max_seq_len and model.positional == "learned":
+        raise QkvError(f"--seq={setup.seq} exceeds model.max_seq_len={model.max_seq_len} (learned positions)")
+    counts = params.breakdown(model)
+    flop_table = flops.table(model, batch=setup.batch, seq=setup.seq)
+    mem = memory.training(model, setup)
+    weight, grad, master, _ = memory.PRECISION_BYTES[setup.precision]
+    result = {
+        "model": {k: v for k, v in asdict(model).items()},
+        "setup": asdict(setup),
+        "params": counts,
+        "flops": {"batch": setup.batch, "seq": setup.seq, "unit": "FLOPs (a multiply-add is 2)",
+                  "components": flop_table,
+                  "train_per_token": flops.train_flops_per_token(model, setup.seq)},
+        "memory": {"bytes_per_param": weight + grad + master + memory.OPTIMIZER_BYTES[setup.optimizer],
+                   "bytes": mem},
+        "kv_cache_bytes": memory.kv_cache(model, batch=setup.batch, seq=setup.seq,
+                                          bytes_per_element=memory.PRECISION_BYTES[setup.precision][3]),
+    }
+    if tokens is not None:
+        result["compute"] = {"tokens": tokens, "six_nd": flops.six_nd(counts["active"], tokens),
+                             "three_forward": flops.train_flops_per_token(model, setup.seq) * tokens}
+    if step_time is not None or peak_flops is not None:
+        result["mfu"] = _mfu(model, setup, step_time, peak_flops)
+    return result
+
+
+def _mfu(model, setup: memory.Setup, step_time: float | None, peak_flops: float | None) -> dict:
+    if step_time is None or peak_flops is None:
+        raise QkvError("MFU needs both --step-time SECONDS and --peak-flops FLOPS")
+    tokens_per_step = setup.batch * setup.seq * setup.gpus
+    tokens_per_s = tokens_per_step / step_time
+    return {"step_time": step_time, "peak_flops": peak_flops, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_s, "model_flops_per_s": flops.train_flops_per_token(model, setup.seq)
+            * tokens_per_s, "mfu": flops.mfu(model, seq=setup.seq, tokens_per_s=tokens_per_s,
+                                            peak_flops=peak_flops * setup.gpus)}

@@ -1,0 +1,83 @@
+"""`qkv plot FIGURE ...`: each figure's handler takes the parsed arguments and returns the files written."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from qkv.analysis import attention_html, plots
+from qkv.errors import QkvError
+
+
+def token_strings(tokenizer, ids: list[int]) -> list[str]:
+    """Each id decoded on its own (a byte-level piece may be part of a character: U+FFFD then)."""
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def attention(args) -> list[Path]:
+    """Heat maps per layer and head for `--text` through a run's model (a recording kernel, no flags)."""
+    import torch
+
+    from qkv.analysis.record import attention_maps
+    from qkv.run import load
+
+    run = load(args.run)
+    if not args.text:
+        raise QkvError("--text must not be empty")
+    ids = [run.tokenizer.eos_id] + run.tokenizer.encode(args.text)  # streams start with <|endoftext|>
+    limit = run.config.model.max_seq_len
+    if len(ids) > limit:
+        raise QkvError(f"--text is {len(ids)} tokens with the start token; the model reads at most {limit}")
+    maps = attention_maps(run.model, torch.tensor([ids]))
+    names, arrays = list(maps), [m.numpy() for m in maps.values()]
+    tokens = token_strings(run.tokenizer, ids)
+    written = [plots.attention_grid(arrays, tokens, Path(args.out), names)]
+    if args.html:
+        written.append(attention_html.write(arrays, tokens, names, Path(args.html),
+                                            title=f"attention of {Path(args.run).name}"))
+    return written
+
+
+def pe(args) -> list[Path]:
+    return [plots.sinusoidal_pe(Path(args.out), d_model=args.d_model, positions=args.positions)]
+
+
+def rope(args) -> list[Path]:
+    return [plots.rope_rotation(Path(args.out), head_dim=args.head_dim, positions=args.positions)]
+
+
+def loss(args) -> list[Path]:
+    return [plots.loss_curves([Path(r) for r in args.runs], Path(args.out))]
+
+
+def lr(args) -> list[Path]:
+    from qkv.analysis.calc import resolve
+    from qkv.train.schedules import SCHEDULES
+
+    cfg = resolve(args.preset, args.config, args.set)
+    train = cfg.train
+    if args.steps:
+        train = dataclasses.replace(train, max_steps=args.steps)
+    for name in args.schedule or []:
+        SCHEDULES.get(name)  # unknown names fail with the choices
+    return [plots.lr_schedules(train, cfg.model.d_model, Path(args.out), args.schedule)]
+
+
+def gradnorm(args) -> list[Path]:
+    """Pre-LN vs Post-LN per-layer gradient norms at init (the setting of claim 31)."""
+    from qkv.analysis.record import layer_grad_norms
+    from qkv.config import ModelConfig
+
+    norms = {}
+    for placement in ("pre", "post"):
+        cfg = ModelConfig(vocab_size=128, d_model=32, n_heads=4, n_layers=args.layers, d_ff=128, max_seq_len=64,
+                          norm_placement=placement, init="xavier", positional="sinusoidal")
+        norms[f"{placement}-LN"] = list(np.mean([layer_grad_norms(cfg, seed=s, batch=4, seq=16) for s in range(3)],
+                                                axis=0))
+    return [plots.grad_norms(norms, Path(args.out))]
+
+
+FIGURES: dict[str, Callable[..., list[Path]]] = {"attention": attention, "pe": pe, "rope": rope, "loss": loss,
+                                                 "lr": lr, "gradnorm": gradnorm}

@@ -1,0 +1,116 @@
+"""FLOPs per component, forward and backward, from a ModelConfig (note 000 §9.3, §10, §19; LLM §5.3).
+
+Unit: one FLOP per multiply and one per add, so a multiply-add is 2 FLOPs, as torch.utils.flop_counter
+counts. The notes count multiply-adds ("complexity"): note 000 §10.1.4's attention cost
+2n^2 d + 4 n d^2 per layer is (4 n^2 d + 8 n d^2) FLOPs here, and §9.3's FFN 8 n d^2 is 16 n d^2 FLOPs.
+Only matrix products are counted (as the FLOP counter does): softmax, norms, activations and residual
+additions are O(n d) and left out. A kernel that skips masked blocks would do about half the score
+FLOPs of a causal layer; the full T x S is counted, as the naive and sdpa kernels compute it.
+
+Per layer, B sequences of T queries over S keys (S = T for self-attention), FLOPs forward:
+    projections   2 B T D (H Dh) + 2 B S D (2 Hkv Dh) + 2 B T (H Dh) D       (W^Q; W^K, W^V; W^O)
+    scores        2 B H T S Dh (Q K^T) + 2 B H T S Dh (A V)                   (note 000 §10.1.1-2)
+    FFN           2 B T D F x 2 (mlp), x 3 (glu); MoE: top_k experts + router 2 B T D E
+    LM head       2 B T D V
+Backward = 2 x forward: every matmul y = x W needs dx = dy W^T and dW = x^T dy (LLM §3.2).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from qkv.analysis import params
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+
+MAC = 2  # FLOPs per multiply-add
+
+
+def attention_projections(cfg: ModelConfig, tokens: int, source_tokens: int) -> int:
+    q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return MAC * (tokens * cfg.d_model * q_width + source_tokens * cfg.d_model * 2 * kv_width
+                  + tokens * q_width * cfg.d_model)
+
+
+def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int) -> int:
+    """Q K^T and A V over every head; linear attention (note 000 §15.2) instead does phi(K)^T V and
+    phi(Q) (phi(K)^T V), 2 x 2 B H T Dh^2, plus its normaliser."""
+    H, Dh = cfg.n_heads, cfg.head_dim
+    if cfg.attention == "linear":
+        return MAC * batch * H * (2 * S * Dh * Dh + T * Dh * Dh + T * Dh)
+    return MAC * 2 * batch * H * T * S * Dh
+
+
+def ffn(cfg: ModelConfig, tokens: int) -> int:
+    """A dense FFN's FLOPs are 2 x its weights per token (biases add, not multiply-add: not counted)."""
+    weights = params.dense_ffn(replace(cfg, bias=False))
+    if not cfg.moe_experts:
+        return MAC * tokens * weights
+    return MAC * tokens * (cfg.moe_top_k * weights + cfg.d_model * cfg.moe_experts)
+
+
+def lm_head(cfg: ModelConfig, tokens: int) -> int:
+    return MAC * tokens * cfg.d_model * cfg.vocab_size
+
+
+def encoder_head(cfg: ModelConfig, batch: int, T: int) -> int:
+    """BERT's heads: MLM transform D x D and vocabulary projection per token; classifier pooler D x D
+    and class projection per sequence."""
+    D = cfg.d_model
+    per_token = {"none": 0, "mlm": D * D + D * cfg.vocab_size}.get(cfg.head)
+    if per_token is not None:
+        return MAC * batch * T * per_token
+    return MAC * batch * (D * D + D * cfg.n_classes)
+
+
+def _stack(cfg: ModelConfig, layers: int, batch: int, T: int, prefix: str, source: int = 0) -> dict[str, int]:
+    tokens = batch * T
+    parts = {f"{prefix}attention_projections": layers * attention_projections(cfg, tokens, tokens),
+             f"{prefix}attention_scores": layers * attention_scores(cfg, batch, T, T)}
+    if source:
+        parts[f"{prefix}cross_attention_projections"] = layers * attention_projections(cfg, tokens, batch * source)
+        parts[f"{prefix}cross_attention_scores"] = layers * attention_scores(cfg, batch, T, source)
+    parts[f"{prefix}ffn"] = layers * ffn(cfg, tokens)
+    return parts
+
+
+def forward(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_seq: int | None = None) -> dict[str, int]:
+    """{component: forward FLOPs} for `batch` sequences of `seq` tokens (default max_seq_len); an
+    encoder-decoder reads `source_seq` source tokens (default seq)."""
+    T = seq or cfg.max_seq_len
+    S = source_seq or T
+    if batch <= 0 or T <= 0 or S <= 0:
+        raise QkvError(f"batch={batch} and seq={T} must be positive")
+    if cfg.arch == "decoder":
+        return {**_stack(cfg, cfg.decoder_layers, batch, T, ""), "lm_head": lm_head(cfg, batch * T)}
+    if cfg.arch == "encoder":
+        return {**_stack(cfg, cfg.encoder_layers, batch, T, ""), "head": encoder_head(cfg, batch, T)}
+    return {**_stack(cfg, cfg.encoder_layers, batch, S, "encoder."),
+            **_stack(cfg, cfg.decoder_layers, batch, T, "decoder.", source=S), "lm_head": lm_head(cfg, batch * T)}
+
+
+def table(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_seq: int | None = None) -> dict:
+    """Forward, backward (2x) and training (3x) FLOPs per component and in total."""
+    fwd = forward(cfg, batch=batch, seq=seq, source_seq=source_seq)
+    rows = {name: {"forward": f, "backward": 2 * f, "train": 3 * f} for name, f in fwd.items()}
+    total = sum(fwd.values())
+    rows["total"] = {"forward": total, "backward": 2 * total, "train": 3 * total}
+    return rows
+
+
+def train_flops_per_token(cfg: ModelConfig, seq: int | None = None) -> float:
+    """Forward + backward FLOPs per trained token, attention scores included (3 x forward)."""
+    T = seq or cfg.max_seq_len
+    return 3 * sum(forward(cfg, batch=1, seq=T).values()) / T
+
+
+def six_nd(n_params: int, tokens: float) -> float:
+    """C = 6 N D (Kaplan et al. 2020; note 000 LLM §8.1): 2 N forward + 4 N backward FLOPs per token."""
+    return 6.0 * n_params * tokens
+
+
+def mfu(cfg: ModelConfig, *, seq: int, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOPs per second / the hardware's peak (PaLM, App. B).
+    Recomputation (activation checkpointing) is not counted: it is hardware work, not model work."""
+    if peak_flops <= 0:
+        raise QkvError(f"peak FLOP/s={peak_flops} must be positive")
+    return train_flops_per_token(cfg, seq) * tokens_per_s / peak_flops

@@ -1,0 +1,148 @@
+"""Training and inference memory from a ModelConfig (note 000 LLM §5.3, §6.2, §7.3, §8.1; SPEC F1, claims 23-24).
+
+Model states, bytes per parameter (P parameters, tied weights once):
+                 weights  gradients  fp32 master  optimizer (Adam m and v in fp32)
+    fp32            4         4           -            8           = 16
+    bf16 / fp16     2         2           4            8           = 16   (mixed precision, fp32 master
+                                                                            weights: Micikevicius et al. 2018)
+Note 000 LLM §8.1 counts "Adam 175B x 2 x 2 bytes": fp16 moments and no master copy, half of the truth
+(claim 23). SGD with momentum keeps one fp32 state (4 bytes), no optimizer state at all without momentum.
+ZeRO (Rajbhandari et al. 2020; note 000 LLM §7.3) over N data-parallel GPUs divides by N: stage 1 the
+optimizer states and master weights, stage 2 also the gradients, stage 3 also the weights.
+
+Activations are the tensors autograd keeps for the backward pass of qkv's layers (qkv.nn), per layer
+for B sequences of T tokens, in elements (a = activation bytes; softmax probabilities stay fp32):
+    attention block   x, LN(x), Q, K, V (K, V repeated to H heads for GQA), concat(heads), + the
+                      kernel's own: out and logsumexp (fused sdpa) or A = softmax(QK^T) (B H T S, naive)
+    FFN block         x, LN(x), act input and output (mlp: 2 B T F; glu: gate, act(gate), up, product 4 B T F)
+    dropout masks     1 byte per element where dropout > 0
+The LM head keeps LN(x), and the loss its fp32 log-probabilities (B T V) and their gradient.
+With activation checkpointing (LLM §6.2) only each layer's input survives the forward; one layer's
+activations are rebuilt at a time in the backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qkv.analysis import params
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+
+PRECISION_BYTES = {  # weights, gradients, master weights, activations
+    "fp32": (4, 4, 0, 4),
+    "bf16": (2, 2, 4, 2),
+    "fp16": (2, 2, 4, 2),
+}
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 states per parameter
+FUSED_KERNELS = ("sdpa", "flash")  # kernels that never store the (T, S) probabilities
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a model is trained: the calculator's inputs besides the ModelConfig."""
+
+    batch: int = 1  # sequences per GPU per micro-batch
+    seq: int = 0  # tokens per sequence; 0 means max_seq_len
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    zero: int = 0
+    gpus: int = 1
+    checkpointing: bool = False
+
+    def check(self) -> "Setup":
+        if self.precision not in PRECISION_BYTES:
+            raise QkvError(f"precision={self.precision!r} is not allowed; choose from: {', '.join(PRECISION_BYTES)}")
+        if self.optimizer not in OPTIMIZER_BYTES:
+            raise QkvError(f"optimizer={self.optimizer!r} is not allowed; choose from: {', '.join(OPTIMIZER_BYTES)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise QkvError(f"zero={self.zero} is not allowed; choose from: 0, 1, 2, 3")
+        for name in ("batch", "gpus"):
+            if getattr(self, name) <= 0:
+                raise QkvError(f"{name}={getattr(self, name)} must be positive")
+        if self.seq < 0:
+            raise QkvError(f"seq={self.seq} must be positive")
+        return self
+
+
+def model_states(n_params: int, setup: Setup) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients, master weights and optimizer states under ZeRO."""
+    weight, grad, master, _ = PRECISION_BYTES[setup.precision]
+    shard = lambda stage: setup.gpus if setup.zero >= stage else 1  # noqa: E731
+    return {"weights": n_params * weight / shard(3), "gradients": n_params * grad / shard(2),
+            "master_weights": n_params * master / shard(1),
+            "optimizer_states": n_params * OPTIMIZER_BYTES[setup.optimizer] / shard(1)}
+
+
+def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
+    """Bytes one attention sub-layer keeps (self-attention: S = T)."""
+    D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
+    kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
+    elements = 2 * B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # x, LN(x), Q, K+V, concat(heads)
+    if cfg.attention in FUSED_KERNELS:
+        kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
+    else:
+        kernel = FP32 * B * H * T * S  # A = softmax(Q K^T / sqrt(Dh)), fp32
+    masks = (B * T * D + (0 if cfg.attention in FUSED_KERNELS else B * H * T * S)) if cfg.dropout else 0
+    return a * elements + kernel + masks
+
+
+def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int) -> float:
+    D, F = cfg.d_model, cfg.d_ff
+    hidden = (4 if cfg.ffn == "glu" else 2) * B * T * F
+    if cfg.moe_experts:  # each token's hidden activations exist once per chosen expert, + router
+        hidden = hidden * cfg.moe_top_k + B * T * cfg.moe_experts * (a + FP32)
+    masks = B * T * D if cfg.dropout else 0
+    return a * (2 * B * T * D + hidden) + masks
+
+
+def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0) -> float:
+    """One layer's saved activations; a decoder layer of an encoder-decoder adds cross-attention."""
+    total = _attention_layer(cfg, B, T, T, a) + _ffn_layer(cfg, B, T, a)
+    return total + (_attention_layer(cfg, B, T, source, a) if source else 0)
+
+
+def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
+    """(T, source length) per layer, encoder layers first."""
+    if cfg.arch == "encoder":
+        return [(T, 0)] * cfg.encoder_layers
+    if cfg.arch == "encoder-decoder":
+        return [(T, 0)] * cfg.encoder_layers + [(T, T)] * cfg.decoder_layers
+    return [(T, 0)] * cfg.decoder_layers
+
+
+def head_activations(cfg: ModelConfig, B: int, T: int, a: int) -> float:
+    """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V)."""
+    if cfg.arch == "encoder" and cfg.head == "none":
+        return a * B * T * cfg.d_model
+    return a * 2 * B * T * cfg.d_model + 2 * FP32 * B * T * cfg.vocab_size
+
+
+def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
+    B, T = setup.batch, setup.seq or cfg.max_seq_len
+    a = PRECISION_BYTES[setup.precision][3]
+    per_layer = [layer_activations(cfg, B, t, a, s) for t, s in _layers(cfg, T)]
+    head = head_activations(cfg, B, T, a)
+    if not setup.checkpointing:  # the peak is at the start of the backward: everything is alive
+        return {"activations": sum(per_layer) + head}
+    # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the
+    # gradient flowing into it), so the peak is the larger of the two on top of the inputs
+    inputs = a * B * T * cfg.d_model * len(per_layer)
+    return {"activations": inputs + max(head, max(per_layer) + a * B * T * cfg.d_model)}
+
+
+def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
+    """{part: bytes per GPU} and the total, for one training step's peak."""
+    setup.check()
+    parts = {**model_states(params.count(cfg), setup), **activations(cfg, setup)}
+    return {**parts, "total": sum(parts.values())}
+
+
+def kv_cache(cfg: ModelConfig, *, batch: int, seq: int, bytes_per_element: int = 2, source_seq: int = 0) -> int:
+    """Inference KV cache: K and V of every decoder layer, 2 L B T Hkv Dh elements (GQA/MQA shrink Hkv);
+    an encoder-decoder also caches the cross-attention K, V over the S source tokens."""
+    if cfg.arch == "encoder":
+        return 0
+    per_token = 2 * cfg.decoder_layers * cfg.kv_heads * cfg.head_dim * bytes_per_element
+    cross = per_token * batch * (source_seq or seq) if cfg.arch == "encoder-decoder" else 0
+    return per_token * batch * seq + cross

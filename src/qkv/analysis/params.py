@@ -1,0 +1,171 @@
+"""Parameter counts per component, from a ModelConfig alone (note 000 LLM §1.2, §8.1; SPEC F1).
+
+Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E experts):
+    attention   D*H*Dh (W^Q) + 2*D*Hkv*Dh (W^K, W^V) + H*Dh*D (W^O)  [+ H*Dh + 2*Hkv*Dh + D biases]
+                = 4 D^2 for MHA without biases (note 000 §2.2.2)
+    FFN (mlp)   2*D*F [+ F + D]        (note 000 §4.1: W1 (D, F), W2 (F, D), b1, b2)
+    FFN (glu)   3*D*F [+ 2F + D]       (note 003, SwiGLU: gate, up and down projections)
+    MoE         E * FFN + D*E          (E expert FFNs + the router, no bias; note 002)
+    LayerNorm   D [+ D]  (gamma, beta; note 000 §5.1);  RMSNorm D (note 003); two per sublayer (pre / post),
+                four with sandwich placement (a norm before and after each sublayer)
+Model: token embedding V*D, a learned position table max_seq_len*D, the layers, a final norm for
+Pre-LN stacks, and an output projection V*D unless tied to the embedding (note 000 LLM §1.2); encoders
+add a head (BERT's MLM or classifier), encoder-decoders a second stack with cross-attention (note 000 §8).
+Every count here equals `sum(p.numel() for p in build_model(cfg).parameters())` (tests/analysis).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from qkv.config import ModelConfig
+from qkv.registry import Registry
+
+# ---- one formula per variant axis; a variant without a formula is counted by building that one module ----
+
+
+def linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def attention(cfg: ModelConfig) -> int:
+    q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return (linear(cfg.d_model, q_width, cfg.bias) + 2 * linear(cfg.d_model, kv_width, cfg.bias)
+            + linear(q_width, cfg.d_model, cfg.bias))
+
+
+FFN_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
+    "mlp": lambda c: linear(c.d_model, c.d_ff, c.bias) + linear(c.d_ff, c.d_model, c.bias),
+    "glu": lambda c: 2 * linear(c.d_model, c.d_ff, c.bias) + linear(c.d_ff, c.d_model, c.bias),
+}
+NORM_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
+    "layernorm": lambda c: c.d_model * (2 if c.bias else 1),
+    "rmsnorm": lambda c: c.d_model,
+}
+POSITIONAL_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
+    "none": lambda c: 0, "sinusoidal": lambda c: 0, "rope": lambda c: 0, "alibi": lambda c: 0,
+    "learned": lambda c: c.max_seq_len * c.d_model,
+}
+
+
+def _built(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def dense_ffn(cfg: ModelConfig) -> int:
+    if cfg.ffn in FFN_FORMULAS:
+        return FFN_FORMULAS[cfg.ffn](cfg)
+    from qkv.models import build
+    return _built(build.ffn(cfg))  # a variant added later: count the one module
+
+
+def ffn(cfg: ModelConfig) -> int:
+    """The FFN of one layer: dense, or E experts plus the router (D, E)."""
+    if not cfg.moe_experts:
+        return dense_ffn(cfg)
+    return cfg.moe_experts * dense_ffn(cfg) + cfg.d_model * cfg.moe_experts
+
+
+def active_ffn(cfg: ModelConfig) -> int:
+    """FFN parameters one token uses: top_k experts and the router."""
+    if not cfg.moe_experts:
+        return dense_ffn(cfg)
+    return cfg.moe_top_k * dense_ffn(cfg) + cfg.d_model * cfg.moe_experts
+
+
+def norm(cfg: ModelConfig) -> int:
+    if cfg.norm in NORM_FORMULAS:
+        return NORM_FORMULAS[cfg.norm](cfg)
+    from qkv.models import build
+    return _built(build.norm(cfg))
+
+
+def positional(cfg: ModelConfig) -> int:
+    if cfg.positional in POSITIONAL_FORMULAS:
+        return POSITIONAL_FORMULAS[cfg.positional](cfg)
+    from qkv.models import build
+    return _built(build.positional(cfg))
+
+
+def sublayer_norms(cfg: ModelConfig) -> int:
+    """The norms of one sublayer: one (pre, post) or an inner and an outer one (sandwich)."""
+    from qkv.nn.residual import PAIRED
+
+    return (2 if cfg.norm_placement in PAIRED else 1) * norm(cfg)
+
+
+def final_norm(cfg: ModelConfig) -> int:
+    """Pre-LN and sandwich stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
+    from qkv.nn.residual import needs_final_norm
+
+    return norm(cfg) if needs_final_norm(cfg.norm_placement) else 0
+
+
+def lm_head(cfg: ModelConfig) -> int:
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+
+
+# ---- one function per architecture family: {component: parameters} ----------------------------
+
+FAMILIES: Registry[Callable[[ModelConfig], dict[str, int]]] = Registry("architecture")
+
+
+def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False) -> dict[str, int]:
+    parts = {f"{prefix}attention": layers * attention(cfg), f"{prefix}ffn": layers * ffn(cfg),
+             f"{prefix}norms": layers * 2 * sublayer_norms(cfg)}
+    if cross:
+        parts[f"{prefix}cross_attention"] = layers * attention(cfg)
+        parts[f"{prefix}norms"] += layers * sublayer_norms(cfg)
+    parts[f"{prefix}final_norm"] = final_norm(cfg)
+    return parts
+
+
+def _embeddings(cfg: ModelConfig, tables: int = 1) -> dict[str, int]:
+    """Token table(s) W_E, token-type table, one positional module and the optional embedding norm."""
+    parts = {"embedding": (tables * cfg.vocab_size + cfg.type_vocab_size) * cfg.d_model,
+             "positional": positional(cfg)}
+    return {**parts, "embed_norm": norm(cfg)} if cfg.embed_norm else parts
+
+
+@FAMILIES.register("decoder")
+def decoder(cfg: ModelConfig) -> dict[str, int]:
+    return {**_embeddings(cfg), **_stack(cfg, cfg.decoder_layers, ""), "lm_head": lm_head(cfg)}
+
+
+HEADS: dict[str, Callable[[ModelConfig], int]] = {  # encoder heads (qkv.models.heads, BERT)
+    "none": lambda c: 0,
+    # transform W_t (D, D), its norm, the vocabulary projection (W_E when tied) and its bias b_V
+    "mlm": lambda c: linear(c.d_model, c.d_model, c.bias) + norm(c) + lm_head(c) + c.vocab_size,
+    # pooler W_p (D, D) (tanh), then the class projection W_c (n_classes, D)
+    "classifier": lambda c: linear(c.d_model, c.d_model, c.bias) + linear(c.d_model, c.n_classes, c.bias),
+}
+
+
+@FAMILIES.register("encoder")
+def encoder(cfg: ModelConfig) -> dict[str, int]:
+    """BERT-style stack (note 000 §7) and its head (`model.head`)."""
+    return {**_embeddings(cfg), **_stack(cfg, cfg.encoder_layers, ""), "head": HEADS[cfg.head](cfg)}
+
+
+@FAMILIES.register("encoder-decoder")
+def encoder_decoder(cfg: ModelConfig) -> dict[str, int]:
+    """Each stack embeds with its own positional module (and embedding norm); tied, one W_E serves the
+    source, the target and the output projection (Vaswani et al. §3.4), untied they are three tables."""
+    embeddings = _embeddings(cfg, tables=1 if cfg.tie_embeddings else 2)
+    embeddings = {name: n * (1 if name == "embedding" else 2) for name, n in embeddings.items()}  # per stack
+    return {**embeddings, **_stack(cfg, cfg.encoder_layers, "encoder."),
+            **_stack(cfg, cfg.decoder_layers, "decoder.", cross=True), "lm_head": lm_head(cfg)}
+
+
+def breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """{component: parameters} plus `total`, `non_embedding` (Kaplan et al.'s N: without the token and
+    position tables) and `active` (per token: top-k experts of an MoE)."""
+    parts = {name: count for name, count in FAMILIES.get(cfg.arch)(cfg).items()}
+    total = sum(parts.values())
+    ffn_layers = sum(n // ffn(cfg) for name, n in parts.items() if name.endswith("ffn"))
+    unused = ffn_layers * (ffn(cfg) - active_ffn(cfg))  # the experts a token is not routed to
+    return {**parts, "total": total, "non_embedding": total - parts["embedding"] - parts["positional"],
+            "active": total - unused}
+
+
+def count(cfg: ModelConfig) -> int:
+    return breakdown(cfg)["total"]

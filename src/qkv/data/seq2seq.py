@@ -1,0 +1,107 @@
+"""Sequence-to-sequence pairs derived from a token stream, for teacher-forced encoder-decoder training
+(SPEC B10; note 000 §13.1 applied to p(y | x); a later issue adds real translation pairs).
+
+Lines are the runs of tokens between line breaks: tokens whose bytes contain "\\n" (the byte-level
+pre-tokenizer keeps newlines in whitespace-only tokens) and the end-of-text token. A task (`data.seq2seq_task`)
+turns line i into a (source, target) pair:
+    next-line: line i -> line i + 1;      reverse: line i -> the tokens of line i in reverse order.
+
+A batch of B pairs drawn uniformly (PCG64, JSON state as `dataset.Batches`):
+    src        (B, S)  source ids, right-padded with PAD            src_mask (B, S) 1 = token
+    tgt_in     (B, T)  [BOS] + target (BOS = end-of-text)           tgt_mask (B, T)
+    labels     (B, T)  target + [EOS], -100 at padding               (teacher forcing: predict labels[t]
+                                                                       from tgt_in[:t+1] and the source)
+Sources keep their first seq_len tokens and targets their first seq_len - 1.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from qkv.errors import QkvError
+from qkv.registry import Registry
+
+IGNORE = -100
+Pair = tuple[np.ndarray, np.ndarray]
+TASKS: Registry[Callable[[np.ndarray, np.ndarray, int], Pair]] = Registry("seq2seq task")
+
+
+def line_spans(tokens: np.ndarray, break_ids: Sequence[int]) -> np.ndarray:
+    """(N, 2) [start, end) of every non-empty run of tokens between break tokens."""
+    breaks = np.flatnonzero(np.isin(tokens, np.asarray(list(break_ids), dtype=np.int64)))
+    bounds = np.concatenate(([-1], breaks, [len(tokens)]))
+    starts, ends = bounds[:-1] + 1, bounds[1:]
+    keep = ends > starts
+    return np.stack((starts[keep], ends[keep]), axis=1)
+
+
+@TASKS.register("next-line")
+def next_line(tokens: np.ndarray, spans: np.ndarray, index: int) -> Pair:
+    (a, b), (c, d) = spans[index], spans[index + 1]
+    return np.asarray(tokens[a:b], dtype=np.int64), np.asarray(tokens[c:d], dtype=np.int64)
+
+
+@TASKS.register("reverse")
+def reverse_line(tokens: np.ndarray, spans: np.ndarray, index: int) -> Pair:
+    a, b = spans[index]
+    line = np.asarray(tokens[a:b], dtype=np.int64)
+    return line, line[::-1].copy()
+
+
+def pad_right(rows: Sequence[np.ndarray], fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of different lengths -> (B, L) ids padded with `fill` and the (B, L) mask, 1 = token."""
+    width = max(len(row) for row in rows)
+    ids = np.full((len(rows), width), fill, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def collate(pairs: Sequence[Pair], *, seq_len: int, bos_id: int, eos_id: int, pad_id: int) -> tuple[np.ndarray, ...]:
+    """(src, src_mask, tgt_in, tgt_mask, labels) for a list of (source, target) pairs."""
+    sources = [src[:seq_len] for src, _ in pairs]
+    targets = [tgt[: seq_len - 1] for _, tgt in pairs]
+    src, src_mask = pad_right(sources, pad_id)
+    tgt_in, tgt_mask = pad_right([np.concatenate(([bos_id], t)) for t in targets], pad_id)
+    labels, _ = pad_right([np.concatenate((t, [eos_id])) for t in targets], IGNORE)
+    return src, src_mask, tgt_in, tgt_mask, labels
+
+
+class Seq2SeqBatches:
+    """Random (source, target) pairs of one task over a stream's lines, reproducible and resumable.
+
+    With world > 1 every rank draws the same global batch and keeps rows rank::world."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, *, task: str,
+                 break_ids: Sequence[int], bos_id: int, eos_id: int, pad_id: int, rank: int = 0, world: int = 1):
+        if seq_len < 2:
+            raise QkvError(f"seq2seq needs seq_len >= 2 (BOS + one target token), got {seq_len}")
+        self.tokens, self.spans = tokens, line_spans(tokens, break_ids)
+        if len(self.spans) < 2:
+            raise QkvError(f"seq2seq needs at least 2 non-empty lines of text, found {len(self.spans)}")
+        self.task, self.make = task, TASKS.get(task)
+        self.seq_len, self.batch_size, self.rank, self.world = seq_len, batch_size, rank, world
+        self.special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self.drawn = 0
+
+    def next(self) -> tuple[np.ndarray, ...]:
+        index = self._rng.integers(0, len(self.spans) - 1, size=self.batch_size)  # (B,) line i of pair i
+        self.drawn += 1
+        pairs = [self.make(self.tokens, self.spans, int(i)) for i in index[self.rank :: self.world]]
+        return collate(pairs, seq_len=self.seq_len, **self.special)
+
+    def state(self) -> dict:
+        return {"bit_generator": self._rng.bit_generator.state, "batches": self.drawn, "task": self.task,
+                "seq_len": self.seq_len, "batch_size": self.batch_size}
+
+    def load_state(self, state: dict) -> None:
+        saved = (state.get("task"), state.get("seq_len"), state.get("batch_size"))
+        if saved != (self.task, self.seq_len, self.batch_size):
+            raise QkvError(f"data state is for task, seq_len, batch_size = {saved}; this run has "
+                           f"{(self.task, self.seq_len, self.batch_size)}")
+        self._rng.bit_generator.state = state["bit_generator"]
+        self.drawn = int(state["batches"])

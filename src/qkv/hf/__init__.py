@@ -1,0 +1,148 @@
+"""Hugging Face checkpoints in and out (GPT-2, LLaMA, BERT, BART, T5 families).
+
+    run = qkv.load(hf_dir)              # config.json + model.safetensors (or shards) [+ tokenizer.json]
+    qkv.hf.save(run, out_dir)           # a dir transformers' from_pretrained loads, same outputs
+    qkv.hf.convert_from_hf(hf_dir, run_dir)   # a qkv run dir (qkv convert --from-hf DIR --out RUN)
+
+Reading uses JSON and safetensors only: transformers is never imported here. Each family (one module per
+HF `model_type`) maps config and tensor names both ways (qkv.hf.common.Family).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from qkv.errors import QkvError
+from qkv.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family)
+from qkv.hf.common import FAMILIES, Family
+from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
+from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
+from qkv.models import build_model
+from qkv.run import Run
+from qkv.train import checkpoint
+
+__all__ = ["convert_from_hf", "is_hf_dir", "load", "save", "supported"]
+
+
+def supported() -> list[str]:
+    """The HF architectures qkv reads and writes."""
+    return sorted(arch for name in FAMILIES.names() for arch in FAMILIES.get(name).architectures)
+
+
+def detect(hf: dict) -> tuple[Family, str]:
+    """The family and architecture of an HF config.json; QkvError naming it and the supported ones."""
+    model_type = hf.get("model_type")
+    architectures = hf.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    by_architecture = {arch: FAMILIES.get(name) for name in FAMILIES.names()
+                       for arch in FAMILIES.get(name).architectures}  # a config.json without model_type
+    family = FAMILIES.get(model_type) if model_type in FAMILIES else by_architecture.get(architecture)
+    if family is not None and architecture is None:
+        architecture = family.architectures[0]  # config.json of a bare config: the family's main class
+    if family is None or architecture not in family.architectures:
+        raise QkvError(f"Hugging Face architecture {architecture or '(none)'} (model_type {model_type!r}) is not "
+                       f"supported; supported: {', '.join(supported())}")
+    return family, architecture
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
+    """Read an HF model dir into a qkv Run (model in eval mode). `run.tokenizer` is None without tokenizer.json."""
+    path = Path(path)
+    if not path.is_dir():
+        raise QkvError(f"{path}: no such directory")
+    hf = read_config(path)  # file errors name the file
+    try:
+        family, architecture = detect(hf)
+        cfg = family.config(hf, architecture)
+        cfg.validate()
+    except QkvError as exc:
+        raise QkvError(f"{path / CONFIG}: {exc}") from None
+    weights = read_weights(path)
+    try:
+        tensors = family.to_qkv(weights, cfg)
+    except QkvError as exc:
+        raise QkvError(f"{path}: {exc}") from None
+    model = build_model(cfg)
+    checkpoint.load_model_tensors(model, tensors, str(path / WEIGHTS))
+    tokenizer, _ = read_tokenizer(path, hf)
+    vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
+    return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer)
+
+
+def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
+    """A run config for fine-tuning an imported model: a small learning rate, a short warmup
+    (docs/DEVIATIONS.md); data.vocab_size records the tokenizer's size (at least the BPE minimum)."""
+    train = TrainConfig(seq_len=min(128, cfg.max_seq_len), lr=1e-4, min_lr=1e-5, warmup_steps=10)
+    return RunConfig(model=cfg, train=train, data=DataConfig(vocab_size=max(257, tokenizer_vocab)))
+
+
+def exporter(cfg: ModelConfig) -> Family:
+    for name in FAMILIES.names():
+        if FAMILIES.get(name).exports(cfg):
+            return FAMILIES.get(name)
+    kinds = "; ".join(FAMILIES.get(name).exports_doc for name in FAMILIES.names())
+    raise QkvError(f"no Hugging Face family matches this model (arch={cfg.arch}, positional={cfg.positional}, "
+                   f"norm={cfg.norm}, ffn={cfg.ffn}); exportable: {kinds}")
+
+
+def save(run_or_model: Run | nn.Module, out_dir: str | Path, *, config: ModelConfig | None = None) -> Path:
+    """Write `out_dir` (new or empty) as an HF model dir: config.json, model.safetensors (fp32) and, for a
+    Run with a tokenizer, tokenizer.json + tokenizer_config.json. A bare model needs its `config`."""
+    run = run_or_model if isinstance(run_or_model, Run) else None
+    model = run.model if run is not None else run_or_model
+    cfg = run.config.model if run is not None else config
+    if cfg is None:
+        raise QkvError("qkv.hf.save(model, dir) needs config=ModelConfig (or pass a Run)")
+    family = exporter(cfg)
+    architecture, hf = family.hf_config(cfg)
+    tensors = family.to_hf(checkpoint.model_tensors(model), cfg)
+    hf = {"architectures": [architecture], **hf, "dtype": "float32"}
+    tokenizer = run.tokenizer if run is not None else None
+    decoder = cfg.arch == "decoder"
+    if tokenizer is not None and decoder:  # generation's start and stop token
+        hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.eos_id)
+    files = {CONFIG: to_json(hf),
+             **hf_tokenizer_files(tokenizer, original_tokenizer(run), cfg.max_seq_len, decoder)}
+    write_dir(Path(out_dir), files, {name: t.float() for name, t in tensors.items()})
+    return Path(out_dir)
+
+
+def original_tokenizer(run: Run | None) -> str | None:
+    """The unmodified HF tokenizer.json a run came from, if any (qkv.hf.tokenizer)."""
+    if run is None:
+        return None
+    for file in (run.path / ORIGINAL, run.path / TOKENIZER if is_hf_dir(run.path) else None):
+        if file is not None and file.is_file():
+            return file.read_text(encoding="utf-8")
+    return None
+
+
+def convert_from_hf(src: str | Path, out: str | Path) -> Path:
+    """HF dir -> qkv run dir (config.json, tokenizer.json, model.safetensors [, hf_tokenizer.json]), atomically."""
+    src, out = Path(src), Path(out)
+    run = load(src)
+    if run.tokenizer is None:
+        raise QkvError(f"{src}: a qkv run needs a tokenizer, and this dir has no tokenizer.json "
+                       f"(or one without an end-of-text or separator token)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise QkvError(f"{out} already exists and is not empty; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        run.config.save(tmp / CONFIG)
+        run.tokenizer.save(tmp / TOKENIZER)
+        (tmp / ORIGINAL).write_text((src / TOKENIZER).read_text(encoding="utf-8"), encoding="utf-8")
+        save_file(checkpoint.model_tensors(run.model), str(tmp / checkpoint.MODEL_FILE))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,160 @@
+"""Sparse attention kernels (note 000 §15.1): each is softmax attention restricted to a pattern of keys,
+a function of (query column i, key column j) only, so a KV-cache step sees the same keys as the full pass.
+
+- `local`   |i - j| <= w (§15.1.1), computed per query block against its band of keys: O(T (b + 2w))
+            scores and time, b = the block (w), never a (T, S) array (SPEC claim 16).
+- `dilated` (i - j) mod d = 0 (§15.1.2: "j = i + k d, k in Z"), d = w; every key of the query's residue
+            class, as the note writes it (no window). Tiled: O(n) memory; time O(n^2) (it is n^2 / d work).
+- `random`  BigBird-style (Zaheer et al. 2020; §15.1.3 "r random positions per query"): the window
+            |i - j| <= w, plus the first GLOBAL_KEYS keys the query may see (global tokens), plus keys at
+            RANDOM_KEYS seeded random distances in (w, w + RANDOM_SPAN]. Distances, not absolute
+            blocks, so left padding and cached decoding see the same keys (docs/DEVIATIONS.md). Tiled.
+
+w is `model.window`, bound by `kernel_for`. Combined with causality and padding masks as every kernel is.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from qkv.nn.kernels import KERNELS, WEIGHTS, RelativeValues, attention_weights, tiled, weighted_values
+
+GLOBAL_KEYS = 2  # BigBird's global tokens: the first keys every query attends to
+RANDOM_KEYS = 3  # BigBird's r random keys (3 random blocks in the paper)
+RANDOM_SPAN = 32  # random distances are drawn from (w, w + RANDOM_SPAN]
+RANDOM_SEED = 0  # the pattern is part of the model: the same in every step, process and run
+
+
+def offsets(query_cols: Tensor, key_cols: Tensor) -> Tensor:
+    """i - j for every (query, key) column pair. (r, c)"""
+    return query_cols[:, None] - key_cols[None, :]
+
+
+def local_pattern(query_cols: Tensor, key_cols: Tensor, *, window: int) -> Tensor:
+    return offsets(query_cols, key_cols).abs() <= window
+
+
+def dilated_pattern(query_cols: Tensor, key_cols: Tensor, *, window: int) -> Tensor:
+    return offsets(query_cols, key_cols).remainder(max(window, 1)) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def random_distances(window: int) -> tuple[int, ...]:
+    """RANDOM_KEYS distinct distances drawn uniformly from (w, w + RANDOM_SPAN] with a fixed seed."""
+    generator = torch.Generator().manual_seed(RANDOM_SEED)
+    draw = torch.randperm(RANDOM_SPAN, generator=generator)[:RANDOM_KEYS] + window + 1
+    return tuple(sorted(draw.tolist()))
+
+
+def random_pattern(query_cols: Tensor, key_cols: Tensor, *, window: int) -> Tensor:
+    """Window and random distances (both directions); the global keys come from `with_global_keys`."""
+    distance = offsets(query_cols, key_cols).abs()
+    chosen = torch.tensor(random_distances(window), device=distance.device)
+    return (distance <= window) | torch.isin(distance, chosen)
+
+
+def with_global_keys(pattern, mask: Tensor | None, T: int, S: int):
+    """BigBird's global keys: the first GLOBAL_KEYS keys each query may see. Without a mask those are
+    columns 0..G-1; with one (padding), the first G allowed columns of each row, so a left-padded row
+    attends to its own first tokens. Returns (pattern, mask) for `tiled`."""
+    if mask is None:
+        return (lambda qc, kc: pattern(qc, kc) | (kc[None, :] < GLOBAL_KEYS)), None
+    mask = mask.expand(mask.shape[0], 1, T, S)
+    first = mask & (mask.long().cumsum(-1) <= GLOBAL_KEYS)  # (B, 1, T, S)
+    cols = torch.arange(S, device=mask.device)
+    return None, mask & (pattern(cols[S - T:], cols) | first)
+
+
+def pattern_mask(pattern, T: int, S: int, mask: Tensor | None, causal: bool, device) -> Tensor:
+    """The equivalent (B or 1, 1, T, S) mask of a pattern: what `naive` needs to compute the same thing."""
+    cols = torch.arange(S, device=device)
+    allowed = pattern(cols[S - T:], cols)[None, None]  # (1, 1, T, S)
+    if mask is not None:
+        return mask & allowed
+    if causal:
+        return allowed & (offsets(cols[S - T:], cols) >= 0)
+    return allowed
+
+
+# ---------------------------------------------------------------------------------------- local (banded)
+
+
+def band(T: int, S: int, window: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Query blocks of b rows and the key columns each block may reach: (nb, b) query rows, (nb, b + 2w)
+    key columns (out-of-range ones clamped, flagged by `valid`)."""
+    b = min(max(window, 1), T)
+    nb = math.ceil(T / b)
+    rows = torch.arange(nb * b, device=device).view(nb, b)  # (nb, b) query rows, some past T (padding)
+    start = (S - T) + rows[:, :1] - window  # (nb, 1) the first key column of each block's band
+    cols = start + torch.arange(b + 2 * window, device=device)  # (nb, W)
+    valid = (cols >= 0) & (cols < S)
+    return rows, cols, valid, b
+
+
+@KERNELS.register("local")
+def local(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
+    """softmax over the keys with |i - j| <= w, per query block of b = w rows against its W = b + 2w band
+    (note 000 §15.1.1): (B, H, T/b, b, W) scores, O(T w) time and memory."""
+    B, H, T, Dh = q.shape
+    S = k.shape[-2]
+    rows, cols, valid, b = band(T, S, window, q.device)
+    nb, W = cols.shape
+    r, c = rows.clamp(max=T - 1)[:, :, None], cols.clamp(0, S - 1)[:, None, :]  # (nb, b, 1), (nb, 1, W)
+    q_blocks = q[:, :, rows.clamp(max=T - 1)]  # (B, H, nb, b, Dh)
+    k_band, v_band = k[:, :, cols.clamp(0, S - 1)], v[:, :, cols.clamp(0, S - 1)]  # (B, H, nb, W, Dh)
+    scores = (q_blocks @ k_band.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    if bias is not None:
+        scores = scores + bias.expand(*bias.shape[:-2], T, S)[..., r, c]  # (B, H, nb, b, W)
+    i = (S - T) + rows[:, :, None]  # (nb, b, 1) query columns
+    allowed = valid[:, None, :] & ((i - cols[:, None, :]).abs() <= window)  # (nb, b, W)
+    if mask is not None:
+        allowed = allowed & mask.expand(mask.shape[0], 1, T, S)[:, :, r, c]  # (B, 1, nb, b, W)
+    elif causal:
+        allowed = allowed & (cols[:, None, :] <= i)
+    allowed = allowed | (rows >= T)[:, :, None]  # padding rows see anything: finite, then dropped
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, nb, b, W)
+    if value_bias is not None:
+        value_bias = RelativeValues(value_bias.index[:, r, c], value_bias.table)  # index (B, nb, b, W)
+    out = weighted_values(weights, v_band, value_bias, dropout)  # (B, H, nb, b, Dh)
+    return out.flatten(2, 3)[:, :, :T]  # (B, H, T, Dh)
+
+
+# ---------------------------------------------------------------------------------------- dilated, random
+
+
+@KERNELS.register("dilated")
+def dilated(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+            scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
+    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                 value_bias=value_bias, pattern=functools.partial(dilated_pattern, window=window))
+
+
+@KERNELS.register("random")
+def random(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+           scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
+    pattern, mask = with_global_keys(functools.partial(random_pattern, window=window), mask,
+                                     q.shape[-2], k.shape[-2])
+    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                 value_bias=value_bias, pattern=pattern)
+
+
+def sparse_weights(pattern_fn, global_keys: bool = False):
+    """The explicit weights of a sparse kernel: naive attention with the pattern in the mask."""
+    def weights(q, k, *, mask, causal, bias, scale, window):
+        T, S = q.shape[-2], k.shape[-2]
+        pattern = functools.partial(pattern_fn, window=window)
+        if global_keys:
+            pattern, mask = with_global_keys(pattern, mask, T, S)
+        if pattern is not None:
+            mask = pattern_mask(pattern, T, S, mask, causal, q.device)
+        return attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)
+    return weights
+
+
+WEIGHTS["local"] = sparse_weights(local_pattern)
+WEIGHTS["dilated"] = sparse_weights(dilated_pattern)
+WEIGHTS["random"] = sparse_weights(random_pattern, global_keys=True)

@@ -1,0 +1,127 @@
+"""Training objectives (SPEC B1, B10): where an objective's batches come from and the loss of a model on one.
+
+Every objective has one signature:
+    batches(tokens, tokenizer, cfg, *, batch_size, seed) -> sampler with next() -> tuple of (B, ...) arrays,
+                                                           state() -> JSON and load_state(state)
+    loss(model, batch, label_smoothing) -> scalar mean cross-entropy over the predicted tokens
+
+- lm:      next-token prediction on random windows (note 000 §13.1): CE(model(x), x shifted by one)
+- mlm:     BERT's masked LM on random windows (qkv.data.mlm): CE over the masked positions only
+- seq2seq: teacher forcing on (source, target) line pairs (qkv.data.seq2seq): CE(model(src, tgt_in), labels)
+
+`train.objective = auto` takes the architecture's own: decoder -> lm, encoder -> mlm, encoder-decoder -> seq2seq.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.data.dataset import Batches
+from qkv.data.mlm import MLMBatches
+from qkv.data.seq2seq import Seq2SeqBatches
+from qkv.data.tokenizer import MASK, PAD, Tokenizer
+from qkv.errors import QkvError
+from qkv.registry import Registry
+
+AUTO = {"decoder": "lm", "encoder": "mlm", "encoder-decoder": "seq2seq"}
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in fp32; targets of -100
+    (padding) are ignored. Label smoothing uses the target (1 - eps) onehot + eps / V (note 000 §13.3)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                           label_smoothing=label_smoothing)
+
+
+@dataclass(frozen=True)
+class Objective:
+    batches: Callable[..., object]
+    loss: Callable[[nn.Module, tuple[Tensor, ...], float], Tensor]
+    model: tuple[str, str]  # the (model.arch, model.head) it trains
+    specials: tuple[str, ...] = ()  # tokens added to the tokenizer after its trained vocabulary
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+
+def lm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> Batches:
+    return Batches(tokens, cfg.train.seq_len, batch_size, seed)
+
+
+def lm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
+    inputs, targets = batch  # (B, T) each
+    return cross_entropy(model(inputs), targets, label_smoothing)
+
+
+def mlm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> MLMBatches:
+    mask_id = needs_tokenizer(tokenizer, "mlm").special_id(MASK)
+    return MLMBatches(tokens, cfg.train.seq_len, batch_size, seed, mask_id=mask_id,
+                      n_regular=tokenizer.trained_size,
+                      mask_prob=cfg.train.mask_prob)
+
+
+def mlm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
+    inputs, targets = batch  # (B, T) each; targets -100 except at the chosen positions
+    return cross_entropy(model(inputs), targets, label_smoothing)
+
+
+def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int,
+                    seed: int) -> Seq2SeqBatches:
+    tokenizer = needs_tokenizer(tokenizer, "seq2seq")
+    breaks = [i for i, data in enumerate(tokenizer.token_bytes) if b"\n" in data] + [tokenizer.eos_id]
+    return Seq2SeqBatches(tokens, cfg.train.seq_len, batch_size, seed, task=cfg.data.seq2seq_task,
+                          break_ids=breaks, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id,
+                          pad_id=tokenizer.special_id(PAD))
+
+
+def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
+    src, src_mask, tgt_in, tgt_mask, labels = batch  # (B, S), (B, S), (B, T), (B, T), (B, T)
+    return cross_entropy(model(src, tgt_in, src_mask, tgt_mask), labels, label_smoothing)
+
+
+OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none")))
+OBJECTIVES.register("mlm")(Objective(mlm_batches, mlm_loss, ("encoder", "mlm"), specials=(MASK,)))
+OBJECTIVES.register("seq2seq")(Objective(seq2seq_batches, seq2seq_loss, ("encoder-decoder", "none"),
+                                         specials=(PAD,)))
+
+
+def name_for(cfg) -> str:
+    """The objective a RunConfig trains: train.objective, or the architecture's own for auto."""
+    return AUTO[cfg.model.arch] if cfg.train.objective == "auto" else cfg.train.objective
+
+
+def for_run(cfg) -> Objective:
+    """The objective of a RunConfig, checked against its model."""
+    name = name_for(cfg)
+    objective = OBJECTIVES.get(name)
+    arch, head = objective.model
+    if (cfg.model.arch, cfg.model.head) != (arch, head):
+        raise QkvError(f"train.objective={name!r} trains model.arch={arch!r} with model.head={head!r}; this run "
+                       f"has model.arch={cfg.model.arch!r}, model.head={cfg.model.head!r}")
+    return objective
+
+
+def needs_tokenizer(tokenizer: Tokenizer | None, name: str) -> Tokenizer:
+    if tokenizer is None:
+        raise QkvError(f"objective {name!r} needs the run's tokenizer for its special tokens")
+    return tokenizer
+
+
+@torch.no_grad()
+def evaluate(objective: Objective, model: nn.Module, tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *,
+             batch_size: int, batches: int, seed: int, device) -> float:
+    """Mean loss (no label smoothing) over `batches` fixed batches drawn with `seed` (the same at every call)."""
+    was_training = model.training
+    model.eval()
+    sampler = objective.batches(tokens, tokenizer, cfg, batch_size=batch_size, seed=seed)
+    losses = []
+    for _ in range(batches):
+        batch = tuple(torch.from_numpy(a).to(device) for a in sampler.next())
+        losses.append(objective.loss(model, batch, 0.0).item())
+    model.train(was_training)
+    return float(np.mean(losses))

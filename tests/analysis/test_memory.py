@@ -1,0 +1,102 @@
+"""Training memory (SPEC F1): the estimate within 20% of the peak tensor memory measured on CPU
+(qkv.analysis.measure.LiveBytes) for a training step; ZeRO sharding and the KV cache from their formulas."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import qkv
+from qkv.analysis import memory, params
+from qkv.analysis.measure import LiveBytes, peak_step_bytes
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+
+BASE = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=256, max_seq_len=128)
+
+
+def checkpoint_blocks(model) -> None:
+    """Activation checkpointing from outside the model (STYLE.md 6): each block recomputed in backward."""
+    for block in model.blocks:
+        forward = block.forward
+        block.forward = lambda *a, f=forward, **k: checkpoint(f, *a, use_reentrant=False, **k)
+
+
+def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool) -> int:
+    torch.manual_seed(0)
+    model = qkv.build_model(cfg)
+    if checkpointing:
+        checkpoint_blocks(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+
+    def step():
+        logits = model(ids[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return peak_step_bytes(model, optimizer, step)["peak"]
+
+
+@pytest.mark.parametrize("variant,checkpointing", [
+    ({}, False), ({}, True), ({"attention": "naive"}, False), ({"attention": "naive"}, True),
+    ({"n_kv_heads": 2, "ffn": "glu", "activation": "silu", "norm": "rmsnorm", "positional": "rope", "bias": False}, False),
+    ({"tie_embeddings": False, "norm_placement": "post"}, False),
+])
+def test_estimate_within_20_percent_of_measured_peak(variant, checkpointing):
+    cfg = ModelConfig(**BASE, **variant)
+    estimate = memory.training(cfg, memory.Setup(batch=4, seq=96, checkpointing=checkpointing))["total"]
+    assert estimate == pytest.approx(measured_peak(cfg, 4, 96, checkpointing), rel=0.20)
+
+
+def test_live_bytes_counts_allocations_and_frees():
+    with LiveBytes() as mode:
+        a = torch.zeros(1000)  # 4000 bytes
+        b = torch.zeros(500)
+        del a
+        c = torch.zeros(250)
+    assert mode.peak == 6000 and mode.current == 3000
+    del b, c
+
+
+def test_model_states_per_precision_and_zero():
+    n = 1000
+    fp32 = memory.model_states(n, memory.Setup(precision="fp32"))
+    mixed = memory.model_states(n, memory.Setup(precision="bf16"))
+    assert sum(fp32.values()) == sum(mixed.values()) == 16 * n  # 4+4+8 and 2+2+4+8
+    assert mixed["master_weights"] == 4 * n and fp32["master_weights"] == 0
+    for stage, sharded in ((1, ("master_weights", "optimizer_states")), (2, ("gradients",)), (3, ("weights",))):
+        states = memory.model_states(n, memory.Setup(precision="fp16", zero=stage, gpus=8))
+        for name in sharded:
+            assert states[name] == mixed[name] / 8
+    assert sum(memory.model_states(n, memory.Setup(precision="fp16", zero=3, gpus=8)).values()) == 16 * n / 8
+
+
+def test_checkpointing_keeps_layer_inputs_only():
+    cfg = ModelConfig(**{**BASE, "n_layers": 12})
+    full = memory.activations(cfg, memory.Setup(batch=2, seq=64))["activations"]
+    ckpt = memory.activations(cfg, memory.Setup(batch=2, seq=64, checkpointing=True))["activations"]
+    assert ckpt < full / 3
+
+
+def test_kv_cache_matches_the_models_cache():
+    cfg = ModelConfig(**{**BASE, "n_kv_heads": 2})
+    model = qkv.build_model(cfg)
+    cache = model.new_cache(3, 50)
+    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k, layer.v))
+    assert memory.kv_cache(cfg, batch=3, seq=50, bytes_per_element=4) == allocated
+
+
+def test_bad_setup_is_one_line_error():
+    with pytest.raises(QkvError, match="zero=4"):
+        memory.training(ModelConfig(), memory.Setup(zero=4))
+    with pytest.raises(QkvError, match="precision"):
+        memory.Setup(precision="fp8").check()
+
+
+def test_gpt3_mixed_precision_is_16_bytes_per_param():
+    """Claim 23: fp16 weights + grads, fp32 master + Adam m, v: 16 bytes/param, 2.8 TB for 175B."""
+    from qkv import presets
+
+    n = params.count(presets.get("gpt3-175b").model)
+    states = memory.model_states(n, memory.Setup(precision="fp16"))
+    assert sum(states.values()) / 1e12 == pytest.approx(2.79, abs=0.01)

@@ -1,0 +1,66 @@
+"""Run dirs: `qkv.load` rebuilds exactly the trained model, reads without writing, and refuses bad dirs."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qkv.errors import QkvError
+from qkv.models import build_model
+from qkv.run import load
+from qkv.train import checkpoint
+from qkv.train.checkpoint import MODEL_FILE, read_tensors
+from tests.train import setup_env, trained_run
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path_factory):
+    setup_env(monkeypatch, tmp_path_factory)
+
+
+@pytest.fixture
+def run_copy(tmp_path_factory, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run(tmp_path_factory)[0], copy)
+    return copy
+
+
+def test_load_rebuilds_the_saved_weights(run_copy):
+    run = load(run_copy)
+    saved = read_tensors(run_copy / MODEL_FILE)
+    for name, p in run.model.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    assert not run.model.training and run.config.model.vocab_size == run.tokenizer.vocab_size
+    text = "Thou art more fair"
+    assert run.tokenizer.decode(run.tokenizer.encode(text)) == text
+    assert run.model(torch.tensor([[run.tokenizer.eos_id]])).shape[-1] == run.config.model.vocab_size
+
+
+def test_load_reads_a_committed_set_and_never_touches_staging(run_copy):
+    """A trainer may be mid-save: `.staging` is being written and must survive a reader; a `.commit`
+    not yet moved into place holds the newest weights."""
+    staging, commit = run_copy / ".staging", run_copy / ".commit"
+    staging.mkdir()
+    (staging / MODEL_FILE).write_bytes(b"half written")
+    commit.mkdir()
+    newer = build_model(load(run_copy).config.model)  # different weights from the trained ones
+    save_file(checkpoint.model_tensors(newer), str(commit / MODEL_FILE))
+    run = load(run_copy)
+    for name, p in newer.named_parameters():
+        assert torch.equal(run.model.get_parameter(name).detach(), p.detach()), name
+    assert (staging / MODEL_FILE).read_bytes() == b"half written" and (commit / MODEL_FILE).is_file()
+
+
+def test_bad_run_dirs(tmp_path, run_copy):
+    with pytest.raises(QkvError, match="no such run directory"):
+        load(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(QkvError, match="not a qkv run"):
+        load(tmp_path / "empty")
+    data = (run_copy / MODEL_FILE).read_bytes()
+    (run_copy / MODEL_FILE).write_bytes(data[:100])
+    with pytest.raises(QkvError, match="not a readable safetensors file"):
+        load(run_copy)
+    (run_copy / MODEL_FILE).unlink()
+    with pytest.raises(QkvError, match="no checkpoint yet"):
+        load(run_copy)

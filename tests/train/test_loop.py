@@ -1,0 +1,183 @@
+"""The training loop: the loss, clipping, accumulation == one large batch (SPEC B1, B4, B5, claim 21),
+non-finite steps, and save/resume in the middle of a cosine schedule."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from qkv import presets
+from qkv.data.dataset import Prepared
+from qkv.errors import QkvError
+from qkv.train import loop
+from qkv.train.loop import Trainer, cross_entropy
+from qkv.train.metrics import MetricsLog
+
+VOCAB = 64
+
+
+def tokens(n: int = 3000, seed: int = 0) -> np.ndarray:
+    """A stream with some structure (a noisy counter), so the loss moves."""
+    rng = np.random.default_rng(seed)
+    return ((np.arange(n) * 7 + rng.integers(0, 3, n)) % VOCAB).astype(np.uint16)
+
+
+def data() -> Prepared:
+    return Prepared(tokenizer=None, train=tokens(), val=tokens(800, seed=1), val_chars=800, cache_dir=None)
+
+
+def run_config(**train):
+    cfg = presets.get("tiny")
+    base = dict(device="cpu", threads=1, log_every=1, eval_batches=1)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB),
+                               train=dataclasses.replace(cfg.train, **{**base, **train}))
+
+
+def trainer(tmp_path, name="run", **train) -> Trainer:
+    path = tmp_path / name
+    path.mkdir()
+    return Trainer(path, run_config(**train), data(), progress=False, log=lambda message: None)
+
+
+def params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+
+def capture_grads(t: Trainer) -> list[dict[str, torch.Tensor]]:
+    """The gradients the optimizer sees at each step (after accumulation and clipping)."""
+    seen = []
+    t.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append({n: p.grad.clone() for n, p in t.model.named_parameters()}))
+    return seen
+
+
+def test_cross_entropy_is_mean_negative_log_softmax_and_smoothing():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    targets[1, 3] = -100  # padding is ignored
+    logp = logits.log_softmax(-1)
+    keep = targets != -100
+    nll = -logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0][keep]
+    assert cross_entropy(logits, targets).item() == pytest.approx(nll.mean().item(), rel=1e-6)
+    eps = 0.1  # target (1 - eps) onehot + eps / V (note 000 §13.3; SPEC claim 14)
+    smoothed = (1 - eps) * nll - eps * logp[keep].mean(-1)
+    assert cross_entropy(logits, targets, eps).item() == pytest.approx(smoothed.mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("optimizer, clip", [("sgd", 0.0), ("sgd", 0.05), ("adamw", 0.0)])
+def test_accumulation_equals_one_large_batch(tmp_path, optimizer, clip):
+    """train.accumulation=4 over micro-batches of 2 == one batch of 8: gradients and the next weights."""
+    settings = dict(grad_clip=clip, optimizer=optimizer, lr=0.1)
+    one, four = trainer(tmp_path, "a1", **settings), trainer(tmp_path, "a4", accumulation=4, **settings)
+    for a, b in zip(params(one).values(), params(four).values()):
+        assert torch.equal(a, b)  # same seed, same initial weights
+    g1, g4 = capture_grads(one), capture_grads(four)
+    for step in range(3 if optimizer == "sgd" else 1):
+        x, y = (torch.from_numpy(a) for a in one.batches.next())
+        l1, n1 = one.step(x, y, lr=0.1)
+        l4, n4 = four.step(x, y, lr=0.1)
+        assert l4 == pytest.approx(l1, rel=1e-6) and n4 == pytest.approx(n1, rel=1e-5)
+        if clip:
+            assert n1 > clip  # clipping is active: the step sees gradients of norm `clip`
+            norm = torch.sqrt(sum((g.double() ** 2).sum() for g in g1[step].values()))
+            assert norm.item() == pytest.approx(clip, rel=1e-5)
+        for name, grad in g1[step].items():
+            torch.testing.assert_close(g4[step][name], grad, rtol=1e-5, atol=1e-8, msg=name)
+        p1, p4 = params(one), params(four)
+        for name in p1:
+            # Adam divides by |g| + eps: where |g| is near eps (e.g. the key bias, whose exact gradient is 0)
+            # fp32 rounding noise in g becomes a visible step, so only coordinates with |g| >> eps compare
+            keep = g1[step][name].abs() > 1e-5 if optimizer == "adamw" else torch.ones_like(p1[name], dtype=bool)
+            torch.testing.assert_close(p4[name][keep], p1[name][keep], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_grad_norm_is_global_l2_norm_before_clipping(tmp_path):
+    t = trainer(tmp_path, grad_clip=0.0)
+    seen = capture_grads(t)
+    x, y = (torch.from_numpy(a) for a in t.batches.next())
+    _, norm = t.step(x, y, lr=1e-3)
+    expected = math.sqrt(sum((g.double() ** 2).sum().item() for g in seen[0].values()))
+    assert norm == pytest.approx(expected, rel=1e-5)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path):
+    t = trainer(tmp_path)
+    with torch.no_grad():
+        t.model.final_norm.weight[0] = float("nan")
+    before = params(t)
+    x, y = (torch.from_numpy(a) for a in t.batches.next())
+    for _ in range(loop.MAX_BAD_STEPS - 1):
+        loss, _ = t.step(x, y, lr=1e-2)
+        assert math.isnan(loss)
+    after = params(t)
+    for name, p in before.items():
+        assert torch.equal(after[name], p) or name == "final_norm.weight"
+    with pytest.raises(QkvError, match="non-finite"):
+        t.step(x, y, lr=1e-2)
+
+
+def test_lr_column_follows_the_schedule_to_min_lr(tmp_path):
+    t = trainer(tmp_path, max_steps=9, warmup_steps=3)
+    t.run()
+    rows = [r for r in MetricsLog.read(tmp_path / "run" / "metrics.csv") if r["loss"]]
+    lrs = [float(r["lr"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == list(range(1, 10))
+    tc = t.tc
+    assert lrs[:3] == pytest.approx([tc.lr / 3, 2 * tc.lr / 3, tc.lr], rel=1e-5)
+    assert lrs[3] == pytest.approx(tc.lr, rel=1e-5)
+    assert lrs[-1] == pytest.approx(tc.min_lr, rel=1e-5)
+
+
+def stop_at(t: Trainer, step: int) -> None:
+    """Simulate Ctrl-C right after update `step`: the loop saves a checkpoint and re-raises."""
+    fit = t.fit_horizon
+
+    def interrupted(checks, start):
+        if t.state.step == step:
+            raise KeyboardInterrupt
+        return fit(checks, start)
+
+    t.fit_horizon = interrupted
+
+
+def test_interrupt_and_resume_mid_cosine_is_bit_identical(tmp_path):
+    """Weights, moments, RNG, data position and the schedule horizon all survive a save and a load."""
+    settings = dict(max_steps=10, warmup_steps=2, checkpoint_every=0)
+    whole = trainer(tmp_path, "whole", **settings)
+    whole.run()
+    first = trainer(tmp_path, "split", **settings)
+    stop_at(first, 4)
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    second = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
+    assert second.resume() and second.state.step == 4 and second.state.horizon == 10
+    second.run()
+    for name, p in params(whole).items():
+        assert torch.equal(params(second)[name], p), name
+    rows = {name: [(r["step"], r["loss"], r["lr"]) for r in MetricsLog.read(tmp_path / name / "metrics.csv")
+                   if r["loss"] and int(r["step"]) > 4] for name in ("whole", "split")}
+    assert rows["split"] == rows["whole"] and len(rows["whole"]) == 6
+
+
+def test_resume_with_more_steps_extends_the_run(tmp_path):
+    first = trainer(tmp_path, max_steps=3)
+    first.run()
+    longer = Trainer(tmp_path / "run", run_config(max_steps=6), data(), progress=False, log=lambda m: None)
+    assert longer.resume() and longer.state.horizon == 6
+    assert longer.run()["steps"] == 6
+
+
+def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
+    path = tmp_path / "metrics.csv"
+    log = MetricsLog(path, resume_step=0)
+    for step in range(1, 8):
+        log.write(step=step, loss=1.0 / step, lr=1e-3, tokens_per_s=100.0)
+    log.write(step=7, val_loss=0.5)
+    MetricsLog(path, resume_step=4)  # the last checkpoint was at step 4
+    rows = MetricsLog.read(path)
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"] and rows[3]["loss"] == "0.25"
+    assert rows[0]["val_loss"] == "" and float(rows[0]["tokens_per_s"]) == 100.0
+    MetricsLog(path, resume_step=0)  # a resume without a checkpoint starts the log again
+    assert MetricsLog.read(path) == []
