@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from qkv import hf_commands
+from qkv.analysis import commands as analysis_commands
 from qkv.errors import QkvError
 
 STRATEGIES = ("greedy", "sample", "top-k", "top-p", "beam")
@@ -66,6 +68,9 @@ def parser() -> Parser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
 
+    hf_commands.add_parsers(sub)
+    analysis_commands.add_parsers(sub)
+
     listing = sub.add_parser("presets", help="list the named configurations")
     listing.add_argument("--json", action="store_true")
     return root
@@ -93,11 +98,13 @@ def cmd_train(args) -> int:
     if args.resume:
         if not args.out:
             raise QkvError("--resume needs --out RUN_DIR")
+        job.check_engine(args.engine, resume=True, max_time=0.0)
         out = Path(args.out)
         cfg = job.resume_config(out, args.max_steps, args.max_time)
     else:
         cfg = job.resolve_config(preset=args.preset, config_file=args.config, overrides=args.set, data=args.data,
                                  max_steps=args.max_steps, max_time=args.max_time)
+        job.check_engine(args.engine, resume=False, max_time=cfg.train.max_time)
         out = Path(args.out) if args.out else job.default_out(args.preset)
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
@@ -105,13 +112,14 @@ def cmd_train(args) -> int:
     try:
         summary = job.run_reference(trainer) if args.engine == "ref" else trainer.run()
     except KeyboardInterrupt:
-        log(f"qkv: interrupted; checkpoint saved at step {trainer.state.step}; continue with "
-            f"`qkv train --out {out} --resume`")
+        saved = "no checkpoint saved yet" if trainer.saved_step is None else \
+            f"checkpoint saved at step {trainer.saved_step}"
+        log(f"qkv: interrupted; {saved}; continue with `qkv train --out {out} --resume`")
         return 130
     summary["run"] = str(out)
     summary["val_bits_per_char"] = job.bits_per_char(trainer)
     if args.json:
-        print(json.dumps(summary))
+        print(job.summary_line(summary))
     else:
         print(job.describe(summary))
     if not args.no_sample and objectives.name_for(cfg) == "lm":  # only a language model continues text
@@ -171,4 +179,5 @@ def cmd_presets(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "presets": cmd_presets}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "presets": cmd_presets,
+            "convert": hf_commands.cmd_convert, **analysis_commands.COMMANDS}

@@ -155,14 +155,27 @@ class TrainConfig:
     time_horizon: bool = True  # with max_time, fit the LR schedule to the steps the time allows
     objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
+    # batch size (note 000 LLM §10.2; qkv.train.schedules): rows ramp linearly from batch_warmup_start to
+    # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
+    batch_warmup_steps: int = 0
+    batch_warmup_start: int = 1
+    lr_scaling: str = "none"  # none | linear | sqrt
+    base_batch: int = 0  # the batch train.lr was tuned for; 0 means batch_size
+    # robustness (docs/training.md)
+    max_bad_steps: int = 10  # consecutive skipped (non-finite) steps before the run stops
+    spike_factor: float = 3.0  # a loss above spike_factor x the running median is reported; 0 disables
+    spike_window: int = 50  # losses in the running median
+    loss_scale_window: int = 2000  # fp16: good steps in a row before the loss scale doubles
+    tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard package)
 
     def validate(self) -> "TrainConfig":
         from qkv.train import optim, schedules
 
-        for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every"):
+        for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every",
+                     "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads",
-                     "weight_decay", "grad_clip", "min_lr", "aux_loss_weight"):
+        for name in ("max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
+                     "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "base_batch", "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
         _positive("train.lr", self.lr)
         _positive("train.eps", self.eps)
@@ -176,6 +189,12 @@ class TrainConfig:
                 f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}"
             )
         _choice("train.precision", self.precision, PRECISIONS)
+        if not 1 <= self.batch_warmup_start <= self.batch_size:
+            raise QkvError(f"train.batch_warmup_start={self.batch_warmup_start} must be in 1..train.batch_size="
+                           f"{self.batch_size}")
+        if 0 < self.spike_factor <= 1:
+            raise QkvError(f"train.spike_factor={self.spike_factor} must be above 1 (or 0 to disable)")
+        _choice("train.lr_scaling", self.lr_scaling, schedules.LR_SCALING.names())
         if not 0.0 < self.mask_prob < 1.0:
             raise QkvError(f"train.mask_prob={self.mask_prob} must be in (0, 1)")
         from qkv.train.objectives import OBJECTIVES  # imports torch: only when validating a train section

@@ -96,9 +96,10 @@ def bert_base() -> RunConfig:
 def t5_small() -> RunConfig:
     """T5-small (Raffel et al. 2020): 6+6 Pre-LN layers, 512 wide, 8 heads, RMSNorm, ReLU FFN 2048, no biases."""
     return RunConfig(
-        # TODO(lead): positional="t5" (bucketed relative bias, 32 buckets up to distance 128) once qkv.nn has it
+        # T5's bucketed relative bias: 32 buckets up to distance 128, bidirectional in the encoder, causal
+        # ("t5_causal") in the decoder (qkv.models.build.decoder_positional)
         model=ModelConfig(arch="encoder-decoder", vocab_size=32128, d_model=512, n_heads=8, n_layers=6, d_ff=2048,
-                          max_seq_len=512, positional="none", max_distance=128, norm="rmsnorm", norm_eps=1e-6,
+                          max_seq_len=512, positional="t5", max_distance=128, norm="rmsnorm", norm_eps=1e-6,
                           norm_placement="pre", activation="relu", bias=False, dropout=0.1),
         # T5 pre-trains with Adafactor at 1/sqrt(max(step, 10^4)); qkv has no Adafactor (docs/DEVIATIONS.md)
         train=TrainConfig(batch_size=128, seq_len=512, max_steps=524_288, lr=1e-3, min_lr=1e-5, warmup_steps=10_000,

@@ -40,6 +40,21 @@ def test_attention_maps_from_the_recording_kernel(kernel):
     assert [block.attn.kernel for block in model.blocks] == kernels
 
 
+def test_attention_maps_of_encoder_families():
+    from qkv.models.build import ARCHITECTURES
+
+    if "encoder-decoder" not in ARCHITECTURES.names():
+        pytest.skip("no encoder-decoder family yet")
+    cfg = ModelConfig(arch="encoder-decoder", vocab_size=50, d_model=32, n_heads=4, n_layers=1, d_ff=64)
+    src, tgt = torch.randint(0, 50, (2, 1, 6), generator=torch.Generator().manual_seed(0))
+    maps = attention_maps(qkv.build_model(cfg), src, tgt[:, :5])
+    assert list(maps) == ["encoder.blocks.0.attn", "blocks.0.attn", "blocks.0.cross_attn"]
+    assert maps["encoder.blocks.0.attn"].triu(1).abs().max() > 0  # bidirectional
+    assert maps["blocks.0.cross_attn"].shape == (4, 5, 6)  # target queries over source keys
+    for weights in maps.values():
+        assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-5)
+
+
 def test_plot_commands(tmp_path):
     for figure, extra in (("pe", ["--d-model", "32"]), ("rope", []), ("lr", ["--preset", "tiny"]),
                           ("gradnorm", ["--layers", "3"])):

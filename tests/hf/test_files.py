@@ -184,9 +184,6 @@ def test_loading_never_imports_transformers(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="blocked in qkv.train.job.start: a resumed run without train_state.* is "
-                   "re-initialised (the imported weights are not read) and its data is tokenized by a newly "
-                   "trained BPE instead of the run's tokenizer.json")
 def test_train_resume_fine_tunes_the_imported_weights(converted_gpt2, tmp_path, monkeypatch, capsys):
     from qkv.cli import main
 

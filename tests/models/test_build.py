@@ -108,3 +108,20 @@ def test_post_ln_stack_has_no_final_norm(tiny_cfg):
     assert isinstance(model.final_norm, torch.nn.Identity)
     x = torch.randn(3, 16)
     assert model.final_norm(x) is x
+
+
+@pytest.mark.parametrize("placement", registries.get("norm_placement").names())
+def test_model_bias_false_removes_every_norm_and_linear_bias(tiny_cfg, placement):
+    """model.bias reaches the norms (LayerNorm without beta) as well as the linears, for every placement."""
+    model = build_model(dataclasses.replace(tiny_cfg, bias=False, norm_placement=placement))
+    assert not [name for name, _ in model.named_parameters() if name.endswith(".bias")]
+    with_bias = build_model(dataclasses.replace(tiny_cfg, norm_placement=placement))
+    assert any(name.endswith("norm.bias") or name.endswith("inner.bias") for name, _ in with_bias.named_parameters())
+
+
+def test_sandwich_has_two_norms_per_sublayer_and_a_final_norm(tiny_cfg):
+    model = build_model(dataclasses.replace(tiny_cfg, norm_placement="sandwich"))
+    names = [name for name, _ in model.named_parameters() if "blocks.0." in name and "norm" in name]
+    assert names == [f"blocks.0.{sub}_norm.{side}.{p}" for sub in ("attn", "ffn") for side in ("inner", "outer")
+                     for p in ("weight", "bias")]
+    assert not isinstance(model.final_norm, torch.nn.Identity)

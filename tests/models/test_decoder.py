@@ -19,7 +19,7 @@ EXACT_KERNELS = [name for name in ("naive", "sdpa", "flash") if name in KERNELS]
 
 def model_for(tiny_cfg: ModelConfig, **changes):
     torch.manual_seed(1)
-    return build_model(dataclasses.replace(tiny_cfg, **changes)).eval()
+    return build_model(dataclasses.replace(tiny_cfg, **{"window": 2, **changes})).eval()  # window: sparse kernels
 
 
 def randomise_norms(model):
@@ -59,7 +59,8 @@ def hand_mlp(x, ffn):
 
 
 def hand_decoder(model, ids, placement):
-    """H0 = one_hot(x) W_E + P[0..T); pre: x + F(LN(x)), post: LN(x + F(x)); logits = LN_f(H) W_E^T."""
+    """H0 = one_hot(x) W_E + P[0..T); pre: x + F(LN(x)), post: LN(x + F(x)), sandwich: x + LN_o(F(LN_i(x)));
+    logits = LN_f(H) W_E^T (no LN_f after post)."""
     T = ids.shape[1]
     one_hot = torch.nn.functional.one_hot(ids, model.tok_emb.weight.shape[0]).to(model.tok_emb.weight.dtype)
     h = one_hot @ model.tok_emb.weight + model.positional.weight[:T]
@@ -67,16 +68,19 @@ def hand_decoder(model, ids, placement):
         if placement == "pre":
             h = h + hand_attention(ln(h, block.attn_norm), block.attn)
             h = h + hand_mlp(ln(h, block.ffn_norm), block.ffn)
+        elif placement == "sandwich":  # x + LN_out(F(LN_in(x)))
+            h = h + ln(hand_attention(ln(h, block.attn_norm.inner), block.attn), block.attn_norm.outer)
+            h = h + ln(hand_mlp(ln(h, block.ffn_norm.inner), block.ffn), block.ffn_norm.outer)
         else:
             h = ln(h + hand_attention(h, block.attn), block.attn_norm)
             h = ln(h + hand_mlp(h, block.ffn), block.ffn_norm)
-    if placement == "pre":
+    if placement != "post":
         h = ln(h, model.final_norm)
     return h @ model.tok_emb.weight.T
 
 
 @pytest.mark.parametrize("kernel", EXACT_KERNELS)
-@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich"])
 def test_logits_equal_the_hand_written_forward(tiny_cfg, placement, kernel):
     model = randomise_norms(model_for(tiny_cfg, positional="learned", norm="layernorm", activation="gelu",
                                       ffn="mlp", norm_placement=placement, attention=kernel)).double()

@@ -127,7 +127,7 @@ def test_cross_attention_takes_keys_and_values_from_memory(kernel):
 def test_cached_incremental_attention_equals_the_full_pass(kernel, positional, n_kv_heads):
     pe = {"none": Positional(), "rope": Rotary(head_dim=D // H, rope_theta=10000.0), "alibi": ALiBi(n_heads=H)}
     pe = pe[positional]
-    attn = randomise(Attention(D, H, n_kv_heads, kernel=kernel, bias=True))
+    attn = randomise(Attention(D, H, n_kv_heads, kernel=kernel, bias=True, window=2))
     x = torch.randn(B, 6, D)
     full = attn(x, context(T=6, positional=pe))
     cache = LayerCache(B, n_kv_heads, 8, D // H, dtype=torch.float32, device=None)

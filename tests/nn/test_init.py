@@ -84,3 +84,31 @@ def test_a_tied_embedding_keeps_the_embedding_init_not_the_linear_one(init):
     model = build_model(ModelConfig(**{**WIDE, "tie_embeddings": True}, init=init, init_std=0.02))
     assert model.lm_head.weight is model.tok_emb.weight
     assert_std(model.tok_emb.weight, 0.02)
+
+
+def test_small_init_follows_note_000_llm_6_1():
+    """W^Q, W^K, W^V ~ N(0, sqrt(2 / (5 D))), smaller than Xavier; W^O and the FFN Xavier uniform."""
+    model = build_model(ModelConfig(**WIDE, init="small"))
+    for name, weight in linear_weights(model).items():
+        fan_out, fan_in = weight.shape
+        xavier_bound = math.sqrt(6 / (fan_in + fan_out))
+        if name.endswith(("q_proj", "k_proj", "v_proj")):
+            assert_std(weight, math.sqrt(2 / (5 * 256)))
+            assert math.sqrt(2 / (5 * 256)) < xavier_bound / math.sqrt(3)  # "smaller": below Xavier's std
+        else:
+            assert weight.abs().max().item() <= xavier_bound, name
+            assert_std(weight, xavier_bound / math.sqrt(3))
+    assert_std(model.tok_emb.weight, 0.02)
+
+
+def test_scaled_init_scales_the_residual_projections_by_one_over_sqrt_2l():
+    scaled = build_model(ModelConfig(**WIDE, init="scaled"))
+    for name, weight in linear_weights(scaled).items():
+        fan_out, fan_in = weight.shape
+        xavier_std = math.sqrt(6 / (fan_in + fan_out)) / math.sqrt(3)
+        if name.endswith(("o_proj", "down_proj")):
+            assert_std(weight, xavier_std / math.sqrt(2 * 3))
+        elif name.endswith(("q_proj", "k_proj", "v_proj")):
+            assert_std(weight, math.sqrt(2 / (5 * 256)))
+        else:
+            assert_std(weight, xavier_std)

@@ -36,6 +36,7 @@ def test_none_is_the_identity_on_every_hook_and_has_no_parameters():
     assert pe.embed(x, positions) is x
     assert pe.rotate(q, k, positions) == (q, k)
     assert pe.score_bias(positions, positions) is None
+    assert pe.score_bias(positions, positions, q, q) is None and pe.value_bias(positions, positions) is None
     assert list(pe.parameters()) == []
 
 

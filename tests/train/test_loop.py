@@ -1,7 +1,10 @@
 """The training loop: the loss, clipping, accumulation == one large batch (SPEC B1, B4, B5, claim 21),
 non-finite steps, and save/resume in the middle of a cosine schedule."""
 import dataclasses
+import json
 import math
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -10,7 +13,6 @@ import torch
 from qkv import presets
 from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
-from qkv.train import loop
 from qkv.train.loop import Trainer, cross_entropy
 from qkv.train.metrics import MetricsLog
 
@@ -76,8 +78,8 @@ def test_accumulation_equals_one_large_batch(tmp_path, optimizer, clip):
     g1, g4 = capture_grads(one), capture_grads(four)
     for step in range(3 if optimizer == "sgd" else 1):
         x, y = (torch.from_numpy(a) for a in one.batches.next())
-        l1, n1 = one.step(x, y, lr=0.1)
-        l4, n4 = four.step(x, y, lr=0.1)
+        l1, n1, *_ = one.step(x, y, lr=0.1)
+        l4, n4, *_ = four.step(x, y, lr=0.1)
         assert l4 == pytest.approx(l1, rel=1e-6) and n4 == pytest.approx(n1, rel=1e-5)
         if clip:
             assert n1 > clip  # clipping is active: the step sees gradients of norm `clip`
@@ -97,25 +99,45 @@ def test_grad_norm_is_global_l2_norm_before_clipping(tmp_path):
     t = trainer(tmp_path, grad_clip=0.0)
     seen = capture_grads(t)
     x, y = (torch.from_numpy(a) for a in t.batches.next())
-    _, norm = t.step(x, y, lr=1e-3)
+    norm = t.step(x, y, lr=1e-3).grad_norm
     expected = math.sqrt(sum((g.double() ** 2).sum().item() for g in seen[0].values()))
     assert norm == pytest.approx(expected, rel=1e-5)
 
 
-def test_non_finite_steps_are_skipped_then_stop(tmp_path):
+def test_non_finite_steps_are_skipped_logged_then_stop(tmp_path):
+    """NaN in a weight: every step is skipped (weights and moments untouched), logged in metrics.csv with a
+    running `skipped` count, and after train.max_bad_steps in a row the run stops with QkvError."""
+    t = trainer(tmp_path, max_steps=20, max_bad_steps=3, checkpoint_every=2, log_every=5)
+
+    def poison(module, args):  # checkpoints at steps 2 and 4, then a NaN weight from the forward of step 5 on
+        if t.state.step == 4:
+            with torch.no_grad():
+                t.model.final_norm.weight[0] = float("nan")
+    t.model.register_forward_pre_hook(poison)
+    with pytest.raises(QkvError, match=r"3 non-finite steps in a row \(steps 5-7\).*checkpoint at step 4 is kept"):
+        t.run()
+    rows = MetricsLog.read(tmp_path / "run" / "metrics.csv")
+    assert [(r["step"], r["skipped"]) for r in rows] == [("5", "1"), ("6", "2"), ("7", "3")]  # log_every=5
+    assert t.state.skipped == 3 and t.state.step == 7
+    saved = Trainer(tmp_path / "run", run_config(), data(), progress=False, log=lambda m: None)
+    assert saved.resume() and saved.state.step == 4  # the last good checkpoint, untouched
+    assert all(torch.isfinite(p).all() for p in saved.model.parameters())
+
+
+def test_a_skipped_step_changes_nothing(tmp_path):
     t = trainer(tmp_path)
+    x, y = (torch.from_numpy(a) for a in t.batches.next())
+    t.step(x, y, lr=1e-2)  # Adam moments exist
+    moments = {k: v.clone() for state in t.optimizer.state.values() for k, v in state.items() if k != "step"}
     with torch.no_grad():
         t.model.final_norm.weight[0] = float("nan")
     before = params(t)
-    x, y = (torch.from_numpy(a) for a in t.batches.next())
-    for _ in range(loop.MAX_BAD_STEPS - 1):
-        loss, _ = t.step(x, y, lr=1e-2)
-        assert math.isnan(loss)
-    after = params(t)
+    result = t.step(x, y, lr=1e-2)
+    assert result.skipped and math.isnan(result.loss) and t.state.skipped == 1 and t.state.bad_steps == 1
     for name, p in before.items():
-        assert torch.equal(after[name], p) or name == "final_norm.weight"
-    with pytest.raises(QkvError, match="non-finite"):
-        t.step(x, y, lr=1e-2)
+        assert torch.equal(params(t)[name], p) or name == "final_norm.weight"
+    after = {k: v for state in t.optimizer.state.values() for k, v in state.items() if k != "step"}
+    assert all(torch.equal(after[k], v) for k, v in moments.items())
 
 
 def test_lr_column_follows_the_schedule_to_min_lr(tmp_path):
@@ -130,35 +152,51 @@ def test_lr_column_follows_the_schedule_to_min_lr(tmp_path):
     assert lrs[-1] == pytest.approx(tc.min_lr, rel=1e-5)
 
 
-def stop_at(t: Trainer, step: int) -> None:
-    """Simulate Ctrl-C right after update `step`: the loop saves a checkpoint and re-raises."""
-    fit = t.fit_horizon
-
-    def interrupted(checks, start):
-        if t.state.step == step:
-            raise KeyboardInterrupt
-        return fit(checks, start)
-
-    t.fit_horizon = interrupted
+def interrupt_during(t: Trainer, step: int) -> None:
+    """Send SIGINT to this process inside optimizer.step of update `step` (1-based): mid-step."""
+    def hook(opt, args, kwargs):
+        if t.state.step == step - 1:
+            os.kill(os.getpid(), signal.SIGINT)
+    t.optimizer.register_step_pre_hook(hook)
 
 
-def test_interrupt_and_resume_mid_cosine_is_bit_identical(tmp_path):
-    """Weights, moments, RNG, data position and the schedule horizon all survive a save and a load."""
+def test_sigint_mid_step_finishes_the_step_saves_and_resumes_bit_identically(tmp_path):
+    """Ctrl-C inside update 5: the update completes, the checkpoint is at step 5 (not a half-updated 4),
+    KeyboardInterrupt propagates (exit 130 in the CLI), and a resume reproduces the uninterrupted run."""
     settings = dict(max_steps=10, warmup_steps=2, checkpoint_every=0)
     whole = trainer(tmp_path, "whole", **settings)
     whole.run()
-    first = trainer(tmp_path, "split", **settings)
-    stop_at(first, 4)
+    messages = []
+    first = Trainer(tmp_path / "whole", run_config(**settings), data(), progress=False, log=messages.append)
+    first.run_dir = tmp_path / "split"
+    first.run_dir.mkdir()
+    interrupt_during(first, 5)
     with pytest.raises(KeyboardInterrupt):
         first.run()
+    assert first.saved_step == 5 and any("finishing this step" in m for m in messages)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
     second = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
-    assert second.resume() and second.state.step == 4 and second.state.horizon == 10
+    assert second.resume() and second.state.step == 5 and second.state.horizon == 10
     second.run()
     for name, p in params(whole).items():
         assert torch.equal(params(second)[name], p), name
     rows = {name: [(r["step"], r["loss"], r["lr"]) for r in MetricsLog.read(tmp_path / name / "metrics.csv")
-                   if r["loss"] and int(r["step"]) > 4] for name in ("whole", "split")}
-    assert rows["split"] == rows["whole"] and len(rows["whole"]) == 6
+                   if r["loss"] and int(r["step"]) > 5] for name in ("whole", "split")}
+    assert rows["split"] == rows["whole"] and len(rows["whole"]) == 5
+
+
+def test_second_sigint_stops_at_once_without_saving(tmp_path):
+    t = trainer(tmp_path, max_steps=10, checkpoint_every=2)
+
+    def hook(opt, args, kwargs):
+        if t.state.step == 4:  # inside update 5: two interrupts
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+    t.optimizer.register_step_pre_hook(hook)
+    with pytest.raises(KeyboardInterrupt):
+        t.run()
+    assert t.saved_step == 4 and t.state.step == 4  # stopped inside update 5; checkpoint 4 untouched
+    assert json.loads((tmp_path / "run" / "train_state.json").read_text())["step"] == 4
 
 
 def test_resume_with_more_steps_extends_the_run(tmp_path):

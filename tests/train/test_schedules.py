@@ -1,11 +1,13 @@
-"""Learning-rate schedules against their closed forms (SPEC claim 26)."""
+"""Learning-rate schedules against their closed forms (SPEC claim 26) and torch's OneCycleLR; the batch-size
+ramp and the LR scaling rules (SPEC B3, B9)."""
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qkv.train.schedules import SCHEDULES
+from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
 
 LR, MIN_LR, D_MODEL = 3e-3, 3e-4, 512
 
@@ -15,7 +17,7 @@ def lr_at(name: str, step: int, *, warmup: int, total: int, lr: float = LR, min_
 
 
 def test_registry_names():
-    assert {"constant", "cosine", "linear", "noam"} <= set(SCHEDULES.names())
+    assert {"constant", "cosine", "linear", "noam", "onecycle"} <= set(SCHEDULES.names())
 
 
 @pytest.mark.parametrize("name", ["constant", "cosine", "linear"])
@@ -75,9 +77,46 @@ def test_noam_peak_at_warmup_equals_closed_form():
 @given(warmup=st.integers(0, 50), extra=st.integers(2, 300))
 def test_decaying_schedules_hit_min_lr_at_last_step_and_never_rise(warmup, extra):
     total = warmup + extra  # at least two decay steps
-    for name in ("cosine", "linear"):
+    for name in ("cosine", "linear", "onecycle"):
         values = [lr_at(name, s, warmup=warmup, total=total) for s in range(warmup, total)]
         assert values[0] == pytest.approx(LR, rel=1e-12)
         assert values[-1] == pytest.approx(MIN_LR, rel=1e-12)
         assert all(b <= a + 1e-15 for a, b in zip(values, values[1:]))
         assert min(values) >= MIN_LR - 1e-15
+
+
+def test_onecycle_equals_torch_onecyclelr_phase_by_phase():
+    """Linear from lr/25 up to lr over `warmup`, then cosine to min_lr at the last step (note 000 LLM §10.1),
+    against torch's OneCycleLR: its linear strategy for the rise, its cosine strategy for the fall."""
+    warmup, total = 12, 60
+    ours = [lr_at("onecycle", s, warmup=warmup, total=total) for s in range(total)]
+
+    def torch_curve(strategy: str) -> list[float]:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=LR, total_steps=total, pct_start=(warmup + 1) / total, anneal_strategy=strategy,
+            div_factor=25.0, final_div_factor=LR / 25.0 / MIN_LR, cycle_momentum=False)
+        values = []
+        for _ in range(total):
+            values.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return values
+
+    assert ours[: warmup + 1] == pytest.approx(torch_curve("linear")[: warmup + 1], rel=1e-9)
+    assert ours[warmup:] == pytest.approx(torch_curve("cos")[warmup:], rel=1e-9)
+    assert ours[0] == pytest.approx(LR / 25, rel=1e-12) and ours[warmup] == pytest.approx(LR, rel=1e-12)
+    assert ours[-1] == pytest.approx(MIN_LR, rel=1e-12) and max(ours) == ours[warmup]
+
+
+def test_batch_rows_ramp_linearly_from_start_to_batch_size():
+    rows = [batch_rows(s, batch_size=32, start=4, warmup_steps=8) for s in range(12)]
+    assert rows == [4 + 28 * s // 8 for s in range(8)] + [32] * 4
+    assert rows[:3] == [4, 7, 11] and rows[7] == 28
+    assert all(batch_rows(s, batch_size=32, start=4, warmup_steps=0) == 32 for s in range(5))
+
+
+def test_lr_scaling_rules():
+    assert LR_SCALING.get("none")(4.0) == 1.0
+    assert LR_SCALING.get("linear")(4.0) == 4.0  # batch x k -> lr x k (note 000 LLM §10.2)
+    assert LR_SCALING.get("sqrt")(4.0) == 2.0

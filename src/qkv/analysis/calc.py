@@ -57,7 +57,9 @@ def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float |
         "params": counts,
         "flops": {"batch": setup.batch, "seq": setup.seq, "unit": "FLOPs (a multiply-add is 2)",
                   "components": flop_table,
-                  "train_per_token": flops.train_flops_per_token(model, setup.seq)},
+                  "train_per_token": flops.train_flops_per_token(model, setup.seq),
+                  "recomputed_with_checkpointing": flops.recomputed(model, batch=setup.batch, seq=setup.seq)
+                  if setup.checkpointing else 0},
         "memory": {"bytes_per_param": weight + grad + master + memory.OPTIMIZER_BYTES[setup.optimizer],
                    "bytes": mem},
         "kv_cache_bytes": memory.kv_cache(model, batch=setup.batch, seq=setup.seq,

@@ -30,7 +30,9 @@ def attention(args) -> list[Path]:
     limit = run.config.model.max_seq_len
     if len(ids) > limit:
         raise QkvError(f"--text is {len(ids)} tokens with the start token; the model reads at most {limit}")
-    maps = attention_maps(run.model, torch.tensor([ids]))
+    ids_t = torch.tensor([ids])
+    # an encoder-decoder reads the text as source and target: encoder, decoder and cross-attention maps
+    maps = attention_maps(run.model, ids_t, ids_t if run.config.model.arch == "encoder-decoder" else None)
     names, arrays = list(maps), [m.numpy() for m in maps.values()]
     tokens = token_strings(run.tokenizer, ids)
     written = [plots.attention_grid(arrays, tokens, Path(args.out), names)]

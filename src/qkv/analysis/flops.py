@@ -97,6 +97,14 @@ def table(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_se
     return rows
 
 
+def recomputed(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None) -> int:
+    """Extra FLOPs of activation checkpointing per layer: every layer's forward runs again in the backward
+    (hardware FLOPs, not model FLOPs: MFU does not count them). An upper bound: torch's non-reentrant
+    checkpoint stops once every saved tensor is rebuilt, so a Pre-LN block's last projection is skipped."""
+    fwd = forward(cfg, batch=batch, seq=seq)
+    return sum(f for name, f in fwd.items() if name not in ("lm_head", "head"))
+
+
 def train_flops_per_token(cfg: ModelConfig, seq: int | None = None) -> float:
     """Forward + backward FLOPs per trained token, attention scores included (3 x forward)."""
     T = seq or cfg.max_seq_len
@@ -114,3 +122,12 @@ def mfu(cfg: ModelConfig, *, seq: int, tokens_per_s: float, peak_flops: float) -
     if peak_flops <= 0:
         raise QkvError(f"peak FLOP/s={peak_flops} must be positive")
     return train_flops_per_token(cfg, seq) * tokens_per_s / peak_flops
+
+
+# dense bf16/fp16 tensor-core peaks (vendor data sheets, SXM parts, no sparsity), matched by device name
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "V100": 125e12}
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """The bf16/fp16 dense peak FLOP/s of a known GPU (torch.cuda.get_device_name), else None."""
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in device_name.upper()), None)

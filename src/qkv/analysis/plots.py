@@ -44,14 +44,16 @@ def attention_grid(maps: list[np.ndarray], tokens: list[str], out: Path, names: 
     for l, layer in enumerate(maps):
         for h in range(H):
             ax = axes[l][h]
-            ax.imshow(layer[h], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+            top = float(layer[h][1:].max()) if T > 1 else 1.0  # row 0 of a causal map is always [1, 0, ...]
+            ax.imshow(layer[h], cmap="viridis", vmin=0.0, vmax=top, interpolation="nearest")
             ax.set_title(f"{names[l] if names else f'layer {l}'} head {h}", fontsize=7)
             ax.set_xticks(range(T) if labels else [])
             ax.set_yticks(range(T) if labels else [])
             if labels:
                 ax.set_xticklabels(tokens, rotation=90, fontsize=5)
                 ax.set_yticklabels(tokens, fontsize=5)
-    fig.suptitle("attention weights A = softmax(QK^T/sqrt(d_k) + M): row = query, column = key", fontsize=9)
+    fig.suptitle("attention weights A = softmax(QK^T/sqrt(d_k) + M): row = query, column = key "
+                 "(each panel scaled to its largest weight below row 0)", fontsize=9)
     return _save(fig, out)
 
 

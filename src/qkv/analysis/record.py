@@ -21,13 +21,16 @@ def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, Attention)]
 
 
-def attention_maps(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{layer name: (H, T, S)} for one sequence (1, T) through a decoder or encoder, recorded by
-    qkv.nn.kernels.record_attention (each layer's kernel swapped for one that also forms A)."""
+def attention_maps(model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """{layer name: (H, T, S)} for one sequence (1, T) through a decoder or encoder (an encoder-decoder
+    also takes target_ids), recorded by qkv.nn.kernels.record_attention (each layer's kernel swapped for
+    one that also forms A)."""
     model.eval()
     names = [name for name, _ in attention_layers(model)]  # model.modules() order, as the records
+    inputs = (input_ids,) if target_ids is None else (input_ids, target_ids)
     with torch.no_grad(), record_attention(model) as records:
-        model(input_ids)
+        model(*inputs)
     return {name: weights[0].float().cpu() for name, weights in zip(names, records) if weights is not None}
 
 

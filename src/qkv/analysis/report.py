@@ -33,7 +33,10 @@ def calc_text(r: dict) -> str:
               f"  {'component':<34} {'forward':>12} {'backward':>12} {'train':>12}"]
     lines += [f"  {k:<34} {count(v['forward']):>12} {count(v['backward']):>12} {count(v['train']):>12}"
               for k, v in comps.items()]
-    lines += [f"  training FLOPs per token: {count(f['train_per_token'])}", ""]
+    lines += [f"  training FLOPs per token: {count(f['train_per_token'])}"]
+    if f["recomputed_with_checkpointing"]:
+        lines += [f"  + recomputed by activation checkpointing: {count(f['recomputed_with_checkpointing'])} (hardware FLOPs)"]
+    lines += [""]
     mem = r["memory"]
     title = (f"training memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO {s['zero']}, {s['gpus']} GPU(s), "
              f"micro-batch {s['batch']} x {s['seq']}{', checkpointing' if s['checkpointing'] else ''}; "

@@ -117,8 +117,9 @@ def _load_entry(entry: Path) -> Prepared:
     )
 
 
-def _build_entry(tmp: Path, train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: int) -> None:
-    tokenizer = Tokenizer.train(chunk_text(JOINER.join(train_texts)), vocab_size)
+def _build_entry(tmp: Path, train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: int,
+                 tokenizer: Tokenizer | None = None) -> None:
+    tokenizer = tokenizer or Tokenizer.train(chunk_text(JOINER.join(train_texts)), vocab_size)
     tokenizer.save(tmp / "tokenizer.json")
     write_tokens(tmp / "train.bin", encode_stream(tokenizer, train_texts), tokenizer.vocab_size)
     write_tokens(tmp / "val.bin", encode_stream(tokenizer, val_texts), tokenizer.vocab_size)
@@ -126,8 +127,10 @@ def _build_entry(tmp: Path, train_texts: Sequence[str], val_texts: Sequence[str]
     (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")  # written last: marks a complete entry
 
 
-def prepare(train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: int, cache_dir: Path) -> Prepared:
+def prepare(train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: int, cache_dir: Path,
+            tokenizer: Tokenizer | None = None) -> Prepared:
     """Train the tokenizer on the training text and tokenize both splits, or reuse the cached result.
+    With `tokenizer` (a resumed or imported run's own), no tokenizer is trained and that one is used.
 
     The cache key covers every text, where train ends and val begins, the vocab size and CACHE_VERSION.
     An entry is built in a temporary folder and renamed into place, so it is complete or absent.
@@ -135,13 +138,14 @@ def prepare(train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: in
     train_texts, val_texts = list(train_texts), list(val_texts)
     if not "".join(train_texts).strip():
         raise QkvError("no training text: every training document is empty")
-    key = content_hash(train_texts + val_texts, str(vocab_size), str(len(train_texts)), CACHE_VERSION)
+    fixed = tokenizer.to_str() if tokenizer is not None else ""
+    key = content_hash(train_texts + val_texts, str(vocab_size), str(len(train_texts)), CACHE_VERSION, fixed)
     entry = Path(cache_dir) / key
     if not (entry / "meta.json").exists():
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=entry.parent))
         try:
-            _build_entry(tmp, train_texts, val_texts, vocab_size)
+            _build_entry(tmp, train_texts, val_texts, vocab_size, tokenizer)
             os.replace(tmp, entry)
         except OSError:
             if not (entry / "meta.json").exists():  # not another process finishing first

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from qkv.config import read_json
 from qkv.data.tokenizer import EOS, Tokenizer
+from qkv.errors import QkvError
 from qkv.hf.files import TOKENIZER
 
 ORIGINAL = "hf_tokenizer.json"  # a converted run's unmodified HF tokenizer.json
@@ -27,7 +29,10 @@ def read_tokenizer(path: Path, hf: dict) -> tuple[Tokenizer | None, str | None]:
     if not file.is_file():
         return None, None
     original = file.read_text(encoding="utf-8")
-    raw = {**json.loads(original), "padding": None, "truncation": None}  # qkv encodes one text, whole
+    raw = read_json(file)
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise QkvError(f"{file}: not a tokenizers JSON file (no model)")
+    raw = {**raw, "padding": None, "truncation": None}  # qkv encodes one text, whole
     if not _spells(raw, EOS):
         name = eos_name(Path(path), hf, raw)
         if name is None:
@@ -37,19 +42,23 @@ def read_tokenizer(path: Path, hf: dict) -> tuple[Tokenizer | None, str | None]:
 
 
 def eos_name(path: Path, hf: dict, raw: dict) -> str | None:
-    for name in SPECIAL_FILES:
-        file = path / name
-        if file.is_file():
-            special = json.loads(file.read_text(encoding="utf-8"))
-            for key in ("eos_token", "sep_token"):
-                token = special.get(key)
-                token = token.get("content") if isinstance(token, dict) else token
-                if isinstance(token, str) and _spells(raw, token):
-                    return token
+    """The added token that ends a text: `eos_token` of the tokenizer files, else config.json's
+    `eos_token_id`, else `sep_token` (BERT-style tokenizers have no EOS)."""
+    special = {}
+    for name in reversed(SPECIAL_FILES):  # tokenizer_config.json wins
+        content = read_json(path / name) if (path / name).is_file() else None
+        special.update(content if isinstance(content, dict) else {})
     by_id = {entry["id"]: entry["content"] for entry in raw.get("added_tokens", [])}
     eos_id = hf.get("eos_token_id")
     eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
-    return by_id.get(eos_id)
+    for token in (_content(special.get("eos_token")), by_id.get(eos_id), _content(special.get("sep_token"))):
+        if isinstance(token, str) and _spells(raw, token):
+            return token
+    return None
+
+
+def _content(token):  # tokenizer files write a special token as a string or as {"content": ...}
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _spells(raw: dict, token: str) -> bool:

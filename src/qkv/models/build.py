@@ -38,12 +38,22 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return NORMS.get(cfg.norm)(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def positional(cfg: ModelConfig, causal: bool = True) -> nn.Module:
-    """`causal` says whether the stack is masked causally (decoders) or not (encoders): an encoding whose
-    form depends on it (T5's buckets spend half on the future only in an encoder) may read it; others ignore it."""
-    return POSITIONALS.get(cfg.positional)(
+def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -> nn.Module:
+    """`causal` says whether the stack is masked causally (decoders) or not (encoders); an encoding whose
+    form depends on it may read it, the others ignore it. `name` overrides cfg.positional."""
+    return POSITIONALS.get(name or cfg.positional)(
         d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
         rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, causal=causal)
+
+
+# encodings whose decoder form is a separate entry: T5's decoder spends all its buckets on the past
+DECODER_TWINS = {"t5": "t5_causal"}
+
+
+def decoder_positional(cfg: ModelConfig) -> nn.Module:
+    """The encoder-decoder's decoder stack: the causal twin of cfg.positional where one is registered."""
+    twin = DECODER_TWINS.get(cfg.positional)
+    return positional(cfg, causal=True, name=twin if twin in POSITIONALS else None)
 
 
 def attention(cfg: ModelConfig) -> Attention:
@@ -138,7 +148,7 @@ def encoder_decoder(cfg: ModelConfig) -> EncoderDecoder:
     lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.tie_embeddings:
         lm_head.weight = tok_emb.weight
-    return EncoderDecoder(tok_emb=tok_emb, encoder=encoder_stack(cfg, src_emb), positional=positional(cfg),
+    return EncoderDecoder(tok_emb=tok_emb, encoder=encoder_stack(cfg, src_emb), positional=decoder_positional(cfg),
                           blocks=[block(cfg, cross=True) for _ in range(cfg.decoder_layers)],
                           final_norm=final_norm(cfg), lm_head=lm_head, dropout=cfg.dropout,
                           max_seq_len=cfg.max_seq_len, embed_norm=embed_norm(cfg), embed_scale=cfg.embed_scale)

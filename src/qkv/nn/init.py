@@ -60,3 +60,41 @@ def kaiming_init(model: nn.Module, *, std: float, n_layers: int) -> None:
         else:
             nn.init.normal_(module.weight, mean=0.0, std=std)
     _zero_biases(model)
+
+
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
+
+
+def small_std(d_model: int) -> float:
+    """sqrt(2 / (5 D)): Nguyen & Salazar 2019's SmallInit (GPT-NeoX's small_init), sqrt(2/5) of Xavier's
+    std for a square D x D matrix."""
+    return math.sqrt(2 / (5 * d_model))
+
+
+def _note_scheme(model: nn.Module, *, std: float, residual_scale: float) -> None:
+    """Note 000 LLM §6.1: W^Q, W^K, W^V small std; W^O (and every other linear) Xavier uniform; embeddings
+    N(0, std). `residual_scale` multiplies the projections that write into the residual stream."""
+    for name, module in _linears_and_embeddings(model):
+        if not isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif name.endswith(ATTENTION_INPUTS):
+            nn.init.normal_(module.weight, mean=0.0, std=small_std(module.weight.shape[1]))
+        else:
+            nn.init.xavier_uniform_(module.weight)
+            if name.endswith(RESIDUAL_PROJECTIONS):
+                module.weight.data.mul_(residual_scale)
+    _zero_biases(model)
+
+
+@INITS.register("small")
+def small_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """Note 000 LLM §6.1 "注意力投影初始化": W^Q, W^K, W^V with a smaller std, N(0, sqrt(2 / (5 D)))
+    (the note gives no number: SmallInit's), W^O Xavier uniform; the FFN Xavier uniform too."""
+    _note_scheme(model, std=std, residual_scale=1.0)
+
+
+@INITS.register("scaled")
+def scaled_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """"small" plus scaled residual init: W^O and W_2 (down_proj) scaled by 1 / sqrt(2L), the GPT-2 §2.3 rule,
+    so the 2L residual additions keep the stream's variance O(1) at init."""
+    _note_scheme(model, std=std, residual_scale=1 / math.sqrt(2 * n_layers))

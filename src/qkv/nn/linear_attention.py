@@ -66,8 +66,8 @@ def causal_linear(qf: Tensor, kf: Tensor, v: Tensor) -> Tensor:
     z = kf[:, :, :before].sum(-2)  # (B, H, Dh)
     outs = []
     for start in range(0, T, CHUNK):
-        stop = min(start + CHUNK, T)
-        q_c, k_c, v_c = qf[:, :, start:stop], kf[:, :, before + start:before + stop], v[:, :, before + start:before + stop]
+        rows, cols = slice(start, min(start + CHUNK, T)), slice(before + start, before + min(start + CHUNK, T))
+        q_c, k_c, v_c = qf[:, :, rows], kf[:, :, cols], v[:, :, cols]
         inside = (q_c @ k_c.transpose(-2, -1)).tril()  # j <= i within the chunk   (B, H, c, c)
         numerator = q_c @ kv + inside @ v_c  # (B, H, c, Dh)
         denominator = q_c @ z[..., None] + inside.sum(-1, keepdim=True)  # (B, H, c, 1)

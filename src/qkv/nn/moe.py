@@ -9,9 +9,12 @@
 
 Note 002's sketch averages the chosen experts' outputs with weight 1/k and no gate, so the router gets no
 gradient; qkv weighs them by the renormalised gates (docs/DEVIATIONS.md), as qkv.ref.moe does.
-Capacity (model.moe_capacity_factor = c > 0): each expert takes at most ceil(c N k / E) routes, first
-choices before second choices, earlier tokens first; a dropped route adds nothing, and a token whose every
-route is dropped leaves the FFN as 0, so the block passes it on through the residual alone.
+Capacity (model.moe_capacity_factor = c > 0): each expert takes at most ceil(c N k / E) routes of a forward
+call, served by position (every row's position 0, then position 1, ...; a token's first choice before its
+second), so a token is never dropped because of a later one: the decoder stays causal. A dropped route adds
+nothing; a token whose every route is dropped leaves the FFN as 0 and the block passes it on through the
+residual alone. Capacity is per call (N tokens), so a KV-cache step (N = B) is not the full pass: it is a
+training device (GShard, Switch); generate with moe_capacity_factor = 0.
 
 The aux loss of the latest forward is kept in `MoE.aux_loss`; `aux_loss(model)` sums them, and the
 training loop adds train.aux_loss_weight * aux_loss(model) to the loss: forward needs no output flag.
@@ -42,7 +45,7 @@ class MoE(nn.Module):
         logits = self.router(tokens).to(torch.promote_types(x.dtype, torch.float32))  # softmax in fp32 (N, E)
         top_logits, top = logits.topk(self.top_k, dim=-1)  # (N, k), largest first
         gates = top_logits.softmax(-1)  # g (N, k)
-        kept = self.within_capacity(top)  # (N, k) bool
+        kept = self.within_capacity(top.view(*x.shape[:-1], self.top_k))  # (N, k) bool
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.nonzero((top == e) & kept, as_tuple=True)  # tokens routed to e, which choice
@@ -52,15 +55,17 @@ class MoE(nn.Module):
         return out.view_as(x)
 
     def within_capacity(self, top: Tensor) -> Tensor:
-        """Routes each expert accepts: at most ceil(c N k / E), in (choice, token) order. (N, k) bool"""
+        """Routes each expert accepts, top (B, T, k) -> (B*T, k) bool: at most ceil(c N k / E) per expert,
+        in (position, row, choice) order."""
         if not self.capacity_factor:
-            return torch.ones_like(top, dtype=torch.bool)
-        N, E = top.shape[0], len(self.experts)
-        capacity = math.ceil(self.capacity_factor * N * self.top_k / E)
-        order = top.T.reshape(-1)  # first choices of every token, then second choices, ...   (k N,)
-        one_hot = torch.nn.functional.one_hot(order, E)  # (k N, E)
+            return torch.ones_like(top, dtype=torch.bool).view(-1, self.top_k)
+        B, T, k = top.shape
+        E = len(self.experts)
+        capacity = math.ceil(self.capacity_factor * B * T * k / E)
+        order = top.transpose(0, 1).reshape(-1)  # position-major queue of routes   (T B k,)
+        one_hot = torch.nn.functional.one_hot(order, E)  # (T B k, E)
         rank = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # the route's place in its expert's queue
-        return (rank < capacity).view(self.top_k, N).T
+        return (rank < capacity).view(T, B, k).transpose(0, 1).reshape(B * T, k)
 
 
 def load_balancing_loss(probs: Tensor, top: Tensor, experts: int) -> Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -10,6 +11,7 @@ from typing import Callable
 from qkv import presets
 from qkv.config import RunConfig, read_json, section_from_dict
 from qkv.data.sources import prepare_data
+from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.run import CONFIG_FILE, TOKENIZER_FILE
 from qkv.train import objectives
@@ -76,20 +78,28 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    prepared = prepare_data(cfg.data)
-    prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; the model's V counts them
+    own_tokenizer = out / TOKENIZER_FILE
+    if resume and own_tokenizer.is_file():  # a resumed or imported run keeps its tokenizer and vocabulary
+        prepared = prepare_data(cfg.data, tokenizer=Tokenizer.load(own_tokenizer))
+    else:
+        prepared = prepare_data(cfg.data)
+        prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; V counts them
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
     if len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
         raise QkvError(f"validation split too short: {len(prepared.val)} tokens, but train.seq_len="
                        f"{cfg.train.seq_len} needs more than {cfg.train.seq_len + 1}; give more text "
                        f"or raise data.val_fraction (now {cfg.data.val_fraction})")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
+    if prepared.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise QkvError(f"{own_tokenizer}: {prepared.tokenizer.vocab_size} tokens, more than the model's "
+                       f"vocab_size={cfg.model.vocab_size}")
     trainer = Trainer(out, cfg, prepared, progress=progress, log=log)  # may fail: before anything is written
     if not resume:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
         prepared.tokenizer.save(out / TOKENIZER_FILE)
     if resume and not trainer.resume():
-        log(f"{out}: no complete checkpoint yet; starting from step 0")
+        if not (out / "model.safetensors").is_file():
+            log(f"{out}: no complete checkpoint yet; starting from step 0")
     elif resume:
         log(f"{out}: resuming from the checkpoint at step {trainer.state.step}")
     return trainer, cfg
@@ -107,7 +117,20 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None) -> R
 
 
 def summary_line(summary: dict) -> str:
-    return json.dumps(summary)
+    """The summary as strict JSON: a value that is not finite (a NaN loss) is null, never NaN or Infinity."""
+    clean = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+             for key, value in summary.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def check_engine(engine: str, *, resume: bool, max_time: float) -> None:
+    """--engine ref trains from step 0 for a number of steps: refuse the rest before anything is written."""
+    if engine != "ref":
+        return
+    if resume:
+        raise QkvError("--engine ref cannot resume a run; it trains from step 0 in one go")
+    if max_time:
+        raise QkvError(f"--engine ref takes --max-steps, not a time budget (train.max_time={max_time:g})")
 
 
 def bits_per_char(trainer: Trainer) -> float | None:
@@ -124,10 +147,14 @@ def bits_per_char(trainer: Trainer) -> float | None:
 
 
 def describe(summary: dict) -> str:
-    bits = summary.get("val_bits_per_char")
+    bits, val = summary.get("val_bits_per_char"), summary.get("val_loss")
     bits_text = "" if bits is None else f", {bits:.4f} bits/char"
+    val_text = "not finite" if val is None or not math.isfinite(val) else f"{val:.4f}"
+    counts = (("skipped_steps", "skipped steps"), ("spikes", "loss spikes"))
+    trouble = [f"{summary[key]} {name}" for key, name in counts if summary.get(key)]
+    trouble_text = f" ({', '.join(trouble)})" if trouble else ""
     return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
-            f"({summary['tokens_per_s']:,} tokens/s); validation loss {summary['val_loss']:.4f}"
+            f"({summary['tokens_per_s']:,} tokens/s){trouble_text}; validation loss {val_text}"
             f"{bits_text}; run saved in {summary['run']}")
 
 

@@ -1,19 +1,26 @@
 """The training loop: cross-entropy, AdamW, schedule, clipping, accumulation, evaluation, checkpoints.
 
-One optimizer step (note 000 LLM §4-§6, §10.4):
-    g = (1/k) sum_{micro-batches} grad CE       (accumulation: exactly the gradient of the whole batch)
+One optimizer step (note 000 LLM §4-§6, §10.2, §10.4), over the b = rows(step) rows of the batch split
+into micro-batches of batch_size / accumulation rows (b_i rows each):
+    L_i = CE_i + alpha * aux_i                  (aux: the MoE balance loss, LLM §6.3; alpha train.aux_loss_weight)
+    g = sum_i (b_i / b) grad L_i                (accumulation: exactly the gradient of the whole batch)
     g <- g * min(1, c / ||g||_2)                (global-norm clipping, LLM §4.3)
-    theta <- AdamW(theta, g, lr(step))          (LLM §4.1, decoupled decay)
+    theta <- AdamW(theta, g, lr(step))          (LLM §4.1, decoupled decay), unless g or the loss is not finite
+fp16 multiplies the loss by a dynamic scale S before the backward and divides the gradients by S (LLM §6.2
+"损失缩放"; torch's GradScaler): an overflow skips the update and halves S, loss_scale_window good steps in
+a row double it. The weights and the optimizer stay fp32 (master weights); autocast runs the matmuls in
+the low precision while softmax, norms and the loss compute in fp32 inside the model.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -24,13 +31,15 @@ from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
 from qkv.models import build_model
+from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives
+from qkv.train.guards import DeferredInterrupt, is_spike
+from qkv.train.memory import apply_activation_checkpointing
 from qkv.train.objectives import cross_entropy  # noqa: F401 (defined beside the objectives that use it)
-from qkv.train.metrics import MetricsLog
+from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
-from qkv.train.schedules import SCHEDULES
+from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
 
-MAX_BAD_STEPS = 10  # consecutive non-finite steps before the run stops
 HORIZON_CHECKS = (0.05, 0.2, 0.5)  # fractions of max_time at which the step horizon is re-estimated
 
 
@@ -63,6 +72,17 @@ class State:
     best_val: float = math.inf
     batches: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
+    skipped: int = 0  # steps whose update was skipped (non-finite loss or gradients), all sessions
+    bad_steps: int = 0  # skipped steps in a row, up to now
+    spikes: int = 0
+    recent_losses: list = field(default_factory=list)  # the last train.spike_window finite losses
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean cross-entropy over the batch (the aux loss is not in it)
+    grad_norm: float  # global L2 norm before clipping
+    skipped: bool  # not finite: no update
+    aux_loss: float = math.nan  # mean MoE balance loss (nan without MoE)
 
 
 class Trainer:
@@ -75,24 +95,31 @@ class Trainer:
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
-        self.model = build_model(cfg.model).to(self.device)
+        self.model = build_model(cfg.model).to(self.device)  # fp32 weights in every precision (master weights)
+        if self.tc.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self.has_moe = any(isinstance(module, MoE) for module in self.model.modules())
         self.optimizer = OPTIMIZERS.get(self.tc.optimizer)(self.model, self.tc)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16",
+                                           growth_interval=self.tc.loss_scale_window)
         self.objective = objectives.for_run(cfg)  # lm, mlm or seq2seq: its batches and its loss
         self.batches = self.objective.batches(data.train, data.tokenizer, cfg, batch_size=self.tc.batch_size,
                                               seed=self.tc.seed)
         self.objective.batches(data.val, data.tokenizer, cfg, batch_size=1, seed=0)  # fail now, not at eval
         self.state = State(horizon=self.tc.max_steps)
-        self.bad_steps = 0
+        self.saved_step: int | None = None  # the step of the last complete checkpoint, None before one
 
     # ---- state -------------------------------------------------------------------------------
     def resume(self) -> bool:
         """Load the last complete checkpoint; False when the run has none yet."""
         checkpoint.recover(self.run_dir)
+        weights = self.run_dir / checkpoint.MODEL_FILE
+        if weights.is_file():  # also a run with weights only (imported, converted): fine-tuning starts there
+            checkpoint.load_model_tensors(self.model, checkpoint.read_tensors(weights), str(weights))
         if not checkpoint.has_checkpoint(self.run_dir):
+            if weights.is_file():
+                self.log(f"{self.run_dir}: weights without training state; fine-tuning them from step 0")
             return False
-        tensors = checkpoint.read_tensors(self.run_dir / checkpoint.MODEL_FILE)
-        checkpoint.load_model_tensors(self.model, tensors, str(self.run_dir / checkpoint.MODEL_FILE))
         state_tensors, raw = checkpoint.load_state(self.run_dir)
         checkpoint.load_optimizer(self.optimizer, state_tensors, raw["optimizer"])
         if "scaler" in raw:
@@ -103,6 +130,7 @@ class Trainer:
         self.state.horizon = min(self.state.horizon, self.tc.max_steps)
         self.batches.load_state(self.state.batches)
         restore_rng(self.state.rng, state_tensors)
+        self.saved_step = self.state.step
         return True
 
     def save(self) -> None:
@@ -113,89 +141,154 @@ class Trainer:
         raw = {"step": self.state.step, "trainer": vars(self.state), "optimizer": groups,
                "scaler": self.scaler.state_dict()}
         checkpoint.save(self.run_dir, self.model, {**optim_tensors, **rng_tensors}, raw)
+        self.saved_step = self.state.step
 
     # ---- one step ----------------------------------------------------------------------------
-    def lr(self, step: int) -> float:
-        return SCHEDULES.get(self.tc.schedule)(
-            step, lr=self.tc.lr, min_lr=self.tc.min_lr, warmup=self.tc.warmup_steps,
-            total=self.state.horizon, d_model=self.cfg.model.d_model)
+    def lr(self, step: int, rows: int | None = None) -> float:
+        """schedule(step) * scale(rows / base_batch) (the linear scaling rule, note 000 LLM §10.2)."""
+        tc = self.tc
+        scheduled = SCHEDULES.get(tc.schedule)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps,
+                                               total=self.state.horizon, d_model=self.cfg.model.d_model)
+        ratio = (rows or tc.batch_size) / (tc.base_batch or tc.batch_size)
+        return scheduled * LR_SCALING.get(tc.lr_scaling)(ratio)
 
-    def step(self, *batch: torch.Tensor, lr: float) -> tuple[float, float]:
-        """One optimizer update over `accumulation` micro-batches of `batch` (the objective's tensors,
-        e.g. inputs and targets); returns (loss, grad norm)."""
+    def rows(self, step: int) -> int:
+        """Rows of the batch used at `step` (batch-size warmup; batch_size once it is over)."""
+        tc = self.tc
+        return batch_rows(step, batch_size=tc.batch_size, start=tc.batch_warmup_start,
+                          warmup_steps=tc.batch_warmup_steps)
+
+    def step(self, *batch: torch.Tensor, lr: float) -> StepResult:
+        """One optimizer update over `batch` (the objective's tensors, e.g. inputs and targets, b rows each)
+        in micro-batches of batch_size / accumulation rows."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        k = self.tc.accumulation
+        rows, micro_rows = len(batch[0]), self.tc.batch_size // self.tc.accumulation
         total = torch.zeros((), device=self.device)
-        for micro in zip(*(tensor.chunk(k) for tensor in batch)):
+        aux_total = torch.zeros((), device=self.device)
+        for micro in zip(*(tensor.split(micro_rows) for tensor in batch)):
+            share = len(micro[0]) / rows  # b_i / b: 1 / accumulation for a full batch
             with autocast(self.device, self.tc.precision):
                 loss = self.objective.loss(self.model, micro, self.tc.label_smoothing)
-            self.scaler.scale(loss / k).backward()
-            total += loss.detach()
-        self.scaler.unscale_(self.optimizer)
+            objective = loss
+            if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
+                aux = aux_loss(self.model)
+                objective = loss + self.tc.aux_loss_weight * aux
+                aux_total += aux.detach() * share
+            self.scaler.scale(objective * share).backward()
+            total += loss.detach() * share
+        self.scaler.unscale_(self.optimizer)  # fp16: g / S, recording whether any is inf or NaN
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        loss_value, norm_value = (total / k).item(), norm.item()
-        if math.isfinite(loss_value) and math.isfinite(norm_value):
+        loss_value, norm_value = total.item(), norm.item()
+        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        if not skipped:
             self.scaler.step(self.optimizer)
-            self.bad_steps = 0
-        else:
-            self.bad_steps += 1
-            self.log(f"step {self.state.step}: non-finite loss {loss_value} or gradient norm {norm_value}; "
-                     "update skipped")
-            if self.bad_steps >= MAX_BAD_STEPS and self.tc.precision != "fp16":
-                raise QkvError(f"{MAX_BAD_STEPS} non-finite steps in a row at step {self.state.step}; "
-                               "stopping (the last checkpoint is kept). Lower train.lr or enable grad_clip")
-        self.scaler.update()
+        self.scaler.update()  # fp16: halve S after an overflow, double it after loss_scale_window good steps
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value
+        self.count_skip(skipped, loss_value, norm_value)
+        return StepResult(loss_value, norm_value, skipped, aux_total.item() if self.has_moe else math.nan)
+
+    def count_skip(self, skipped: bool, loss: float, norm: float) -> None:
+        state = self.state
+        state.bad_steps = state.bad_steps + 1 if skipped else 0
+        state.skipped += skipped
+        if skipped:
+            scale = f"; loss scale now {self.scaler.get_scale():g}" if self.scaler.is_enabled() else ""
+            self.log(f"qkv: step {state.step + 1}: non-finite loss {loss} or gradient norm {norm}; "
+                     f"update skipped{scale}")
+
+    def check_bad_steps(self) -> None:
+        """Stop after train.max_bad_steps skipped steps in a row; the last checkpoint is not touched."""
+        state, limit = self.state, self.tc.max_bad_steps
+        if state.bad_steps < limit:
+            return
+        kept = "no checkpoint was written" if self.saved_step is None else \
+            f"the checkpoint at step {self.saved_step} is kept"
+        raise QkvError(f"{limit} non-finite steps in a row (steps {state.step - limit + 1}-{state.step}); "
+                       f"stopping, {kept}. Lower train.lr, set train.grad_clip or use train.precision=bf16/fp32")
+
+    def track_spike(self, loss: float) -> None:
+        """Report a loss above spike_factor x the running median of the last spike_window losses."""
+        state, tc = self.state, self.tc
+        if not math.isfinite(loss):
+            return
+        if is_spike(loss, state.recent_losses, tc.spike_factor):
+            state.spikes += 1
+            median = statistics.median(state.recent_losses)
+            self.log(f"qkv: step {state.step}: loss spike {loss:.4f} (> {tc.spike_factor:g} x the running "
+                     f"median {median:.4f} of the last {len(state.recent_losses)} losses)")
+        state.recent_losses = (state.recent_losses + [loss])[-tc.spike_window:]
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> dict:
+        """Train to the horizon (or max_time); a first Ctrl-C finishes the step, saves and raises
+        KeyboardInterrupt; train.max_bad_steps skipped steps in a row raise QkvError. Returns the summary."""
         tc, state = self.tc, self.state
-        metrics = MetricsLog(self.run_dir / "metrics.csv", state.step)
-        tokens_per_step = tc.batch_size * tc.seq_len
+        logs = open_logs(self.run_dir, state.step, tc.tensorboard, self.log)
         bar = tqdm(total=state.horizon, initial=state.step, disable=not self.progress, unit="step",
                    dynamic_ncols=True, leave=False)
-        session_start, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
-        elapsed_before, checks = state.elapsed, list(HORIZON_CHECKS)
-        val = math.nan
+        self.clock = Clock(state.elapsed)
         self.model.train()
         try:
-            while state.step < state.horizon:
-                batch = [torch.from_numpy(a).to(self.device) for a in self.batches.next()]
-                lr = self.lr(state.step)
-                loss, norm = self.step(*batch, lr=lr)
-                state.step += 1
-                state.tokens += tokens_per_step
-                window_tokens += tokens_per_step
-                state.elapsed = elapsed_before + time.perf_counter() - session_start
-                checks = self.fit_horizon(checks, session_start)
-                if tc.eval_every and state.step % tc.eval_every == 0 and state.step < state.horizon:
-                    val = self.evaluate()
-                if state.step % tc.log_every == 0 or state.step == state.horizon or not math.isnan(val):
-                    rate = window_tokens / max(1e-9, time.perf_counter() - window_start)
-                    metrics.write(step=state.step, loss=loss, val_loss=val, lr=lr, grad_norm=norm,
-                                  tokens_per_s=rate, elapsed_s=state.elapsed)
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
-                    window_start, window_tokens, val = time.perf_counter(), 0, math.nan
-                bar.total = state.horizon
-                bar.update(1)
-                if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and state.step < state.horizon:
+            with DeferredInterrupt(self.log) as interrupt:
+                while state.step < state.horizon and not interrupt.requested:
+                    self.train_one(logs, bar)
+                    if tc.max_time and state.elapsed >= tc.max_time:
+                        break
+                if interrupt.requested:  # the step is complete: a consistent state to save
                     self.save()
-                if tc.max_time and state.elapsed >= tc.max_time:
-                    break
-        except KeyboardInterrupt:
+                    raise KeyboardInterrupt
+                final_val = self.evaluate()
+                self.write(logs, step=state.step, val_loss=final_val, elapsed_s=state.elapsed)
+                self.save()
+        finally:
             bar.close()
-            self.save()
-            raise
-        bar.close()
-        final_val = self.evaluate()
-        metrics.write(step=state.step, val_loss=final_val, elapsed_s=state.elapsed)
-        self.save()
+            for log in logs[1:]:
+                log.close()
         return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.elapsed, 2),
                 "tokens_per_s": round(state.tokens / max(1e-9, state.elapsed)),
-                "val_loss": final_val, "best_val_loss": state.best_val}
+                "val_loss": finite_or_none(final_val), "best_val_loss": finite_or_none(state.best_val),
+                "skipped_steps": state.skipped, "spikes": state.spikes}
+
+    def train_one(self, logs: list, bar) -> None:
+        """One step of the loop: the update, then its bookkeeping (log row, evaluation, checkpoint)."""
+        tc, state, clock = self.tc, self.state, self.clock
+        rows = self.rows(state.step)
+        batch = [torch.from_numpy(a[:rows]).to(self.device) for a in self.batches.next()]
+        lr = self.lr(state.step, rows)
+        result = self.step(*batch, lr=lr)
+        state.step += 1
+        state.tokens += rows * tc.seq_len
+        clock.tokens += rows * tc.seq_len
+        state.elapsed = clock.elapsed()
+        spikes = state.spikes
+        if not result.skipped:
+            self.track_spike(result.loss)
+        clock.checks = self.fit_horizon(clock.checks, clock.session_start)
+        val = math.nan
+        if tc.eval_every and state.step % tc.eval_every == 0 and state.step < state.horizon:
+            val = self.evaluate()
+        if (state.step % tc.log_every == 0 or state.step == state.horizon or not math.isnan(val)
+                or result.skipped or state.spikes > spikes):
+            rate = clock.rate()
+            self.write(logs, step=state.step, loss=result.loss, val_loss=val, lr=lr, grad_norm=result.grad_norm,
+                       tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, aux_loss=result.aux_loss)
+            bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
+        self.check_bad_steps()
+        bar.total = state.horizon
+        bar.update(1)
+        # never over the last good checkpoint while steps are being skipped: those weights may hold the NaN
+        if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and state.step < state.horizon
+                and not state.bad_steps):
+            self.save()
+
+    def write(self, logs: list, **row) -> None:
+        """One row in metrics.csv (and TensorBoard), with the run's counters."""
+        row.update(skipped=self.state.skipped, spikes=self.state.spikes,
+                   loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
+        for log in logs:
+            log.write(**row)
 
     def evaluate(self) -> float:
         tc = self.tc
@@ -214,6 +307,30 @@ class Trainer:
         remaining = max(0.0, tc.max_time - state.elapsed)
         state.horizon = min(tc.max_steps, state.step + max(1, int(remaining / seconds_per_step)))
         return [c for c in checks if state.elapsed < c * tc.max_time]
+
+
+class Clock:
+    """Training seconds over all sessions, and the throughput since the last logged row."""
+
+    def __init__(self, elapsed_before: float):
+        self.elapsed_before, self.session_start = elapsed_before, time.perf_counter()
+        self.window_start, self.tokens = time.perf_counter(), 0
+        self.checks = list(HORIZON_CHECKS)
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.session_start
+
+    def rate(self) -> float:
+        """Tokens per second since the previous call; starts a new window."""
+        now = time.perf_counter()
+        rate = self.tokens / max(1e-9, now - self.window_start)
+        self.window_start, self.tokens = now, 0
+        return rate
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or Infinity: a value that is not finite is reported as null."""
+    return value if math.isfinite(value) else None
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,107 @@
+"""Peak extra memory and time of every attention kernel's forward on CPU (no grad), causal, B = 1, H = 4,
+Dh = 64, fp32, at n = 512, 2048, 8192; `model.window` = 256 for the sparse kinds.
+
+Memory: each (kernel, n) runs in a fresh process with glibc's mmap threshold lowered (MALLOC_MMAP_THRESHOLD_),
+so every large tensor is its own mapping and freeing it returns it; the peak resident set (ru_maxrss) minus
+the resident set once q, k, v exist is the kernel's peak extra memory (intermediates and output). Time: the
+median of --repeats calls after one warm-up call, one intra-op thread. A kernel whose estimated n x n
+intermediates exceed --max-gib is skipped and its estimate reported.
+
+    PYTHONPATH=src python benchmarks/attention_kernels.py [--sizes 512 2048 8192] [--repeats 3] [--max-gib 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HEADS, HEAD_DIM, WINDOW = 4, 64, 256
+
+
+def quadratic_gib(n: int) -> float:
+    """(B, H, n, n) fp32 scores, masked scores and weights: what the naive kernel holds at once."""
+    return 3 * HEADS * n * n * 4 / 2**30
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(name: str, n: int, repeats: int) -> dict:
+    import torch
+
+    from qkv.nn.kernels import kernel_for
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM) for _ in range(3))
+    kernel = kernel_for(name, window=WINDOW)
+    call = lambda: kernel(q, k, v, mask=None, causal=True, bias=None, scale=HEAD_DIM ** -0.5)  # noqa: E731
+    with torch.no_grad():
+        small = torch.randn(1, HEADS, 64, HEAD_DIM)
+        kernel(small, small, small, mask=None, causal=True, bias=None, scale=1.0)  # load code, warm caches
+        before = resident_bytes()
+        start = time.perf_counter()
+        out = call()
+        first = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        del out
+        times = [first] if first > 5 else []
+        while len(times) < repeats and not (times and sum(times) > 20):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    return {"peak_mib": max(peak - before, 0) / 2**20, "seconds": statistics.median(times)}
+
+
+def measure(name: str, n: int, repeats: int) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    result = subprocess.run([sys.executable, __file__, "--worker", name, str(n), str(repeats)], env=env,
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--kernels", nargs="+", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-gib", type=float, default=2.0)
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        name, n, repeats = args.worker
+        print(json.dumps(worker(name, int(n), int(repeats))))
+        return
+    from qkv.nn.kernels import KERNELS
+
+    names = args.kernels or KERNELS.names()
+    print(f"causal attention forward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
+          "peak extra MiB (RSS) and seconds; x = growth per 4x n (16 quadratic, 4 linear)")
+    header = "| kernel | " + " | ".join(f"n={n} MiB | n={n} s" for n in args.sizes) + " | MiB x | s x |"
+    print(header)
+    print("|" + "---|" * (2 * len(args.sizes) + 3))
+    for name in names:
+        cells, rows = [], []
+        for n in args.sizes:
+            if name == "naive" and quadratic_gib(n) > args.max_gib:
+                cells += [f"skipped (~{quadratic_gib(n) * 1024:.0f})", "-"]
+                continue
+            row = measure(name, n, args.repeats)
+            rows.append(row)
+            cells += [f"{row['peak_mib']:.1f}", f"{row['seconds']:.3f}"]
+        growth = ("-", "-")
+        if len(rows) >= 2:
+            growth = (f"{rows[-1]['peak_mib'] / max(rows[-2]['peak_mib'], 1e-9):.1f}",
+                      f"{rows[-1]['seconds'] / rows[-2]['seconds']:.1f}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {growth[0]} | {growth[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

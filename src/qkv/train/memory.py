@@ -1,0 +1,40 @@
+"""Activation (gradient) checkpointing, applied to a finished model from outside (note 000 LLM §6.2 item 4:
+"只存储部分层的激活值，在反向传播时重新计算其他激活值"; DESIGN.md: wrappers never live in model code).
+
+Each Transformer block keeps only its input during the forward; its internal activations (attention
+projections, softmax statistics, FFN hidden states: the O(L T D + L T F) of LLM §5.3) are recomputed from that
+input during the backward, block by block. Cost: one extra forward of every block (about +1/3 of a training
+step's FLOPs, since backward ~ 2x forward); saving: all activations inside the blocks but one block's at a time.
+
+Non-reentrant torch.utils.checkpoint: it works with inputs that need no gradient, with keyword arguments and
+with tensors that leave the block by other routes (the MoE aux loss); dropout masks are replayed exactly
+because the RNG state is saved and restored around the recompute.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from qkv.nn.block import Block
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Make every Block of `model` recompute its activations in the backward; returns how many were wrapped.
+    Parameter names are unchanged (the forward is replaced on the instance, no wrapper module), so
+    checkpoints and conversions see the same model."""
+    blocks = [module for module in model.modules() if isinstance(module, Block)]
+    for block in blocks:
+        if not getattr(block, "activation_checkpointing", False):
+            block.forward = functools.partial(_checkpointed, block, block.forward)
+            block.activation_checkpointing = True
+    return len(blocks)
+
+
+def _checkpointed(block: Block, forward, *args, **kwargs):
+    # only while training with autograd: generation (no_grad, KV cache updated in place) runs plainly
+    if block.training and torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
