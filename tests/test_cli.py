@@ -252,6 +252,14 @@ TRAIN_ERRORS = {
     "zero max steps": (["--max-steps", "0"], ["positive"]),
     "bad device": (["--set", "train.device=bogus"], ["train.device='bogus'"]),
     "short validation": (["--data", "{short}"], ["validation split too short"]),
+    "bad schedule": (["--set", "train.schedule=one-cycle"], ["'one-cycle'", "onecycle"]),
+    "bad lr_scaling": (["--set", "train.lr_scaling=cubic"], ["train.lr_scaling='cubic'", "linear"]),
+    "bad batch_warmup_start": (["--set", "train.batch_warmup_start=99"], ["train.batch_warmup_start=99"]),
+    "bad max_bad_steps": (["--set", "train.max_bad_steps=0"], ["train.max_bad_steps=0"]),
+    "bad spike_factor": (["--set", "train.spike_factor=1"], ["train.spike_factor=1.0"]),
+    "bad tensorboard": (["--set", "train.tensorboard=yes"], ["train.tensorboard='yes'", "bool"]),
+    "bad activation_checkpointing": (["--set", "train.activation_checkpointing=2"], ["activation_checkpointing"]),
+    "ref engine with a time budget": (["--engine", "ref", "--max-time", "5"], ["--engine ref", "--max-steps"]),
 }
 
 
@@ -276,6 +284,10 @@ def test_bad_inputs_for_eval_and_generate(capsys, run, tmp_path):
     assert_one_error_line(*cli(capsys, "eval", run, "--stride", "999"), "--stride=999")
     assert_one_error_line(*cli(capsys, "train", "--resume"), "--resume needs --out")
     assert_one_error_line(*cli(capsys, "train", "--resume", "--out", missing), "nothing to resume")
+    before = snapshot(run)
+    assert_one_error_line(*cli(capsys, "train", "--resume", "--out", run, "--engine", "ref", "--max-steps", "20"),
+                          "--engine ref cannot resume")
+    assert snapshot(run) == before  # the limit was not written into the run's config
     assert_one_error_line(*cli(capsys, "frobnicate"), "invalid choice")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(run, corrupt)
@@ -287,6 +299,29 @@ def test_bad_inputs_for_eval_and_generate(capsys, run, tmp_path):
     assert_one_error_line(*cli(capsys, "eval", corrupt), "no checkpoint yet")
     (corrupt / "config.json").write_text("{")
     assert_one_error_line(*cli(capsys, "eval", corrupt), "not valid JSON")
+
+
+def test_ctrl_c_mid_step_saves_that_step_and_exits_130(capsys, text, tmp_path, monkeypatch):
+    from qkv.train.loop import Trainer
+
+    original = Trainer.step
+
+    def step_with_ctrl_c(self, *batch, lr):
+        if self.state.step == 2:  # during update 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *batch, lr=lr)
+    monkeypatch.setattr(Trainer, "step", step_with_ctrl_c)
+    rc, out, err = train(capsys, text, tmp_path / "r", "--max-steps", "8", "--no-sample", "--json")
+    assert rc == 130 and out == "" and "checkpoint saved at step 3" in err and "--resume" in err, err
+    assert json.loads((tmp_path / "r" / "train_state.json").read_text())["step"] == 3
+    monkeypatch.setattr(Trainer, "step", original)
+    rc, out, err = cli(capsys, "train", "--out", tmp_path / "r", "--resume", "--quiet", "--no-sample", "--json")
+    assert rc == 0, err
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+    summary = json.loads(out, parse_constant=strict)
+    assert summary["steps"] == 8 and summary["skipped_steps"] == 0 and summary["spikes"] == 0
 
 
 # ---- the console entry and a hard kill ---------------------------------------------------------------

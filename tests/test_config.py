@@ -147,6 +147,16 @@ TRAIN_ERRORS = [
     (dict(label_smoothing=1.0), "train.label_smoothing=1.0 must be in [0, 1)"),
     (dict(batch_size=10, accumulation=3), "train.accumulation=3 must divide train.batch_size=10"),
     (dict(precision="fp8"), "train.precision='fp8' is not allowed; choose from: fp32, bf16, fp16"),
+    (dict(max_bad_steps=0), "train.max_bad_steps=0 must be positive"),
+    (dict(spike_window=0), "train.spike_window=0 must be positive"),
+    (dict(loss_scale_window=0), "train.loss_scale_window=0 must be positive"),
+    (dict(batch_warmup_steps=-1), "train.batch_warmup_steps=-1 must be at least 0"),
+    (dict(base_batch=-8), "train.base_batch=-8 must be at least 0"),
+    (dict(spike_factor=-1.0), "train.spike_factor=-1.0 must be at least 0"),
+    (dict(spike_factor=0.5), "train.spike_factor=0.5 must be above 1 (or 0 to disable)"),
+    (dict(batch_warmup_start=0), "train.batch_warmup_start=0 must be in 1..train.batch_size=16"),
+    (dict(batch_warmup_start=17), "train.batch_warmup_start=17 must be in 1..train.batch_size=16"),
+    (dict(lr_scaling="cubic"), "train.lr_scaling='cubic' is not allowed; choose from: linear, none, sqrt"),
 ]
 
 

@@ -105,12 +105,12 @@ def test_a_loss_spike_is_reported_and_counted(tmp_path):
     messages = []
     t = trainer(tmp_path, max_steps=14, log_every=7, spike_factor=3.0)
     t.log = messages.append
-    t.model.lm_head.register_forward_hook(lambda m, args, out: out * 60 if t.state.step == 11 else None)
+    wrong = 100.0 * (torch.arange(64) % 7 == 0)  # large logits on a fixed few tokens: CE about 100 at step 12
+    t.model.lm_head.register_forward_hook(lambda m, args, out: out + wrong if t.state.step == 11 else None)
     summary = t.run()
     assert summary["spikes"] == 1 and summary["skipped_steps"] == 0
     rows = [r for r in MetricsLog.read(tmp_path / "run" / "metrics.csv") if r["loss"]]
     assert [(r["step"], r["spikes"]) for r in rows] == [("7", "0"), ("12", "1"), ("14", "1")]
-    median = sorted(float(r) for r in t.state.recent_losses[:11])  # noqa: F841 (the window before the spike)
     assert sum("step 12: loss spike" in m for m in messages) == 1
     assert float(rows[1]["loss"]) > 3 * float(rows[0]["loss"])
 
