@@ -67,6 +67,8 @@ def parser() -> Parser:
     generate.add_argument("--beams", type=positive_int, default=4)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
+    generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop before TEXT (repeatable); the output ends before its first occurrence")
 
     hf_commands.add_parsers(sub)
     analysis_commands.add_parsers(sub)
@@ -154,7 +156,8 @@ def cmd_generate(args) -> int:
     require_lm(run, "generate")
     text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None)
+                         num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None,
+                         stop_strings=tuple(args.stop))
     if not args.stream:
         print(text)
     return 0

@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv.errors import QkvError
-from qkv.generate import CachedDecoder, PromptTruncatedWarning, beam_search, generate, pad_left
+from qkv.generate import PromptTruncatedWarning, beam_search, generate, pad_left
 from qkv.nn.positional import POSITIONALS
 
 POSITIONAL_NAMES = POSITIONALS.names()
@@ -40,21 +40,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]))[0, -1]
 
 
-@pytest.mark.parametrize("positional", POSITIONAL_NAMES)
-def test_cached_step_logits_equal_full_recomputation(positional):
-    model = tiny_model(positional)
-    prompts = [[5, 9, 1], [7, 3, 3, 8, 2, 6], [11]]
-    ids, mask = pad_left(prompts, pad_id=0)
-    continuation = torch.randint(0, 64, (3, 16))  # teacher-forced tokens
-    decoder = CachedDecoder(model, batch=3, max_len=ids.shape[1] + 16)
-    with torch.no_grad():
-        logits = decoder.prefill(ids, mask)
-        for step in range(continuation.shape[1] + 1):
-            for row, prompt in enumerate(prompts):
-                expected = full_logits(model, prompt + continuation[row, :step].tolist())
-                torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
-            if step < continuation.shape[1]:
-                logits = decoder.step(continuation[:, step])
+# cached step logits == full recomputation, every positional and family: test_families.py
 
 
 def greedy_by_recomputation(model, prompt: list[int], steps: int) -> list[int]:

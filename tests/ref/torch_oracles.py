@@ -190,3 +190,61 @@ def _block_oracle(placement, norm, cross=False):
 ORACLES["block_pre_layernorm"] = _block_oracle("pre", "layernorm")
 ORACLES["block_post_rmsnorm"] = _block_oracle("post", "rmsnorm")
 ORACLES["block_cross_pre"] = _block_oracle("pre", "layernorm", cross=True)
+
+
+# ---- learnt score biases, value terms, linear attention's explicit form, sandwich (qkv.ref.cases_relative) ----
+
+from torch import nn  # noqa: E402
+
+from qkv.nn.kernels import weights_for  # noqa: E402
+from qkv.nn.residual import NormPair  # noqa: E402
+from qkv.ref import cases_relative  # noqa: E402
+
+
+class AttentionWithPositional(nn.Module):
+    """The torch engine's Attention and a positional module as one parameter tree ("positional.*")."""
+
+    def __init__(self, name, kernel):
+        super().__init__()
+        self.attn = Attention(D, H, H, kernel=kernel, bias=True)
+        self.positional = tpos.POSITIONALS.get(name)(d_model=D, n_heads=H, head_dim=Dh, max_seq_len=16,
+                                                     rope_theta=10000.0, max_distance=cases_relative.MAX_DISTANCE)
+
+    def forward(self, x, mask, causal):
+        positions = torch.arange(T).expand(B, T)
+        return self.attn(x, AttentionContext(self.positional, positions, positions, mask, causal))
+
+
+def _relative_oracle(name, kernel, causal, padded):
+    def run(i):
+        module = AttentionWithPositional(name, kernel).double()
+        params = {(k if k.startswith("positional.") else f"attn.{k}"): v for k, v in i.items() if k != "x"}
+        mask = torch.from_numpy(cases_relative.padding_mask(causal)) if padded else None
+        return functional_call(module, params, (i["x"], mask, causal and not padded))
+    return run
+
+
+for _case, _spec in cases_relative.RELATIVE_CASES.items():
+    ORACLES[_case] = _relative_oracle(*_spec)
+
+
+def _weights_oracle(kind, window=2):
+    """The torch engine's explicit weights for kernel `kind` (its own pattern / feature map), times V."""
+    def run(i):
+        weights = weights_for(kind, window=window)(i["q"], i["k"], mask=i["mask"], causal=True, bias=i["bias"],
+                                                   scale=Dh ** -0.5)
+        return weights.to(i["v"].dtype) @ i["v"]
+    return run
+
+
+ORACLES["kernel_random"] = _weights_oracle("random")  # the torch engine's BigBird pattern, not ours
+ORACLES["kernel_random_padding"] = _weights_oracle("random", window=1)
+ORACLES["kernel_linear_padding_bias"] = _weights_oracle("linear")
+
+
+@oracle("block_sandwich_layernorm")
+def _sandwich_block(i):
+    pair = lambda: NormPair(LayerNorm(D, eps=1e-5), LayerNorm(D, eps=1e-5))  # noqa: E731
+    block = Block(attn=Attention(D, H, H, kernel="sdpa", bias=True), ffn=MLP(D, F_, activation="gelu", bias=True),
+                  attn_norm=pair(), ffn_norm=pair(), residual=RESIDUALS.get("sandwich")).double()
+    return functional_call(block, {k: v for k, v in i.items() if k != "x"}, (i["x"], torch_context()))

@@ -26,10 +26,11 @@ def pair(tiny_cfg, **changes):
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(dropout=0.1), dict(moe_experts=2, moe_top_k=1),
-                                     dict(arch="encoder-decoder")])
+                                     dict(arch="encoder-decoder"), dict(save_attention=True)])
 def test_gradients_identical_to_without(tiny_cfg, changes):
+    save_attention = changes.pop("save_attention", False)
     plain, wrapped = pair(tiny_cfg, **changes)
-    assert apply_activation_checkpointing(wrapped) == len([m for m in wrapped.modules() if type(m).__name__ == "Block"])
+    assert apply_activation_checkpointing(wrapped, save_attention=save_attention) == len([m for m in wrapped.modules() if type(m).__name__ == "Block"])
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 32, (2, 3, 16), generator=g)
     if changes.get("arch") == "encoder-decoder":

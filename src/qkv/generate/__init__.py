@@ -1,17 +1,18 @@
 """Text generation: logit processors and strategies (sampling), KV-cached decoding (decode).
 
-`qkv.generate(model, input_ids, ...)` is `decode.generate`; `beam_search` returns the n-best list of
-one prompt.
+`qkv.generate(model, input_ids, ...)` is `decode.generate` (decoder-only and encoder-decoder models,
+qkv.generate.families); `beam_search` returns the n-best list of one prompt.
 """
 import sys
 import types
 
 from qkv.generate.decode import (CachedDecoder, Hypothesis, PromptTruncatedWarning, beam_search, generate,
                                  pad_left)
+from qkv.generate.families import FAMILIES, Seq2SeqDecoder
 from qkv.generate.sampling import PROCESSORS, STRATEGIES, SamplingParams, SamplingState, Strategy
 
-__all__ = ["CachedDecoder", "Hypothesis", "PROCESSORS", "PromptTruncatedWarning", "STRATEGIES",
-           "SamplingParams", "SamplingState", "Strategy", "beam_search", "generate", "pad_left"]
+__all__ = ["CachedDecoder", "FAMILIES", "Hypothesis", "PROCESSORS", "PromptTruncatedWarning", "STRATEGIES",
+           "SamplingParams", "SamplingState", "Seq2SeqDecoder", "Strategy", "beam_search", "generate", "pad_left"]
 
 
 class _CallablePackage(types.ModuleType):

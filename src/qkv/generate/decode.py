@@ -1,14 +1,27 @@
-"""Autoregressive decoding with a KV cache: greedy, sampling (plain, top-k, top-p) and beam search.
+"""Autoregressive decoding with a KV cache: greedy, sampling (plain, top-k, top-p) and beam search,
+for decoder-only and encoder-decoder models.
 
 The prompt is fed once (prefill), then one token per call; every call appends its keys and values
 to a preallocated cache, so step t costs O(t) attention instead of a forward over all t tokens.
+With a local kernel (window w) the cache rolls: it keeps the last w columns only (qkv.nn.cache).
+
+One API for every family, dispatched on the model's class (qkv.generate.families.FAMILIES):
+
+    generate(decoder_lm, prompt_ids, ...)                          -> (B, T + new)  the prompt, then new tokens
+    generate(encoder_decoder, src_ids, ..., decoder_start=BOS,
+             attention_mask=src_mask)                              -> (B, 1 + new)  BOS, then new tokens
+
+An encoder-decoder runs its encoder once and projects each layer's cross-attention K/V once; the
+strategies (greedy, sampling, beam) and stop rules are the same for both families.
 
 Batches of prompts of different lengths are LEFT-padded (`pad_left`) with an attention mask: the
 last column then holds every row's newest token, positions count real tokens only (a row's
 positions do not depend on its padding) and the cache remembers which columns are padding.
+(An encoder-decoder's source may be padded on either side; its decoder rows all start alike.)
 
 Context limit: prompt + new tokens never exceed `model.max_seq_len`, for every positional encoding
-(learned tables have no rows beyond it; for the others it is the length the model was trained on).
+(learned tables have no rows beyond it; for the others it is the length the model was trained on),
+except with a rolling cache and a shift-invariant encoding (qkv.generate.families: no limit there).
 `max_new_tokens` is reduced to at most max_seq_len - 1 and a prompt longer than
 max_seq_len - max_new_tokens keeps its last tokens; either clamp issues one `PromptTruncatedWarning`
 (warnings.warn) per call. The returned ids still start with the whole `input_ids`.
@@ -16,7 +29,6 @@ max_seq_len - max_new_tokens keeps its last tokens; either clamp issues one `Pro
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -25,13 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
+from qkv.generate.families import CachedDecoder, Prompt, PromptTruncatedWarning, family_of  # noqa: F401
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, Strategy, make_generator, process
 
 OnToken = Callable[[int, Tensor], None]
-
-
-class PromptTruncatedWarning(UserWarning):
-    """The prompt or max_new_tokens was clamped to fit model.max_seq_len."""
+StopIf = Callable[[Tensor], Tensor]  # (B, n) new tokens so far -> (B,) bool: stop these rows now
 
 
 def pad_left(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -47,26 +57,6 @@ def pad_left(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
     return ids, mask
 
 
-class CachedDecoder:
-    """Feeds a decoder LM its prompt once, then one token per row per call, through a KV cache."""
-
-    def __init__(self, model: nn.Module, batch: int, max_len: int):
-        self.model = model
-        self.cache = model.new_cache(batch, max_len)
-
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """(B, T) prompt -> (B, V) logits for the token after it (left padding: the last column)."""
-        return self.model(input_ids, attention_mask=attention_mask, cache=self.cache)[:, -1]
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """(B,) newest tokens -> (B, V) logits for the next ones."""
-        return self.model(tokens[:, None], cache=self.cache)[:, -1]
-
-    def reorder(self, rows: Tensor) -> None:
-        """Continue from cache rows `rows` (beam search: select and duplicate beams)."""
-        self.cache.reorder(rows)
-
-
 @contextmanager
 def eval_mode(model: nn.Module):
     """Switch off dropout for the duration; restore every submodule's own mode afterwards."""
@@ -79,47 +69,24 @@ def eval_mode(model: nn.Module):
             module.training = training
 
 
-def check_left_padded(mask: Tensor) -> Tensor | None:
-    """Validate a (B, T) 0/1 mask as left padding; None when it masks nothing."""
-    if mask.dim() != 2 or not bool(((mask == 0) | (mask == 1)).all()):
-        raise QkvError("attention_mask must be a (B, T) tensor of 0 (padding) and 1 (token)")
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
-        raise QkvError("attention_mask must be LEFT padding (0s then 1s, the last column 1 in every row); "
-                       "use qkv.generate.pad_left")
-    return None if bool(mask.all()) else mask.long()
-
-
-def fit_context(ids: Tensor, mask: Tensor | None, max_new_tokens: int,
-                max_seq_len: int) -> tuple[Tensor, Tensor | None, int]:
-    """Clamp so that prompt + new <= max_seq_len (module docstring), warning once if anything real is cut."""
-    max_new = min(max_new_tokens, max_seq_len - 1)
-    keep = max_seq_len - max_new  # prompt columns that fit, at least 1
-    notes = []
-    if max_new < max_new_tokens:
-        notes.append(f"max_new_tokens={max_new_tokens} reduced to {max_new}")
-    cut = ids.shape[1] - keep
-    if cut > 0:
-        if mask is None or bool(mask[:, :cut].any()):
-            notes.append(f"prompt of {ids.shape[1]} tokens cut to its last {keep}")
-        ids, mask = ids[:, cut:], (None if mask is None else check_left_padded(mask[:, cut:]))
-    if notes:
-        warnings.warn(f"model.max_seq_len={max_seq_len}: " + "; ".join(notes), PromptTruncatedWarning,
-                      stacklevel=3)
-    return ids, mask, max_new
-
-
 def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,
              temperature: float = 1.0, top_k: int = 50, top_p: float = 0.9, min_p: float = 0.0,
              repetition_penalty: float = 1.0, seed: int | None = None, attention_mask: Tensor | None = None,
              stop_tokens: Sequence[int] = (), num_beams: int = 4, length_penalty: float = 1.0,
-             early_stopping: bool = True, on_token: OnToken | None = None, pad_id: int | None = None) -> Tensor:
+             early_stopping: bool = True, on_token: OnToken | None = None, pad_id: int | None = None,
+             decoder_start: int | None = None, stop_if: StopIf | None = None) -> Tensor:
     """Continue `input_ids` (B, T) (or (T,)) by up to `max_new_tokens`; returns (B, T + new) (or (T + new,)).
+
+    An encoder-decoder model takes the source as `input_ids` (`attention_mask` its padding) and
+    `decoder_start`, and returns (B, 1 + new): decoder_start, then the new tokens (qkv.generate.families).
 
     strategy: greedy | sample | top-k | top-p | beam (sampling.STRATEGIES). Sampling draws from a
     torch.Generator seeded with `seed` (None: a fresh random seed), one draw for all rows per step,
     so a seed reproduces a call with the same batch. A row stops at its first token
     in `stop_tokens` (kept in the output); afterwards it receives `pad_id` (default: the stop token
     it hit), and decoding ends early, with a shorter output, once every row has stopped.
+    `stop_if(new (B, n))` -> (B,) bool, called after each step with every row's new tokens so far,
+    stops the rows it flags as a stop token would (text.py's stop strings; not with beam search).
     `on_token(step, tokens (B,))` is called after each step (not with beam search, which only
     settles its tokens at the end). Beam search (`num_beams`, `length_penalty`, `early_stopping`)
     returns each row's best hypothesis; see `beam_search` for the n-best list.
@@ -129,49 +96,32 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, str
     chosen = STRATEGIES.get(strategy)
     if max_new_tokens < 0:
         raise QkvError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if chosen.choose is None and on_token is not None:
-        raise QkvError("on_token streams tokens step by step; beam search settles them only at the end")
+    if chosen.choose is None and (on_token is not None or stop_if is not None):
+        raise QkvError("on_token and stop_if act step by step; beam search settles its tokens only at the end")
     one_row = torch.as_tensor(input_ids).dim() == 1
-    ids, mask = as_batch(model, input_ids, attention_mask)
-    model_ids, model_mask, max_new = fit_context(ids, mask, max_new_tokens, model.max_seq_len)
-    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=ids.device)
+    prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
+    device = prompt.ids.device
+    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
     with torch.inference_mode(), eval_mode(model):
-        if max_new == 0:
-            new = ids[:, :0]
+        if prompt.max_new == 0:
+            new = prompt.ids[:, :0]
         elif chosen.choose is None:
             beams = BeamConfig(num_beams, length_penalty, early_stopping).validate()
-            best = [row[0] for row in beam_rows(model, model_ids, model_mask, max_new, beams, stop, params)]
-            new = stack_hypotheses(best, pad_id, ids.device)
+            best = [row[0] for row in beam_rows(prompt, beams, stop, params)]
+            new = stack_hypotheses(best, pad_id, device)
         else:
-            generator = make_generator(seed, ids.device) if chosen.samples else None
-            new = sample_rows(model, model_ids, model_mask, max_new, chosen, params, generator, stop,
-                              pad_id, on_token)
-    out = torch.cat([ids, new], dim=1)  # (B, T + new)
+            generator = make_generator(seed, device) if chosen.samples else None
+            new = sample_rows(prompt, chosen, params, generator, stop, pad_id, on_token, stop_if)
+    out = torch.cat([prompt.prefix, new], dim=1)  # (B, P + new)
     return out[0] if one_row else out
 
 
-def as_batch(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None):
-    """(T,) or (B, T) ids and optional mask -> (B, T) long ids on the model's device, mask or None."""
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(input_ids, device=device).long()
-    ids = ids[None] if ids.dim() == 1 else ids
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise QkvError(f"input_ids must be (B, T) or (T,) with T >= 1, got shape {tuple(ids.shape)}")
-    if attention_mask is None:
-        return ids, None
-    mask = torch.as_tensor(attention_mask, device=device)
-    mask = mask[None] if mask.dim() == 1 else mask
-    if mask.shape != ids.shape:
-        raise QkvError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
-    return ids, check_left_padded(mask)
-
-
-def sample_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, strategy: Strategy,
-                params: SamplingParams, generator: torch.Generator | None, stop: Tensor,
-                pad_id: int | None, on_token: OnToken | None) -> Tensor:
+def sample_rows(prompt: Prompt, strategy: Strategy, params: SamplingParams, generator: torch.Generator | None,
+                stop: Tensor, pad_id: int | None, on_token: OnToken | None, stop_if: StopIf | None) -> Tensor:
     """Greedy or sampled decoding of every row at once; returns the new tokens (B, n <= max_new)."""
+    ids, mask, max_new = prompt.ids, prompt.mask, prompt.max_new
     B, T = ids.shape
-    decoder = CachedDecoder(model, B, T + max_new)
+    decoder = prompt.open(T + max_new)
     tokens = torch.cat([ids, ids.new_zeros(B, max_new)], dim=1)  # (B, T + max_new): prompt, then new
     token_mask = None if mask is None else torch.cat([mask, mask.new_ones(B, max_new)], dim=1)
     stopped = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -181,15 +131,19 @@ def sample_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int
         end = T + step
         state = SamplingState(params, tokens[:, :end], None if token_mask is None else token_mask[:, :end])
         next_tokens = strategy.choose(process(logits, state, strategy.processors), generator)  # (B,)
-        if stop.numel():
+        stops = stop.numel() > 0 or stop_if is not None
+        if stops:
             next_tokens = torch.where(stopped, fill, next_tokens)
-            hit = ~stopped & torch.isin(next_tokens, stop)
-            fill = torch.where(hit & (fill < 0), next_tokens, fill)  # no pad_id: repeat the stop token
-            stopped |= hit
         tokens[:, end] = next_tokens
+        if stops:
+            hit = ~stopped & torch.isin(next_tokens, stop)
+            if stop_if is not None:
+                hit |= ~stopped & stop_if(tokens[:, T:end + 1]).to(hit.device)
+            fill = torch.where(hit & (fill < 0), next_tokens, fill)  # no pad_id: repeat the token it stopped at
+            stopped |= hit
         if on_token is not None:
             on_token(step, next_tokens)
-        if step + 1 == max_new or (stop.numel() and bool(stopped.all())):
+        if step + 1 == max_new or (stops and bool(stopped.all())):
             return tokens[:, T:end + 1]
         logits = decoder.step(next_tokens)
     return tokens[:, T:]
@@ -246,31 +200,33 @@ class FinishedHypotheses:
 
 def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, *, num_beams: int = 4,
                 length_penalty: float = 1.0, early_stopping: bool = True, stop_tokens: Sequence[int] = (),
-                repetition_penalty: float = 1.0) -> list[Hypothesis]:
-    """Beam search on one prompt (T,) or (1, T): up to `num_beams` hypotheses, best score first."""
+                repetition_penalty: float = 1.0, decoder_start: int | None = None,
+                attention_mask: Tensor | None = None) -> list[Hypothesis]:
+    """Beam search on one prompt (T,) or (1, T) (an encoder-decoder's source, with `decoder_start`):
+    up to `num_beams` hypotheses, best score first."""
     params = SamplingParams(repetition_penalty=repetition_penalty).validate()
     beams = BeamConfig(num_beams, length_penalty, early_stopping).validate()
-    ids, _ = as_batch(model, input_ids, None)
-    if ids.shape[0] != 1:
-        raise QkvError(f"beam_search takes one prompt, got {ids.shape[0]}; generate(strategy='beam') takes a batch")
-    ids, _, max_new = fit_context(ids, None, max_new_tokens, model.max_seq_len)
-    if max_new == 0:
+    prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
+    if prompt.ids.shape[0] != 1:
+        raise QkvError(f"beam_search takes one prompt, got {prompt.ids.shape[0]}; generate(strategy='beam') "
+                       "takes a batch")
+    if prompt.max_new == 0:
         raise QkvError("beam_search needs max_new_tokens >= 1")
-    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=ids.device)
+    stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=prompt.ids.device)
     with torch.inference_mode(), eval_mode(model):
-        return beam_rows(model, ids, None, max_new, beams, stop, params)[0]
+        return beam_rows(prompt, beams, stop, params)[0]
 
 
-def beam_rows(model: nn.Module, ids: Tensor, mask: Tensor | None, max_new: int, beams: BeamConfig,
-              stop: Tensor, params: SamplingParams) -> list[list[Hypothesis]]:
+def beam_rows(prompt: Prompt, beams: BeamConfig, stop: Tensor, params: SamplingParams) -> list[list[Hypothesis]]:
     """Beam search for every row of a (B, T) batch at once, with Hugging Face's bookkeeping.
 
     Each step extends each of the K live beams of a row by every token, ranks the K*V sums of
     log-probabilities (stable sort: ties to the lower beam, then token), moves stop-token
     candidates ranked in the first K to the finished list and keeps the first K others as beams.
     """
+    ids, mask, max_new = prompt.ids, prompt.mask, prompt.max_new
     (B, T), K = ids.shape, beams.num_beams
-    decoder = CachedDecoder(model, B, T + max_new)
+    decoder = prompt.open(T + max_new)
     logits = decoder.prefill(ids, mask)  # (B, V)
     V = logits.shape[-1]
     rows = torch.arange(B, device=ids.device).repeat_interleave(K)  # (B*K,) the K beams of each row

@@ -1,35 +1,88 @@
-"""Text in, text out: the tokenizer around `generate`, with optional streaming."""
+"""Text in, text out: the tokenizer around `generate`, with optional streaming and stop strings.
+
+Stop strings: generation stops after the first step whose decoded continuation contains any of
+`stop_strings`, and the returned (and streamed) text ends just before the earliest occurrence: the stop
+string itself is not part of the output. Streaming holds back the last len(longest stop string) - 1
+characters until they can no longer begin a stop string, so nothing past the cut is ever printed.
+Beam search settles its tokens only at the end: there the text is cut after the fact, without stopping
+early, and streamed once complete.
+"""
 from __future__ import annotations
 
-from typing import TextIO
+from typing import Sequence, TextIO
 
 import torch
 
-from qkv.data.tokenizer import StreamDecoder
+from qkv.data.tokenizer import StreamDecoder, Tokenizer
 from qkv.generate.decode import generate
 from qkv.run import Run
 
 
+class TextStream:
+    """The decoded continuation of one row, cut at the first stop string and streamed without passing it."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], stream: TextIO | None):
+        self.decoder, self.eos = StreamDecoder(tokenizer), tokenizer.eos_id
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.hold = max((len(s) for s in self.stop_strings), default=1) - 1  # chars that may start a stop string
+        self.stream, self.text, self.written, self.cut = stream, "", 0, None
+
+    def push(self, token: int) -> bool:
+        """Add one token; True once the text contains a stop string."""
+        if self.cut is None and token != self.eos:
+            self.text += self.decoder.push(token)
+            self.find_cut()
+        return self.cut is not None
+
+    def stop_if(self, new: torch.Tensor) -> torch.Tensor:
+        """generate's stop_if for a batch of one: (1, n) new tokens -> (1,) bool."""
+        return torch.tensor([self.push(int(new[0, -1]))])
+
+    def find_cut(self) -> None:
+        found = [i for i in (self.text.find(s) for s in self.stop_strings) if i >= 0]
+        self.cut = min(found) if found else None
+
+    def write(self, final: bool = False) -> None:
+        """Stream what is settled: up to the cut, else all but the held-back tail (everything when final)."""
+        end = self.cut if self.cut is not None else len(self.text) - (0 if final else self.hold)
+        if self.stream is not None and end > self.written:
+            self.stream.write(self.text[self.written:end])
+            self.stream.flush()
+            self.written = end
+
+    def finish(self) -> str:
+        if self.cut is None:
+            self.text += self.decoder.flush()
+            self.find_cut()
+        self.write(final=True)
+        return self.text[:self.cut]
+
+
 def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, temperature: float,
-                  top_k: int, top_p: float, num_beams: int, seed: int, stream: TextIO | None = None) -> str:
+                  top_k: int, top_p: float, num_beams: int, seed: int, stream: TextIO | None = None,
+                  stop_strings: Sequence[str] = ()) -> str:
+    """prompt + its continuation (cut before the first of `stop_strings`; module docstring)."""
     tokenizer = run.tokenizer
     device = next(run.model.parameters()).device
     input_ids = torch.tensor([[tokenizer.eos_id] + tokenizer.encode(prompt)], device=device)
-    decoder = StreamDecoder(tokenizer)
-    eos = tokenizer.eos_id
+    text = TextStream(tokenizer, stop_strings, stream)
+    stepwise = strategy != "beam"
+    stop_if = text.stop_if if stepwise and text.stop_strings else None  # stop_if pushes each new token
 
     def on_token(step: int, tokens: torch.Tensor) -> None:
-        token = int(tokens[0])
-        if stream is not None and token != eos:
-            stream.write(decoder.push(token))
-            stream.flush()
+        if stop_if is None:
+            text.push(int(tokens[0]))
+        text.write()
 
     if stream is not None:
         stream.write(prompt)
     ids = generate(run.model, input_ids, max_new_tokens=max_new_tokens, strategy=strategy,
                    temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams, seed=seed,
-                   stop_tokens=(eos,), on_token=on_token if strategy != "beam" else None)
-    new = [i for i in ids[0, input_ids.shape[1]:].tolist() if i != eos]
+                   stop_tokens=(tokenizer.eos_id,), on_token=on_token if stepwise else None, stop_if=stop_if)
+    for token in ids[0, input_ids.shape[1]:].tolist() if not stepwise else ():  # beam: settled at the end
+        if text.push(token):
+            break
+    continuation = text.finish()
     if stream is not None:
-        stream.write(decoder.flush() + "\n")
-    return prompt + tokenizer.decode(new)
+        stream.write("\n")
+    return prompt + continuation

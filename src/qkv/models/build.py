@@ -56,8 +56,14 @@ def decoder_positional(cfg: ModelConfig) -> nn.Module:
     return positional(cfg, causal=True, name=twin if twin in POSITIONALS else None)
 
 
-def attention(cfg: ModelConfig) -> Attention:
-    return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=cfg.attention, bias=cfg.bias,
+FULL_KERNELS = ("naive", "sdpa", "flash")  # compute the full softmax(QK^T)V; the others restrict or approximate it
+
+
+def attention(cfg: ModelConfig, cross: bool = False) -> Attention:
+    """Self-attention with `cfg.attention`. Cross-attention always attends to the whole source (note 000
+    §8.4): a local window or a linear approximation of it has no meaning between two sequences."""
+    kernel = cfg.attention if not cross or cfg.attention in FULL_KERNELS else "sdpa"
+    return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
                      dropout=cfg.dropout, window=cfg.window)
 
 
@@ -78,7 +84,7 @@ def sublayer_norm_of(cfg: ModelConfig) -> nn.Module:
 
 def block(cfg: ModelConfig, cross: bool = False) -> Block:
     return Block(attn=attention(cfg), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
-                 residual=RESIDUALS.get(cfg.norm_placement), cross_attn=attention(cfg) if cross else None,
+                 residual=RESIDUALS.get(cfg.norm_placement), cross_attn=attention(cfg, cross=True) if cross else None,
                  cross_norm=sublayer_norm_of(cfg) if cross else None)
 
 

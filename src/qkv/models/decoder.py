@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from qkv.models.context import self_context
 from qkv.nn.block import Block
-from qkv.nn.cache import KVCache
+from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.positional import Positional
 
 
@@ -39,9 +39,11 @@ class DecoderLM(nn.Module):
     def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
         return self_context(self.positional, input_ids, attention_mask, cache, causal=True)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A preallocated KV cache for `batch` rows of up to `max_len` tokens."""
+    def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:
+        """A preallocated KV cache for `batch` rows of up to `max_len` tokens; `rolling`: keep only the columns
+        the kernel can still read (a local kernel's last w, any length; qkv.nn.cache)."""
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
         return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
-                       dtype=weight.dtype, device=weight.device)
+                       dtype=weight.dtype, device=weight.device,
+                       window=rolling_window(attn.kernel_name, attn.window) if rolling else 0)

@@ -24,7 +24,7 @@ from qkv.models.context import cross_context, self_context
 from qkv.models.encoder import Encoder
 from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
-from qkv.nn.cache import KVCache
+from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.positional import Positional
 
 
@@ -50,8 +50,9 @@ class Seq2SeqCache(KVCache):
     """The decoder's self-attention KV cache plus the cross-attention K/V and the source padding."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *,
-                 dtype=torch.float32, device=None):
-        super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                 dtype=torch.float32, device=None, window: int = 0):
+        super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device,
+                         window=window)
         self.cross = [MemoryCache() for _ in range(n_layers)]
         self.memory_len = 0  # S; 0 until the first call has stored the cross-attention K/V
         self.memory_padding: Tensor | None = None  # (B, S) 1 for source tokens, or None
@@ -120,9 +121,11 @@ class EncoderDecoder(nn.Module):
         empty = self.tok_emb.weight.new_zeros(positions.shape[0], 0, self.tok_emb.embedding_dim)  # (B, 0, D)
         return empty, cross_context(positions, cache.memory_padding, cache.memory_len)
 
-    def new_cache(self, batch: int, max_len: int) -> Seq2SeqCache:
-        """A preallocated decoder cache for `batch` rows of up to `max_len` target tokens."""
+    def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> Seq2SeqCache:
+        """A preallocated decoder cache for `batch` rows of up to `max_len` target tokens; `rolling`: keep
+        only the self-attention columns the kernel can still read (a local kernel's last w; qkv.nn.cache)."""
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
         return Seq2SeqCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=weight.dtype, device=weight.device,
+                            window=rolling_window(attn.kernel_name, attn.window) if rolling else 0)

@@ -6,8 +6,14 @@ batches decode with per-row positions.
 
 The cache is also Transformer-XL's segment memory (qkv.nn.relative.TransformerXL): the next segment runs
 with the cache the previous one filled; `detach()` is the paper's stop-gradient and `keep_last(M)` keeps
-a memory of M columns. The cache holds every column until then: a sliding-window kernel (local) reads
-only the last w + 1 columns, but a rolling cache that drops the rest on its own is not built yet.
+a memory of M columns.
+
+Rolling cache (`window=w > 0`): a kernel whose query at column i reads only keys j >= i - w (the local
+kernel, |i - j| <= w, causal) never needs more than the last w columns of earlier calls. `RollingLayerCache`
+and a KVCache built with `window` keep exactly those between calls (a call sees w + T columns), so memory
+stays O(w) however long generation runs, and `max_len` no longer bounds the length. `rolling_window(name,
+window)` says which kernels allow it (ROLLING_KERNELS); the models' `new_cache(..., rolling=True)` asks
+it (generation does; Transformer-XL segment training keeps the full cache).
 """
 from __future__ import annotations
 
@@ -47,30 +53,81 @@ class LayerCache:
         self.length -= start
 
 
+class RollingLayerCache:
+    """A LayerCache that keeps only the last `window` columns between calls: (B, Hkv, <= window, Dh)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, window: int, head_dim: int, *, dtype, device):
+        self.window = window
+        self.k = torch.zeros(batch, n_kv_heads, 0, head_dim, dtype=dtype, device=device)  # (B, Hkv, kept, Dh)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the kept columns and this call's (B, Hkv, kept + T, Dh); keep the last `window` of them."""
+        k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k[:, :, -self.window:], v[:, :, -self.window:]
+        self.length = self.k.shape[2]
+        return k, v
+
+    reorder, detach = LayerCache.reorder, LayerCache.detach
+
+    def keep_last(self, n: int) -> None:
+        start = max(self.length - n, 0)
+        self.k, self.v = self.k[:, :, start:], self.v[:, :, start:]
+        self.length = self.k.shape[2]
+
+
+# kernels whose query at column i reads no key before column i - reach(window) (causal); see qkv.nn.sparse
+ROLLING_KERNELS = {"local": lambda window: window}
+
+
+def rolling_window(kernel: str, window: int) -> int:
+    """How many past columns a cache must keep for `kernel` (0: all of them, no rolling)."""
+    reach = ROLLING_KERNELS.get(kernel)
+    return reach(window) if reach is not None and window > 0 else 0
+
+
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 *, dtype=torch.float32, device=None):
-        self.layers = [LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-                       for _ in range(n_layers)]
+                 *, dtype=torch.float32, device=None, window: int = 0):
+        """`window` > 0: a rolling cache (module docstring): only the last `window` columns are kept."""
+        self.window = window
+        if window:
+            self.layers = [RollingLayerCache(batch, n_kv_heads, window, head_dim, dtype=dtype, device=device)
+                           for _ in range(n_layers)]
+        else:
+            self.layers = [LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                           for _ in range(n_layers)]
         self.max_len = max_len
         self.length = 0
+        columns = 0 if window else max_len  # rolling: the kept columns only, grown by extend
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
-        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # (B, max_len)
-        self.padding = torch.ones(batch, max_len, dtype=torch.bool, device=device)  # True = real token
+        self.positions = torch.zeros(batch, columns, dtype=torch.long, device=device)  # (B, max_len)
+        self.padding = torch.ones(batch, columns, dtype=torch.bool, device=device)  # True = real token
         self.padded = False
 
     def extend(self, positions: Tensor, key_padding: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Record the new columns' positions and padding; return all columns' (B, S) of both."""
         T = positions.shape[1]
+        if key_padding is not None:
+            self.padded = self.padded or not bool(key_padding.all())
+        padding = torch.ones_like(positions, dtype=torch.bool) if key_padding is None else key_padding.bool()
+        if self.window:
+            return self.roll(positions, padding)
         end = self.length + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} > {self.max_len} positions")
         self.positions[:, self.length:end] = positions
-        if key_padding is not None:
-            self.padding[:, self.length:end] = key_padding.bool()
-            self.padded = self.padded or not bool(key_padding.all())
+        self.padding[:, self.length:end] = padding
         self.length = end
         return self.positions[:, :end], (self.padding[:, :end] if self.padded else None)
+
+    def roll(self, positions: Tensor, padding: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The rolling form of `extend`: all columns of this call, then keep the last `window`. (B, kept + T)"""
+        positions, padding = torch.cat((self.positions, positions), 1), torch.cat((self.padding, padding), 1)
+        self.positions, self.padding = positions[:, -self.window:], padding[:, -self.window:]
+        self.length = self.positions.shape[1]
+        return positions, (padding if self.padded else None)
 
     def detach(self) -> None:
         """Stop gradients at the cached keys/values: call between Transformer-XL training segments."""
@@ -82,7 +139,10 @@ class KVCache:
         start = max(self.length - n, 0)
         for layer in self.layers:
             layer.keep_last(n)
-        self.positions, self.padding = self.positions.roll(-start, dims=1), self.padding.roll(-start, dims=1)
+        if self.window:
+            self.positions, self.padding = self.positions[:, start:], self.padding[:, start:]
+        else:
+            self.positions, self.padding = self.positions.roll(-start, dims=1), self.padding.roll(-start, dims=1)
         self.length -= start
 
     def reorder(self, rows: Tensor) -> None:

@@ -6,7 +6,7 @@ those of qkv.nn.attention.Attention: q_proj, k_proj, v_proj, o_proj, each with w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,8 @@ class AttentionContext:
     causal: bool  # the kernel applies the causal triangle itself (mask is None)
     kernel: Kernel
     n_heads: int
+    params: dict = field(default_factory=dict)  # the positional encoding's parameters (shared by the layers)
+    grads: dict = field(default_factory=dict)  # their gradients, accumulated (+=) by every layer's backward
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -64,22 +66,31 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     q, k, v = split_heads(q, ctx.n_heads), split_heads(k, kv_heads), split_heads(v, kv_heads)
     q, k, crot = ctx.positional.rotate_forward(q, k, ctx.positions)
     Dh = q.shape[-1]
-    bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions)
-    heads, ckern = ctx.kernel.forward(q, repeat_kv(k, groups), repeat_kv(v, groups), mask=ctx.mask,
-                                      causal=ctx.causal, bias=bias, scale=Dh ** -0.5)  # (B, H, T, Dh)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, H, S, Dh)
+    bias, cbias = ctx.positional.score_bias_forward(ctx.params, q, k, ctx.positions, ctx.key_positions)
+    value_bias = ctx.positional.value_bias(ctx.params, ctx.positions, ctx.key_positions)
+    heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=Dh ** -0.5,
+                                      value_bias=value_bias)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
-    return y, (cq, ck, cv, crot, ckern, co, ctx, groups, memory is not None)
+    return y, (cq, ck, cv, crot, cbias, ckern, co, ctx, groups, memory is not None)
 
 
 def attention_backward(dy: np.ndarray, cache):
-    """The forward's steps in reverse (000 LLM §3.3.3): o_proj, split, kernel (steps 1-4), repeat_kv,
-    rotation, merge, projections (step 5). Returns (dx, dmemory or None, grads)."""
-    cq, ck, cv, crot, ckern, co, ctx, groups, cross = cache
+    """The forward's steps in reverse (000 LLM §3.3.3): o_proj, split, kernel (steps 1-4), the score bias,
+    repeat_kv, rotation, merge, projections (step 5). Returns (dx, dmemory or None, grads); the positional
+    encoding's parameter gradients go to ctx.grads."""
+    cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross = cache
     grads: dict = {}
     dmerged, g = linear_backward(dy, co)  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
     accumulate(grads, g, "o_proj")
-    kernel = ctx.kernel
-    dq, dk, dv = kernel.backward(split_heads(dmerged, ctx.n_heads), ckern)
+    dq, dk, dv, dbias, dvalue_table = ctx.kernel.backward(split_heads(dmerged, ctx.n_heads), ckern)
+    if dbias is not None:  # a learnt / content-dependent bias: dS flows into q, k and the encoding's tables
+        dq_bias, dk_bias, g = ctx.positional.score_bias_backward(dbias, cbias)
+        dq = dq if dq_bias is None else dq + dq_bias
+        dk = dk if dk_bias is None else dk + dk_bias
+        accumulate(ctx.grads, g)
+    if dvalue_table is not None:
+        accumulate(ctx.grads, {ctx.positional.value_param: dvalue_table})
     dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
     dq, dk = ctx.positional.rotate_backward(dq, dk, crot)
     dx, g = linear_backward(merge_heads(dq), cq)  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...

@@ -5,6 +5,8 @@ of functions over (x, norm, sublayer), as in qkv.nn.residual:
     Pre-LN  (note 003):       y = x + F(LN(x))   ->  dx = dy + LN'^T F'^T dy
     Post-LN (000 §6.1):       y = LN(x + F(x))   ->  dz = LN'^T dy,  dx = dz + F'^T dz   (000 §6.3:
                               d(x + F(x))/dx = I + dF/dx: the identity path is the "+ dz")
+    Sandwich (CogView, NormFormer): y = x + LN_out(F(LN_in(x)))  ->  dx = dy + LN_in'^T F'^T LN_out'^T dy
+                              (its `norm` is the pair (inner, outer); parameter names norm.inner.*, norm.outer.*)
 The block calls its residuals in order; its backward calls their backward twins in the reverse order.
 """
 from __future__ import annotations
@@ -60,8 +62,27 @@ def post_backward(dy, cache, norm: Sublayer, sub: Sublayer):
     return dz + dx, norm_extra, sub_extra
 
 
+def sandwich_forward(x, norm: tuple[Sublayer, Sublayer], sub: Sublayer):
+    inner, outer = norm
+    h, ci = inner.forward(x)
+    s, cs = sub.forward(h)
+    o, co = outer.forward(s)
+    return x + o, (ci, cs, co)
+
+
+def sandwich_backward(dy, cache, norm: tuple[Sublayer, Sublayer], sub: Sublayer):
+    (inner, outer), (ci, cs, co) = norm, cache
+    ds, outer_grads = outer.backward(dy, co)
+    dh, sub_extra = sub.backward(ds, cs)
+    dx, inner_grads = inner.backward(dh, ci)
+    norm_grads = accumulate(accumulate({}, inner_grads, "inner"), outer_grads, "outer")
+    return dy + dx, norm_grads, sub_extra
+
+
 RESIDUALS.register("pre")(Residual(pre_forward, pre_backward))
 RESIDUALS.register("post")(Residual(post_forward, post_backward))
+RESIDUALS.register("sandwich")(Residual(sandwich_forward, sandwich_backward))
+PAIRED = ("sandwich",)  # placements whose sublayer norm is an (inner, outer) pair, as qkv.nn.residual
 
 
 # ---- sublayers bound to their parameters -----------------------------------------------------
@@ -69,6 +90,13 @@ RESIDUALS.register("post")(Residual(post_forward, post_backward))
 def norm_sublayer(params: dict, cfg) -> Sublayer:
     norm = NORMS.get(cfg.norm)
     return Sublayer(lambda x: norm.forward(params, x, cfg.norm_eps), norm.backward)
+
+
+def sublayer_norm(params: dict, cfg):
+    """What the placement takes: one norm, or the (inner, outer) pair of a sandwich."""
+    if cfg.norm_placement in PAIRED:
+        return norm_sublayer(scope(params, "inner"), cfg), norm_sublayer(scope(params, "outer"), cfg)
+    return norm_sublayer(params, cfg)
 
 
 def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
@@ -102,7 +130,7 @@ def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
     if memory is not None:
         parts.append(("cross_attn", "cross_norm", attention_sublayer(scope(params, "cross_attn"), memory_ctx, memory)))
     parts.append(("ffn", "ffn_norm", ffn_sublayer(scope(params, "ffn"), cfg, aux_weight)))
-    return [(name, norm_name, norm_sublayer(scope(params, norm_name), cfg), sub) for name, norm_name, sub in parts]
+    return [(name, norm_name, sublayer_norm(scope(params, norm_name), cfg), sub) for name, norm_name, sub in parts]
 
 
 def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx=None, aux_weight: float = 0.0):
@@ -134,4 +162,5 @@ def block_backward(dy: np.ndarray, cache):
 def aux_losses(cache) -> float:
     """The MoE load-balancing losses recorded in one block's forward (0 for a dense FFN)."""
     parts, caches, _ = cache
-    return sum(sub_cache.aux for (_, sub_cache) in caches if isinstance(sub_cache, MoECache))
+    ffn_caches = [cache[1] for cache in caches]  # every placement caches (norm, sublayer, ...) in this order
+    return sum(sub_cache.aux for sub_cache in ffn_caches if isinstance(sub_cache, MoECache))

@@ -217,6 +217,8 @@ def _block_case(placement, norm, cross=False):
     def inputs(rng):
         values = {"x": _normal(rng, B, T, D), **attention_params(rng, "attn."), **_ffn_inputs(rng, "mlp", "ffn.")}
         norms = ("attn_norm", "ffn_norm", "cross_norm") if cross else ("attn_norm", "ffn_norm")
+        if placement == "sandwich":  # an (inner, outer) pair per sublayer
+            norms = tuple(f"{name}.{side}" for name in norms for side in ("inner", "outer"))
         for name in norms:
             values[f"{name}.weight"] = 1 + _normal(rng, D, scale=0.2)
             if norm == "layernorm":

@@ -10,15 +10,15 @@ O = N / den,
     G_j = sum_{i sees j} Qf_i^T dN_i (Dh, Dh);   g_j = sum_{i sees j} dden_i Qf_i
     dKf_j = G_j v_j + g_j;   dV_j = G_j^T Kf_j
     dq = dQf * phi'(q), phi'(x) = 1 (x > 0), e^x (x <= 0).
-The feature map replaces exp(q.k / sqrt(d_k)), so `scale` and score `bias` do not apply; masks other
-than causal are not supported (they would need the O(n^2) form): see qkv.ref.UNSUPPORTED.
+The feature map replaces exp(q.k / sqrt(d_k)), so `scale` does not apply. A padding mask, a score bias
+or a value term has no O(n) form: then `explicit_forward` computes the O(n^2) form, as the torch kernel.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from qkv.errors import QkvError
-from qkv.ref.kernels import KERNELS, Kernel
+from qkv.ref.kernels import KERNELS, Kernel, KernelGrads, allowed_mask
 
 
 def elu_plus_one(x):
@@ -39,9 +39,9 @@ def _suffix(x: np.ndarray, causal: bool, axis: int = 2) -> np.ndarray:
     return np.flip(np.cumsum(np.flip(x, axis), axis), axis) if causal else x.sum(axis=axis, keepdims=True)
 
 
-def linear_forward(q, k, v, *, mask, causal, bias, scale):
-    if mask is not None or bias is not None:
-        raise QkvError("attention='linear' supports causal masking only, not padding masks or score biases")
+def linear_forward(q, k, v, *, mask, causal, bias, scale, value_bias=None):
+    if mask is not None or bias is not None or value_bias is not None:  # no O(n) form: the explicit one
+        return explicit_forward(q, k, v, mask=mask, causal=causal, bias=bias, value_bias=value_bias)
     if causal and q.shape[-2] != k.shape[-2]:
         raise QkvError("attention='linear' with causal masking needs as many queries as keys (no KV cache)")
     qf, kf = elu_plus_one(q), elu_plus_one(k)  # (B, H, T, Dh), (B, H, S, Dh)
@@ -54,6 +54,8 @@ def linear_forward(q, k, v, *, mask, causal, bias, scale):
 
 
 def linear_backward(dout, cache):
+    if isinstance(cache[0], str):  # ("explicit", ...)
+        return explicit_backward(dout, cache[1:])
     q, k, v, qf, kf, kv, z, den, out, causal = cache
     dnumer = dout / den  # (B, H, T, Dv)
     dden = -(dout * out).sum(axis=-1, keepdims=True) / den  # (B, H, T, 1)
@@ -64,7 +66,44 @@ def linear_backward(dout, cache):
     big_g = np.broadcast_to(big_g, kf.shape + v.shape[-1:])
     dkf = np.einsum("bhsde,bhse->bhsd", big_g, v) + small_g
     dv = np.einsum("bhsde,bhsd->bhse", big_g, kf)
-    return dqf * elu_plus_one_grad(q), dkf * elu_plus_one_grad(k), dv
+    return KernelGrads(dqf * elu_plus_one_grad(q), dkf * elu_plus_one_grad(k), dv)
+
+
+def explicit_forward(q, k, v, *, mask, causal, bias, value_bias):
+    """With a padding mask, a score bias or a value term (as qkv.nn.linear_attention.linear_weights):
+        sim_ij = phi(q_i).phi(k_j) exp(b_ij) [allowed_ij],  A = sim / rowsum(sim),  O = A V (+ the value term)
+    the softmax identity exp(s + b) = exp(s) exp(b) with phi.phi in place of exp(s); O(n^2)."""
+    qf, kf = elu_plus_one(q), elu_plus_one(k)
+    product = qf @ np.swapaxes(kf, -1, -2)  # phi(q_i).phi(k_j)   (B, H, T, S)
+    factor = np.ones_like(product) if bias is None else np.broadcast_to(np.exp(bias), product.shape)
+    allowed = allowed_mask(q.shape[-2], k.shape[-2], mask, causal)
+    if allowed is not None:
+        factor = np.where(allowed, factor, 0.0)
+    sim = product * factor
+    den = sim.sum(axis=-1, keepdims=True)
+    weights = sim / den  # A (B, H, T, S)
+    out = weights @ v
+    if value_bias is not None:
+        out = out + value_bias.buckets(weights) @ value_bias.table
+    return out, ("explicit", q, k, v, qf, kf, sim, factor, den, weights, bias is not None, value_bias)
+
+
+def explicit_backward(dout, cache):
+    """dA = dO V^T (+ the value term's gather); A = sim / den gives dsim = (dA - rowsum(dA * A)) / den
+    (the same row rule as softmax, divided by den); dS-equivalents: d(phi.phi) = dsim * factor,
+    dbias = dsim * sim (d exp(b) / db = exp(b)); dphi(Q) = d(phi.phi) phi(K), dphi(K) = d(phi.phi)^T phi(Q)."""
+    q, k, v, qf, kf, sim, factor, den, weights, has_bias, value_bias = cache
+    dv = np.swapaxes(weights, -1, -2) @ dout
+    dweights = dout @ np.swapaxes(v, -1, -2)  # (B, H, T, S)
+    dtable = None
+    if value_bias is not None:
+        dweights_rel, dtable = value_bias.backward(dout, weights)
+        dweights = dweights + dweights_rel
+    dsim = (dweights - (dweights * weights).sum(axis=-1, keepdims=True)) / den
+    dproduct = dsim * factor
+    dqf, dkf = dproduct @ kf, np.swapaxes(dproduct, -1, -2) @ qf
+    return KernelGrads(dqf * elu_plus_one_grad(q), dkf * elu_plus_one_grad(k), dv,
+                       dsim * sim if has_bias else None, dtable)
 
 
 def linear_explicit(q, k, v, causal: bool):

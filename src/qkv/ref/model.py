@@ -6,8 +6,9 @@ accumulates every parameter gradient with += (llm.c's train_gpt2.c; STYLE.md 3).
     logits = LN(H^L) W_out         (§2.3; W_out = W_E when tied), backward §3.2
     loss = CE(logits, y)           (§2.4), backward (P - onehot) / N (§3.1)
 
-`ARCHITECTURES.get(cfg.arch)` gives a `Family(forward, backward)`; only "decoder" exists in qkv.models
-today, and the encoder families slot in here when their torch twins land (see qkv.ref.UNSUPPORTED).
+`ARCHITECTURES.get(cfg.arch)` gives a `Family(forward, backward)`: "decoder" here, "encoder" (bare, MLM,
+classifier heads) and "encoder-decoder" in qkv.ref.encoder, built from the same pieces (embedding, stack,
+output projection). A family's cache is a dict whose "blocks" lists every block cache (for the MoE loss).
 """
 from __future__ import annotations
 
@@ -54,67 +55,98 @@ def positions_and_mask(input_ids: np.ndarray, attention_mask: np.ndarray | None,
     return positions, allowed | np.eye(T, dtype=bool)
 
 
-def make_context(cfg, input_ids, attention_mask, causal: bool) -> AttentionContext:
+def make_context(cfg, input_ids, attention_mask, causal: bool, params: dict | None = None,
+                 positional: str | None = None) -> AttentionContext:
+    """`params` are the stack's parameters (its `positional.*` are the encoding's); `positional` overrides
+    cfg.positional (the encoder-decoder's decoder takes T5's causal twin, as qkv.models.build)."""
     positions, mask = positions_and_mask(input_ids, attention_mask, causal)
-    return AttentionContext(POSITIONALS.get(cfg.positional)(cfg), positions, positions, mask,
+    return AttentionContext(POSITIONALS.get(positional or cfg.positional)(cfg), positions, positions, mask,
                             causal=causal and mask is None, kernel=KERNELS.get(cfg.attention)(cfg),
-                            n_heads=cfg.n_heads)
+                            n_heads=cfg.n_heads, params=scope(params or {}, "positional"))
 
 
-def embed_forward(params, ctx: AttentionContext, input_ids):
+def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type_ids=None, scale: float = 1.0):
+    """H0 = Norm_emb(E[x] * s + T[type] + P): the type table and the norm only where params hold them
+    (encoder families; qkv.models.encoder.Encoder.embed)."""
     x, ce = embedding_forward(input_ids, params["tok_emb.weight"])  # E = onehot(X) W_E   (B, T, D)
-    x, cp = ctx.positional.embed_forward(scope(params, "positional"), x, ctx.positions)  # H0 = E + P
-    return x, (ce, cp, ctx.positional)
+    x = x * scale  # s = sqrt(D) with model.embed_scale (Vaswani et al. §3.4), else 1
+    ct = cn = None
+    if "type_emb.weight" in params:
+        types = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        t, ct = embedding_forward(types, params["type_emb.weight"])  # T[type]   (B, T, D)
+        x = x + t
+    x, cp = ctx.positional.embed_forward(ctx.params, x, ctx.positions)  # H0 = E + P
+    if "embed_norm.weight" in params:
+        x, cn = NORMS.get(cfg.norm).forward(scope(params, "embed_norm"), x, cfg.norm_eps)
+    return x, (ce, ct, cp, cn, scale, ctx.positional, cfg)
 
 
 def embed_backward(dx, cache, grads):
-    ce, cp, positional = cache
+    ce, ct, cp, cn, scale, positional, cfg = cache
+    if cn is not None:
+        dx, g = NORMS.get(cfg.norm).backward(dx, cn)
+        accumulate(grads, g, "embed_norm")
     dx, g = positional.embed_backward(dx, cp)  # dP = dH0 (000 LLM §3.5), learned tables only
     accumulate(grads, g, "positional")
-    _, g = embedding_backward(dx, ce)  # dW_E = onehot^T dH0: scatter-add (§3.5)
+    if ct is not None:
+        accumulate(grads, embedding_backward(dx, ct)[1], "type_emb")  # scatter-add onto the type rows
+    _, g = embedding_backward(dx * scale, ce)  # dW_E = onehot^T (s dH0): scatter-add (§3.5)
     accumulate(grads, g, "tok_emb")
 
 
-def head_forward(params, cfg, x):
-    """Final norm (Pre-LN stacks only, as qkv.models.build.final_norm) and the output projection."""
+def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None, aux_weight: float = 0.0):
+    """H^l = Block^l(H^{l-1}), l = 1..L, then the final norm where the placement leaves the stream
+    unnormalised (pre, sandwich: qkv.nn.residual.needs_final_norm)."""
+    cblocks = []
+    for i in range(layers):
+        x, cb = block_forward(scope(params, f"blocks.{i}"), x, cfg, ctx, memory=memory, memory_ctx=memory_ctx,
+                              aux_weight=aux_weight)
+        cblocks.append(cb)
     cn = None
-    if cfg.norm_placement == "pre":
+    if cfg.norm_placement != "post":
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "final_norm"), x, cfg.norm_eps)
-    out_name = "tok_emb" if cfg.tie_embeddings else "lm_head"  # tied: W_out is W_E itself
-    logits, ch = linear_forward(x, params[f"{out_name}.weight"])  # L = H^L W_o   (B, T, V)
-    return logits, (cn, ch, out_name, cfg)
+    return x, (cblocks, cn, ctx, cfg)
 
 
-def head_backward(dlogits, cache, grads):
-    cn, ch, out_name, cfg = cache
-    dx, g = linear_backward(dlogits, ch)  # dW_o = (H^L)^T dL, dH^L = dL W_o^T (000 LLM §3.2)
-    accumulate(grads, g, out_name)  # tied: this += lands on tok_emb.weight, the embedding adds the rest
+def stack_backward(dx, cache, grads):
+    """Returns (dH0, dmemory summed over the layers or None); the encoding's gradients join grads."""
+    cblocks, cn, ctx, cfg = cache
     if cn is not None:
         dx, g = NORMS.get(cfg.norm).backward(dx, cn)
         accumulate(grads, g, "final_norm")
-    return dx
+    dmemory = None
+    for i in reversed(range(len(cblocks))):  # 000 LLM §3.4: layer by layer, l = L..1
+        dx, dmem, g = block_backward(dx, cblocks[i])
+        accumulate(grads, g, f"blocks.{i}")
+        if dmem is not None:  # 000 §8.4: every decoder layer reads the same memory, so dMemory sums
+            dmemory = dmem if dmemory is None else dmemory + dmem
+    accumulate(grads, ctx.grads, "positional")  # the shared relative tables, summed over the layers
+    ctx.grads.clear()
+    return dx, dmemory
+
+
+def output_name(params, name: str, tied_to: str) -> str:
+    """A tied projection has no entry of its own (named_parameters dedupes it): it is the matrix it shares."""
+    return name if name in params else tied_to
 
 
 def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=None, aux_weight: float = 0.0):
     """(B, T) token ids -> (B, T, V) logits, as qkv.models.decoder.DecoderLM.forward."""
     check_supported(cfg)
-    ctx = make_context(cfg, input_ids, attention_mask, causal=True)
+    ctx = make_context(cfg, input_ids, attention_mask, causal=True, params=params)
     x, cemb = embed_forward(params, ctx, input_ids)
-    cblocks = []
-    for i in range(cfg.decoder_layers):
-        x, cb = block_forward(scope(params, f"blocks.{i}"), x, cfg, ctx, aux_weight=aux_weight)
-        cblocks.append(cb)
-    logits, chead = head_forward(params, cfg, x)
-    return logits, (cemb, cblocks, chead)
+    x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, aux_weight=aux_weight)
+    out_name = output_name(params, "lm_head.weight", "tok_emb.weight")  # tied: W_out is W_E itself
+    logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)
+    return logits, {"blocks": cstack[0], "tape": (cemb, cstack, chead, out_name)}
 
 
 def decoder_backward(dlogits: np.ndarray, cache) -> dict:
-    cemb, cblocks, chead = cache
+    cemb, cstack, chead, out_name = cache["tape"]
     grads: dict = {}
-    dx = head_backward(dlogits, chead, grads)
-    for i in reversed(range(len(cblocks))):  # 000 LLM §3.4: layer by layer, l = L..1
-        dx, _, g = block_backward(dx, cblocks[i])
-        accumulate(grads, g, f"blocks.{i}")
+    dx, g = linear_backward(dlogits, chead)  # dW_o = (H^L)^T dL, dH^L = dL W_o^T (000 LLM §3.2)
+    accumulate(grads, {out_name: g["weight"]})  # tied: this += lands on tok_emb.weight, the embedding adds the rest
+    dx, _ = stack_backward(dx, cstack, grads)
     embed_backward(dx, cemb, grads)
     return grads
 
@@ -123,8 +155,8 @@ ARCHITECTURES.register("decoder")(Family(decoder_forward, decoder_backward))
 
 
 def aux_loss(cache) -> float:
-    """Sum of the blocks' MoE load-balancing losses (unweighted)."""
-    return sum(aux_losses(cb) for cb in cache[1])
+    """Sum of the blocks' MoE load-balancing losses (unweighted), over every stack of the model."""
+    return sum(aux_losses(cb) for cb in cache["blocks"])
 
 
 def forward(params: dict, cfg, *inputs, attention_mask=None, aux_weight: float = 0.0):
@@ -136,13 +168,19 @@ def backward(dlogits: np.ndarray, cache, cfg) -> dict:
     return ARCHITECTURES.get(cfg.arch).backward(dlogits, cache)
 
 
-def loss_and_grads(params: dict, cfg, input_ids: np.ndarray, targets: np.ndarray, *, attention_mask=None,
+def loss_and_grads(params: dict, cfg, input_ids, targets: np.ndarray, *, attention_mask=None,
                    label_smoothing: float = 0.0, aux_weight: float = 0.0, ignore_index: int = -100):
     """loss = CE(logits, targets) + aux_weight * aux, and d loss / d every parameter. Returns
-    (loss, grads, logits); grads has exactly the keys of params."""
-    logits, cache = forward(params, cfg, input_ids, attention_mask=attention_mask, aux_weight=aux_weight)
+    (loss, grads, logits); grads has exactly the keys of params. `input_ids` is the family's input, or a
+    tuple of them: (ids,) or (ids, token_type_ids) for an encoder, (src_ids, tgt_ids) for an
+    encoder-decoder (whose attention_mask is then None or the pair (src_mask, tgt_mask))."""
+    inputs = input_ids if isinstance(input_ids, tuple) else (input_ids,)
+    logits, cache = forward(params, cfg, *inputs, attention_mask=attention_mask, aux_weight=aux_weight)
     ce, cce = cross_entropy_forward(logits, targets, label_smoothing=label_smoothing, ignore_index=ignore_index)
     grads = backward(cross_entropy_backward(1.0, cce), cache, cfg)
     for name, value in params.items():  # a parameter the batch never touched gets an exact zero
         grads.setdefault(name, np.zeros_like(value))
     return ce + aux_weight * aux_loss(cache), grads, logits
+
+
+from qkv.ref import encoder as _encoder  # noqa: E402,F401  (registers "encoder" and "encoder-decoder")

@@ -3,6 +3,15 @@
 - `embed_forward(params, x, positions) -> (y, cache)` / `embed_backward(dy, cache) -> (dx, grads)`
 - `rotate_forward(q, k, positions) -> (q, k, cache)` / `rotate_backward(dq, dk, cache) -> (dq, dk)`
 - `score_bias(q_positions, k_positions)`: a constant (B, H, T, S) score bias, or None
+- `score_bias_forward(params, q, k, q_positions, k_positions) -> (bias, cache)` /
+  `score_bias_backward(dbias, cache) -> (dq, dk, grads)`: a learnt or content-dependent bias (qkv.ref.relative;
+  q (B, H, T, Dh) after `rotate`, k (B, H, S, Dh) after the K/V head repeat, as in qkv.nn.positional); the
+  default wraps `score_bias`, a constant, whose backward is nothing
+- `value_bias(params, q_positions, k_positions)`: a `RelativeValues` term for the kernel, or None; its table's
+  gradient is stored under `value_param`
+
+`params` are the encoding's own parameters (the model's `positional.*`, prefix stripped), shared by every
+layer; their gradients accumulate in the AttentionContext across layers (qkv.ref.attention).
 
 Positions are (B, T) integer arrays, as in qkv.nn.positional. Tables are float64 here.
 """
@@ -36,6 +45,17 @@ class Positional:
         return dq, dk
 
     def score_bias(self, q_positions: np.ndarray, k_positions: np.ndarray):
+        return None
+
+    def score_bias_forward(self, params: dict, q, k, q_positions, k_positions):
+        return self.score_bias(q_positions, k_positions), None
+
+    def score_bias_backward(self, dbias: np.ndarray, cache):
+        return None, None, {}  # a constant bias: nothing to differentiate
+
+    value_param = ""
+
+    def value_bias(self, params: dict, q_positions: np.ndarray, k_positions: np.ndarray):
         return None
 
 
@@ -115,3 +135,6 @@ class ALiBi(Positional):
     def score_bias(self, q_positions, k_positions):
         distance = np.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(np.float64)  # (B, T, S)
         return -alibi_slopes(self.cfg.n_heads)[None, :, None, None] * distance[:, None]  # (B, H, T, S)
+
+
+from qkv.ref import relative  # noqa: E402,F401  (Shaw, Transformer-XL, T5: registered there)

@@ -16,25 +16,41 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from qkv.nn.block import Block
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
+# the fused attention kernels: their outputs are (B, H, T, Dh) + softmax statistics (B, H, T), as small as
+# the block input, and recomputing them is the most expensive part of the recompute
+ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
+
+
+def apply_activation_checkpointing(model: nn.Module, *, save_attention: bool = False) -> int:
     """Make every Block of `model` recompute its activations in the backward; returns how many were wrapped.
+    `save_attention` keeps the fused attention kernels' outputs (selective checkpointing, as torchtitan's
+    "op" policy): the recompute then redoes the projections, the FFN and the cheap element-wise ops only.
     Parameter names are unchanged (the forward is replaced on the instance, no wrapper module), so
     checkpoints and conversions see the same model."""
     blocks = [module for module in model.modules() if isinstance(module, Block)]
     for block in blocks:
         if not getattr(block, "activation_checkpointing", False):
-            block.forward = functools.partial(_checkpointed, block, block.forward)
+            block.forward = functools.partial(_checkpointed, block, block.forward, save_attention)
             block.activation_checkpointing = True
     return len(blocks)
 
 
-def _checkpointed(block: Block, forward, *args, **kwargs):
+def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(block: Block, forward, save_attention: bool, *args, **kwargs):
     # only while training with autograd: generation (no_grad, KV cache updated in place) runs plainly
-    if block.training and torch.is_grad_enabled():
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return forward(*args, **kwargs)
+    if not (block.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if save_attention:
+        context = functools.partial(create_selective_checkpoint_contexts, _save_attention_policy)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,196 @@
+"""The encoder and encoder-decoder families, forward and backward, from the decoder-only model's pieces
+(qkv.ref.model: embedding, stack of blocks, output projection), as qkv.models.encoder / heads /
+encoder_decoder (docs/derivations/encoder.md):
+
+    encoder:           H0 = Norm_emb(E[x] s + T[type] + P);  H = Stack(H0) bidirectional   (B, T, D)
+      head "none"      the hidden states themselves
+      head "mlm"       logits = LN(act(H W_t + b_t)) W_V^T + b_V     (W_V = W_E when tied)      (B, T, V)
+      head "classifier" logits = tanh(pool(H) W_p + b_p) W_c + b_c                          (B, C)
+    encoder-decoder:   M = Encoder(src);  Y = Stack(Y0, memory M) causal, with cross-attention;
+                       logits = Y W_out (W_out = W_E, and the source embedding too, when tied)
+
+Backward runs the same steps in reverse; the memory's gradient is the sum over the decoder layers of each
+cross-attention's dMemory (000 §8.4) and flows into the encoder's backward; a tied matrix has one entry
+in params, and its gradient is the sum of every use.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from qkv.ref.attention import AttentionContext
+from qkv.ref.functional import (accumulate, activation_backward, activation_forward, linear_backward,
+                                linear_forward, scope)
+from qkv.ref.kernels import KERNELS
+from qkv.ref.model import (ARCHITECTURES, Family, check_supported, embed_backward, embed_forward, make_context,
+                           output_name, stack_backward, stack_forward)
+from qkv.ref.norms import NORMS
+from qkv.ref.positional import POSITIONALS
+from qkv.registry import Registry
+
+DECODER_TWINS = {"t5": "t5_causal"}  # as qkv.models.build: T5's decoder spends its buckets on the past
+
+
+def embed_scale(cfg) -> float:
+    return math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0  # Vaswani et al. §3.4
+
+
+def encoder_stack_forward(params, cfg, input_ids, attention_mask=None, token_type_ids=None, aux_weight=0.0):
+    """(B, T) ids -> (B, T, D) hidden states: bidirectional self-attention (mask = padding only)."""
+    ctx = make_context(cfg, input_ids, attention_mask, causal=False, params=params)
+    x, cemb = embed_forward(params, ctx, input_ids, cfg, token_type_ids, scale=embed_scale(cfg))
+    x, cstack = stack_forward(params, cfg, x, ctx, cfg.encoder_layers, aux_weight=aux_weight)
+    return x, (cemb, cstack)
+
+
+def encoder_stack_backward(dx, cache, grads) -> None:
+    cemb, cstack = cache
+    dx, _ = stack_backward(dx, cstack, grads)
+    embed_backward(dx, cemb, grads)
+
+
+# ---- heads: forward(params, cfg, hidden, attention_mask) -> (out, cache), backward(dout, cache) -> (dhidden, grads)
+
+class Head(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+HEADS: Registry[Head] = Registry("encoder head")
+HEADS.register("none")(Head(lambda params, cfg, hidden, mask: (hidden, None), lambda dout, cache: (dout, {})))
+
+
+def mlm_forward(params, cfg, hidden, attention_mask):
+    head = scope(params, "head")
+    h, ct = linear_forward(hidden, **scope(head, "transform"))  # H W_t + b_t   (B, T, D)
+    a, ca = activation_forward(h, cfg.activation)
+    n, cn = NORMS.get(cfg.norm).forward(scope(head, "norm"), a, cfg.norm_eps)
+    weight = output_name(params, "head.decoder.weight", "encoder.tok_emb.weight")  # tied: W_V = W_E
+    logits, cd = linear_forward(n, params[weight], head["decoder.bias"])  # (B, T, V)
+    return logits, (ct, ca, cn, cd, weight, cfg)
+
+
+def mlm_backward(dlogits, cache):
+    ct, ca, cn, cd, weight, cfg = cache
+    dn, g = linear_backward(dlogits, cd)
+    grads = {weight: g["weight"], "head.decoder.bias": g["bias"]}
+    da, g = NORMS.get(cfg.norm).backward(dn, cn)
+    accumulate(grads, g, "head.norm")
+    dx, g = linear_backward(activation_backward(da, ca), ct)
+    accumulate(grads, g, "head.transform")
+    return dx, grads
+
+
+HEADS.register("mlm")(Head(mlm_forward, mlm_backward))
+
+
+def pool_forward(hidden, attention_mask, pooling: str):
+    """first: h_0; mean: (1 / n_b) sum_t m_bt h_bt (qkv.models.heads.POOLINGS). (B, T, D) -> (B, D), and
+    the weights w (B, T) with pooled = sum_t w_bt h_bt, which is also the backward: dh_bt = w_bt dpooled_b."""
+    B, T, _ = hidden.shape
+    if pooling == "first":
+        weights = np.zeros((B, T))
+        weights[:, 0] = 1.0
+    elif attention_mask is None:
+        weights = np.full((B, T), 1.0 / T)
+    else:
+        m = attention_mask.astype(hidden.dtype)
+        weights = m / np.maximum(m.sum(axis=1, keepdims=True), 1)
+    return np.einsum("bt,btd->bd", weights, hidden), weights
+
+
+def classifier_forward(params, cfg, hidden, attention_mask):
+    head = scope(params, "head")
+    pooled, weights = pool_forward(hidden, attention_mask, cfg.pooling)
+    z, cp = linear_forward(pooled, **scope(head, "pooler"))
+    pooled = np.tanh(z)  # BERT's pooler   (B, D)
+    logits, co = linear_forward(pooled, **scope(head, "out_proj"))  # (B, C)
+    return logits, (weights, cp, pooled, co)
+
+
+def classifier_backward(dlogits, cache):
+    weights, cp, pooled, co = cache
+    grads: dict = {}
+    dpooled, g = linear_backward(dlogits, co)
+    accumulate(grads, g, "head.out_proj")
+    dz = dpooled * (1.0 - pooled ** 2)  # tanh' = 1 - tanh^2
+    dpool, g = linear_backward(dz, cp)
+    accumulate(grads, g, "head.pooler")
+    return weights[:, :, None] * dpool[:, None, :], grads
+
+
+HEADS.register("classifier")(Head(classifier_forward, classifier_backward))
+
+
+# ---- the families -----------------------------------------------------------------------------
+
+def encoder_forward(params: dict, cfg, input_ids, token_type_ids=None, attention_mask=None, aux_weight: float = 0.0):
+    """(B, T) ids -> hidden (B, T, D), MLM logits (B, T, V) or class logits (B, C), by model.head."""
+    check_supported(cfg)
+    prefix = "" if cfg.head == "none" else "encoder"  # a head wraps the bare encoder as `encoder`
+    stack_params = scope(params, prefix) if prefix else params
+    hidden, cenc = encoder_stack_forward(stack_params, cfg, input_ids, attention_mask, token_type_ids, aux_weight)
+    head = HEADS.get(cfg.head)
+    out, chead = head.forward(params, cfg, hidden, attention_mask)
+    return out, {"blocks": cenc[1][0], "tape": (prefix, cenc, head, chead)}
+
+
+def encoder_backward(dout, cache) -> dict:
+    prefix, cenc, head, chead = cache["tape"]
+    dhidden, grads = head.backward(dout, chead)
+    encoder_grads: dict = {}
+    encoder_stack_backward(dhidden, cenc, encoder_grads)
+    return accumulate(grads, encoder_grads, prefix)  # a tied MLM decoder already wrote encoder.tok_emb.weight
+
+
+ARCHITECTURES.register("encoder")(Family(encoder_forward, encoder_backward))
+
+
+def cross_context(cfg, positions, src_mask, memory_len: int) -> AttentionContext:
+    """Queries at the target positions over all source columns minus padding; no positional hook and no
+    own-column rescue (qkv.models.context.cross_context)."""
+    B, T = positions.shape
+    mask = None if src_mask is None else np.broadcast_to(src_mask.astype(bool)[:, None, None, :],
+                                                         (B, 1, T, memory_len))
+    return AttentionContext(POSITIONALS.get("none")(cfg), positions, np.broadcast_to(np.arange(memory_len),
+                            (B, memory_len)), mask, causal=False, kernel=KERNELS.get(cfg.attention)(cfg),
+                            n_heads=cfg.n_heads)
+
+
+def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=None, aux_weight: float = 0.0):
+    """(B, S) source and (B, T) target ids -> (B, T, V) teacher-forced logits; attention_mask is None or the
+    pair (src_mask, tgt_mask), each None or (B, len) with 1 = token."""
+    check_supported(cfg)
+    src_mask, tgt_mask = attention_mask if attention_mask is not None else (None, None)
+    encoder_params = scope(params, "encoder")
+    encoder_params.setdefault("tok_emb.weight", params["tok_emb.weight"])  # tied: one W_E for both sides
+    memory, cenc = encoder_stack_forward(encoder_params, cfg, src_ids, src_mask, aux_weight=aux_weight)  # (B, S, D)
+    ctx = make_context(cfg, tgt_ids, tgt_mask, causal=True, params=params,
+                       positional=DECODER_TWINS.get(cfg.positional))
+    x, cemb = embed_forward(params, ctx, tgt_ids, cfg, scale=embed_scale(cfg))  # Y0   (B, T, D)
+    x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, memory=memory,
+                              memory_ctx=cross_context(cfg, ctx.positions, src_mask, memory.shape[1]),
+                              aux_weight=aux_weight)
+    out_name = output_name(params, "lm_head.weight", "tok_emb.weight")
+    logits, chead = linear_forward(x, params[out_name])  # (B, T, V)
+    tied_source = "encoder.tok_emb.weight" not in params
+    return logits, {"blocks": cenc[1][0] + cstack[0], "tape": (cenc, cemb, cstack, chead, out_name, tied_source)}
+
+
+def encoder_decoder_backward(dlogits, cache) -> dict:
+    cenc, cemb, cstack, chead, out_name, tied_source = cache["tape"]
+    grads: dict = {}
+    dx, g = linear_backward(dlogits, chead)
+    accumulate(grads, {out_name: g["weight"]})
+    dx, dmemory = stack_backward(dx, cstack, grads)  # dmemory: summed over the decoder layers
+    embed_backward(dx, cemb, grads)
+    encoder_grads: dict = {}
+    encoder_stack_backward(dmemory, cenc, encoder_grads)
+    if tied_source:  # the source embedding is W_E as well: its scatter-add joins tok_emb.weight
+        accumulate(grads, {"tok_emb.weight": encoder_grads.pop("tok_emb.weight")})
+    return accumulate(grads, encoder_grads, "encoder")
+
+
+ARCHITECTURES.register("encoder-decoder")(Family(encoder_decoder_forward, encoder_decoder_backward))
