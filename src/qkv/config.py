@@ -152,6 +152,7 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    peak_flops: float = 0.0  # hardware peak FLOP/s for MFU; 0: looked up for known GPUs, none on CPU
     time_horizon: bool = True  # with max_time, fit the LR schedule to the steps the time allows
     objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
@@ -174,7 +175,7 @@ class TrainConfig:
         for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every",
                      "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
+        for name in ("peak_flops", "max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
                      "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "base_batch", "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
         _positive("train.lr", self.lr)

@@ -47,14 +47,15 @@ def torch_forward(model: nn.Module, inputs, attention_mask=None):
     """Call a model of any family with NumPy inputs: `inputs` is the ids array or a tuple (ids,),
     (ids, token_type_ids) for an encoder, (src_ids, tgt_ids) for an encoder-decoder, whose attention_mask
     is None or the pair (src_mask, tgt_mask); the same convention as qkv.ref.loss_and_grads."""
+    from qkv.models.encoder_decoder import EncoderDecoder
+
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     tensor = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
     tensors = [tensor(a) for a in inputs]
-    if len(tensors) == 2 and not isinstance(attention_mask, np.ndarray) and hasattr(model, "encoder") \
-            and hasattr(model, "lm_head"):  # encoder-decoder: (src, tgt, src_mask, tgt_mask)
+    if isinstance(model, EncoderDecoder):  # (src, tgt, src_mask, tgt_mask)
         masks = attention_mask if attention_mask is not None else (None, None)
         return model(*tensors, *(tensor(m) for m in masks))
-    return model(tensors[0], tensor(attention_mask), *tensors[1:])
+    return model(tensors[0], tensor(attention_mask), *tensors[1:])  # (ids, mask[, token_type_ids])
 
 
 def torch_loss_and_grads(model: nn.Module, input_ids, targets: np.ndarray, *,

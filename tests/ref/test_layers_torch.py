@@ -9,8 +9,8 @@ from tests.ref.torch_oracles import ORACLES
 
 
 def test_every_layer_case_has_a_torch_oracle():
-    """Whole-model cases ("model_*": MoE and flash inside a decoder, which the torch engine does not
-    have yet) are proved by finite differences here and by tests/ref/test_models.py against torch."""
+    """Whole-model cases ("model_*": the loss of a whole decoder along random directions) are proved by
+    finite differences here; whole models meet torch in tests/ref/test_models.py."""
     layer_cases = [n for n in gradcheck.CASES.names() if not n.startswith(("test-", "model_"))]
     assert sorted(ORACLES) == layer_cases
 

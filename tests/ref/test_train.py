@@ -126,3 +126,50 @@ def test_accumulation_equals_the_large_batch():
         results.append((loss, norm, p))
     assert abs(results[0][0] - results[1][0]) < 1e-14 and abs(results[0][1] - results[1][1]) < 1e-14
     assert max(np.abs(results[0][2][n] - results[1][2][n]).max() for n in params) < 1e-14
+
+
+def test_seq2seq_batches_train_like_torch_with_accumulation():
+    """train_ref on the seq2seq objective's 5-tuple batches (src, src_mask, tgt_in, tgt_mask, labels), padded
+    sources, accumulation 2: the same losses and weights as torch autograd + torch.optim.AdamW, 5 steps."""
+    model_cfg = qkv.ModelConfig(arch="encoder-decoder", vocab_size=11, d_model=8, n_heads=2, n_layers=1, d_ff=12,
+                                max_seq_len=8, positional="t5")
+    cfg = replace(qkv.presets.get("tiny"), model=model_cfg,
+                  train=TrainConfig(batch_size=4, accumulation=2, lr=1e-2, warmup_steps=2, grad_clip=0.5))
+    torch.manual_seed(0)
+    model = qkv.build_model(model_cfg).double()
+    params = to_numpy(model)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(5):
+        src, tgt, labels = rng.integers(0, 11, (3, 4, 5))
+        src_mask, tgt_mask = np.ones((4, 5), dtype=np.int64), np.ones((4, 5), dtype=np.int64)
+        src_mask[1, :2] = 0
+        batches.append((src, src_mask, tgt, tgt_mask, np.where(rng.random((4, 5)) < 0.2, -100, labels)))
+
+    losses = train_ref(params, cfg, batches, steps=5)
+
+    tc = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}],
+                                  lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+    expected = []
+    for step, batch in enumerate(batches):
+        for group in optimizer.param_groups:
+            group["lr"] = SCHEDULES.get(tc.schedule)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps,
+                                                     total=5, d_model=8)
+        total = 0.0
+        for micro in zip(*(np.array_split(a, 2) for a in batch)):
+            src, src_mask, tgt, tgt_mask, labels = (torch.from_numpy(a) for a in micro)
+            logits = model(src, tgt, src_mask, tgt_mask)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100) / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(total)
+    np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-10)
+    final = to_numpy(model)
+    assert max(np.abs(final[n] - params[n]).max() for n in params) < 1e-9

@@ -248,3 +248,11 @@ def _sandwich_block(i):
     block = Block(attn=Attention(D, H, H, kernel="sdpa", bias=True), ffn=MLP(D, F_, activation="gelu", bias=True),
                   attn_norm=pair(), ffn_norm=pair(), residual=RESIDUALS.get("sandwich")).double()
     return functional_call(block, {k: v for k, v in i.items() if k != "x"}, (i["x"], torch_context()))
+
+
+@oracle("moe_top2_capacity")
+def _moe_capacity(i):
+    from qkv.nn.moe import MoE
+
+    module = MoE(D, F_, experts=3, top_k=2, capacity_factor=0.5, ffn="glu", activation="silu", bias=True).double()
+    return functional_call(module, {k: v for k, v in i.items() if k != "x"}, (i["x"],))

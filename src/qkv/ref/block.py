@@ -111,7 +111,8 @@ def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
     if cfg.moe_experts:
         def forward(x):
             return moe_forward(params, x, ffn=cfg.ffn, activation=cfg.activation, experts=cfg.moe_experts,
-                               top_k=cfg.moe_top_k, aux_weight=aux_weight)
+                               top_k=cfg.moe_top_k, aux_weight=aux_weight,
+                               capacity_factor=getattr(cfg, "moe_capacity_factor", 0.0))
         backward = moe_backward
     else:
         ffn = FFNS.get(cfg.ffn)

@@ -43,7 +43,8 @@ def relative_attention_case(name: str, kernel: str = "naive", *, causal: bool = 
 
     def inputs(rng):
         values = {"x": _normal(rng, B, T, D), **attention_params(rng)}
-        values.update({f"positional.{p}": _normal(rng, *shape, scale=0.5) for p, shape in POSITIONAL_SHAPES[name].items()})
+        for param, shape in POSITIONAL_SHAPES[name].items():
+            values[f"positional.{param}"] = _normal(rng, *shape, scale=0.5)
         return values
 
     def forward(i):
@@ -80,3 +81,13 @@ CASES.register("kernel_random_padding")(_kernel_case(lambda: kernels.KERNELS.get
 CASES.register("kernel_linear_padding_bias")(_kernel_case(lambda: kernels.KERNELS.get("linear")(cfg()), mask=True,
                                                           bias=True))
 CASES.register("block_sandwich_layernorm")(_block_case("sandwich", "layernorm"))
+
+# ---- MoE with a capacity limit: dropped routes add nothing and get no gradient --------------------
+
+from qkv.ref.cases import _moe_inputs  # noqa: E402
+from qkv.ref.moe import moe_backward, moe_forward  # noqa: E402
+
+CASES.register("moe_top2_capacity")(Case(
+    _moe_inputs,
+    lambda i: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=3, top_k=2, capacity_factor=0.5),
+    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*moe_backward(dy, c))))

@@ -31,6 +31,7 @@ from qkv.ref.positional import POSITIONALS
 from qkv.registry import Registry
 
 DECODER_TWINS = {"t5": "t5_causal"}  # as qkv.models.build: T5's decoder spends its buckets on the past
+FULL_KERNELS = ("naive", "sdpa", "flash")  # as qkv.models.build: cross-attention always sees the whole source
 
 
 def embed_scale(cfg) -> float:
@@ -150,12 +151,14 @@ ARCHITECTURES.register("encoder")(Family(encoder_forward, encoder_backward))
 
 def cross_context(cfg, positions, src_mask, memory_len: int) -> AttentionContext:
     """Queries at the target positions over all source columns minus padding; no positional hook and no
-    own-column rescue (qkv.models.context.cross_context)."""
+    own-column rescue (qkv.models.context.cross_context). A sparse or linear cfg.attention applies to
+    self-attention only: cross-attention is full softmax attention (qkv.models.build.attention)."""
+    kernel = cfg.attention if cfg.attention in FULL_KERNELS else "sdpa"
     B, T = positions.shape
     mask = None if src_mask is None else np.broadcast_to(src_mask.astype(bool)[:, None, None, :],
                                                          (B, 1, T, memory_len))
     return AttentionContext(POSITIONALS.get("none")(cfg), positions, np.broadcast_to(np.arange(memory_len),
-                            (B, memory_len)), mask, causal=False, kernel=KERNELS.get(cfg.attention)(cfg),
+                            (B, memory_len)), mask, causal=False, kernel=KERNELS.get(kernel)(cfg),
                             n_heads=cfg.n_heads)
 
 

@@ -4,11 +4,11 @@
     dq, dk, dv, dbias, dvalue_table = kernel.backward(dout, cache)     # a KernelGrads
 
 q (B, H, T, Dh); k, v (B, H, S, Dh) (key/value heads already repeated); mask (B, 1, T, S) bool, True where
-allowed, or None; causal applies the bottom-right-aligned triangle; bias a constant broadcastable to
-(B, H, T, S) or None, whose gradient dbias (= dscores, (B, H, T, S)) the backward returns for the
-learnt biases (T5, Shaw, Transformer-XL; None without a bias); value_bias a `RelativeValues` term
-out_i += sum_j A_ij table[index_ij] (Shaw's a^V_ij), naive kernel only. `KERNELS.get(name)(cfg)` builds the kernel a ModelConfig names: the sparse
-kinds (note 000 §15.1) are the naive kernel with their pattern ANDed into the mask.
+allowed, or None; causal applies the bottom-right-aligned triangle; bias broadcastable to (B, H, T, S) or
+None, whose gradient dbias (= dscores, (B, H, T, S)) the backward returns for the learnt biases (T5, Shaw,
+Transformer-XL; None without a bias); value_bias a `RelativeValues` term out_i += sum_j A_ij table[index_ij]
+(Shaw's a^V_ij), or None. `KERNELS.get(name)(cfg)` builds the kernel a ModelConfig names: the sparse kinds
+(note 000 §15.1) are the naive kernel with their pattern ANDed into the mask.
 """
 from __future__ import annotations
 

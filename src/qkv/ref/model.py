@@ -38,8 +38,6 @@ ARCHITECTURES: Registry[Family] = Registry("architecture")
 def check_supported(cfg) -> None:
     if cfg.dropout:
         raise QkvError(f"model.dropout={cfg.dropout}: the reference engine is deterministic; set model.dropout=0")
-    if cfg.moe_experts and cfg.moe_capacity_factor:
-        raise QkvError("model.moe_capacity_factor: the reference engine routes without a capacity limit; set it to 0")
 
 
 def positions_and_mask(input_ids: np.ndarray, attention_mask: np.ndarray | None, causal: bool):

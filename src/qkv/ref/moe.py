@@ -13,6 +13,7 @@ constant), as in every top-k router.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -41,17 +42,33 @@ def route(logits: np.ndarray, top_k: int):
     return top, gates
 
 
+def within_capacity(top: np.ndarray, shape: tuple, experts: int, capacity_factor: float) -> np.ndarray:
+    """The routes each expert accepts, (N, k) bool (as qkv.nn.moe.MoE.within_capacity): at most
+    ceil(c N k / E) per expert, served position-major (every row's position 0, then position 1, ...; a
+    token's first choice before its second), so no token is dropped because of a later one."""
+    if not capacity_factor:
+        return np.ones(top.shape, dtype=bool)
+    B, T, k = shape[0], top.shape[0] // shape[0], top.shape[1]
+    capacity = math.ceil(capacity_factor * B * T * k / experts)
+    order = top.reshape(B, T, k).transpose(1, 0, 2).reshape(-1)  # the queue of routes   (T B k,)
+    onehot = np.eye(experts, dtype=np.int64)[order]  # (T B k, E)
+    rank = (np.cumsum(onehot, axis=0) * onehot).sum(axis=-1) - 1  # each route's place in its expert's queue
+    return (rank < capacity).reshape(T, B, k).transpose(1, 0, 2).reshape(B * T, k)
+
+
 def moe_forward(params: dict, x: np.ndarray, *, ffn: str, activation: str, experts: int, top_k: int,
-                aux_weight: float = 0.0):
+                aux_weight: float = 0.0, capacity_factor: float = 0.0):
+    """A dropped route (capacity_factor > 0) adds nothing and gets no gradient; f_e counts every route."""
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])  # (N, D)
     logits, crouter = linear_forward(tokens, params["router.weight"])  # (N, E)
     probs = softmax(logits)
     top, gates = route(logits, top_k)
+    kept = within_capacity(top, shape, experts, capacity_factor)  # (N, k)
     y = np.zeros_like(tokens)
     expert_caches = []
     for e in range(experts):
-        rows, slot = np.nonzero(top == e)  # the tokens routed to e, and which of their k choices it is
+        rows, slot = np.nonzero((top == e) & kept)  # the tokens routed to e, and which of their k choices it is
         out, cache = FFNS.get(ffn).forward(scope(params, f"experts.{e}"), tokens[rows], activation)
         y[rows] += gates[rows, slot, None] * out
         expert_caches.append((rows, slot, out, cache))

@@ -153,8 +153,13 @@ def describe(summary: dict) -> str:
     counts = (("skipped_steps", "skipped steps"), ("spikes", "loss spikes"))
     trouble = [f"{summary[key]} {name}" for key, name in counts if summary.get(key)]
     trouble_text = f" ({', '.join(trouble)})" if trouble else ""
+    rate = f"{summary['tokens_per_s']:,} tokens/s"
+    if summary.get("flops_per_s"):
+        rate += f", {summary['flops_per_s'] / 1e9:.1f} GFLOP/s"
+    if summary.get("mfu"):
+        rate += f", MFU {summary['mfu']:.1%}"
     return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
-            f"({summary['tokens_per_s']:,} tokens/s){trouble_text}; validation loss {val_text}"
+            f"({rate}){trouble_text}; validation loss {val_text}"
             f"{bits_text}; run saved in {summary['run']}")
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from qkv.analysis import flops
 from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
@@ -96,6 +97,9 @@ class Trainer:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
         self.model = build_model(cfg.model).to(self.device)  # fp32 weights in every precision (master weights)
+        self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
+        self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
+                                                 if self.device.type == "cuda" else None)
         if self.tc.activation_checkpointing:
             apply_activation_checkpointing(self.model, save_attention=True)  # docs/training.md: +5% vs +37% time
         self.has_moe = any(isinstance(module, MoE) for module in self.model.modules())
@@ -249,7 +253,13 @@ class Trainer:
         return {"steps": state.step, "tokens": state.tokens, "seconds": round(state.elapsed, 2),
                 "tokens_per_s": round(state.tokens / max(1e-9, state.elapsed)),
                 "val_loss": finite_or_none(final_val), "best_val_loss": finite_or_none(state.best_val),
-                "skipped_steps": state.skipped, "spikes": state.spikes}
+                "skipped_steps": state.skipped, "spikes": state.spikes,
+                **self.utilisation(state.tokens / max(1e-9, state.elapsed))}
+
+    def utilisation(self, tokens_per_s: float) -> dict:
+        """Achieved model FLOP/s (forward + backward, attention included) and MFU when the peak is known."""
+        achieved = tokens_per_s * self.flops_per_token
+        return {"flops_per_s": achieved, "mfu": achieved / self.peak_flops if self.peak_flops else None}
 
     def train_one(self, logs: list, bar) -> None:
         """One step of the loop: the update, then its bookkeeping (log row, evaluation, checkpoint)."""
@@ -273,7 +283,8 @@ class Trainer:
                 or result.skipped or state.spikes > spikes):
             rate = clock.rate()
             self.write(logs, step=state.step, loss=result.loss, val_loss=val, lr=lr, grad_norm=result.grad_norm,
-                       tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, aux_loss=result.aux_loss)
+                       tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, aux_loss=result.aux_loss,
+                       **self.utilisation(rate))
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         self.check_bad_steps()
         bar.total = state.horizon

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "batch_size", "skipped",
-           "spikes", "loss_scale", "aux_loss")
+           "spikes", "loss_scale", "aux_loss", "flops_per_s", "mfu")
 TENSORBOARD_DIR = "tensorboard"
 
 
