@@ -60,7 +60,8 @@ def parser() -> Parser:
     generate.add_argument("run", help="run directory")
     generate.add_argument("--prompt", default="", help="text to continue")
     generate.add_argument("--max-new-tokens", type=positive_int, default=200)
-    generate.add_argument("--strategy", choices=STRATEGIES, default="top-p")
+    generate.add_argument("--strategy", choices=STRATEGIES,
+                          help="default: top-p for a language model, beam for an encoder-decoder")
     generate.add_argument("--temperature", type=float, default=0.8)
     generate.add_argument("--top-k", type=positive_int, default=50)
     generate.add_argument("--top-p", type=float, default=0.9)
@@ -153,8 +154,9 @@ def cmd_generate(args) -> int:
     if args.temperature <= 0:
         raise QkvError(f"--temperature={args.temperature} must be positive")
     run = load(args.run)
-    require_lm(run, "generate")
-    text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
+    objective = require_objective(run, "generate", ("lm", "seq2seq"))
+    strategy = args.strategy or ("beam" if objective == "seq2seq" else "top-p")
+    text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None,
                          stop_strings=tuple(args.stop))
@@ -164,11 +166,17 @@ def cmd_generate(args) -> int:
 
 
 def require_lm(run, command: str) -> None:
+    require_objective(run, command, ("lm",))
+
+
+def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
     from qkv.train.objectives import name_for
 
-    if name_for(run.config) != "lm":
-        raise QkvError(f"qkv {command} supports decoder language models so far; {run.path} is a "
-                       f"model.arch={run.config.model.arch!r} run (objective {name_for(run.config)!r})")
+    objective = name_for(run.config)
+    if objective not in supported:
+        raise QkvError(f"qkv {command} supports {' and '.join(supported)} runs; {run.path} is a "
+                       f"model.arch={run.config.model.arch!r} run (objective {objective!r})")
+    return objective
 
 
 def cmd_presets(args) -> int:

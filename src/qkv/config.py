@@ -88,6 +88,8 @@ class ModelConfig:
             raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         if self.positional == "rope" and self.head_dim % 2:
             raise QkvError(f"model.positional='rope' needs an even head width, got {self.head_dim}")
+        if self.attention in ("local", "dilated", "random") and self.window < 1:
+            raise QkvError(f"model.attention={self.attention!r} needs model.window >= 1, got {self.window}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
         if not 0.0 <= self.dropout < 1.0:

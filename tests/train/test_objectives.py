@@ -120,16 +120,20 @@ def losses(run) -> list[float]:
 
 
 @pytest.mark.parametrize("preset, special", [("bert-base", MASK), ("t5-small", PAD), ("vaswani-base", PAD)])
-def test_qkv_train_runs_every_family_and_eval_generate_refuse_it(preset, special, text, tmp_path, capsys):
+def test_qkv_train_runs_every_family_and_eval_generate_handle_it(preset, special, text, tmp_path, capsys):
     run = tmp_path / preset
     assert train(text, run, preset, 3) == 0, capsys.readouterr().err
     summary = capsys.readouterr().out
     assert '"steps": 3' in summary and '"val_bits_per_char": null' in summary
     loaded = load(run)
     assert loaded.tokenizer.special_id(special) == loaded.config.model.vocab_size - 1  # appended last
-    for command in (["eval", str(run)], ["generate", str(run), "--prompt", "moon"]):
-        assert main(command) == 2
-        assert "supports decoder language models so far" in capsys.readouterr().err
+    assert main(["eval", str(run)]) == 2
+    assert "qkv eval supports lm runs" in capsys.readouterr().err
+    generated = main(["generate", str(run), "--prompt", "moon", "--max-new-tokens", "4", "--beams", "2"])
+    if special == MASK:  # an MLM encoder does not generate
+        assert generated == 2 and "qkv generate supports lm and seq2seq runs" in capsys.readouterr().err
+    else:  # an encoder-decoder writes a target for the prompt as its source, by beam search by default
+        assert generated == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

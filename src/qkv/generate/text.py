@@ -15,6 +15,7 @@ import torch
 
 from qkv.data.tokenizer import StreamDecoder, Tokenizer
 from qkv.generate.decode import generate
+from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.run import Run
 
 
@@ -64,7 +65,14 @@ def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, 
     """prompt + its continuation (cut before the first of `stop_strings`; module docstring)."""
     tokenizer = run.tokenizer
     device = next(run.model.parameters()).device
-    input_ids = torch.tensor([[tokenizer.eos_id] + tokenizer.encode(prompt)], device=device)
+    # a language model continues [end-of-text] + prompt; an encoder-decoder reads the prompt as its source
+    # and writes a new text from the start token, exactly as the seq2seq objective trains it
+    seq2seq = isinstance(run.model, EncoderDecoder)
+    source = tokenizer.encode(prompt) if seq2seq else [tokenizer.eos_id] + tokenizer.encode(prompt)
+    input_ids = torch.tensor([source], device=device)
+    start = {"decoder_start": tokenizer.eos_id} if seq2seq else {}
+    prefix = "" if seq2seq else prompt
+    new_from = 1 if seq2seq else input_ids.shape[1]
     text = TextStream(tokenizer, stop_strings, stream)
     stepwise = strategy != "beam"
     stop_if = text.stop_if if stepwise and text.stop_strings else None  # stop_if pushes each new token
@@ -75,14 +83,15 @@ def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, 
         text.write()
 
     if stream is not None:
-        stream.write(prompt)
+        stream.write(prefix)
     ids = generate(run.model, input_ids, max_new_tokens=max_new_tokens, strategy=strategy,
                    temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams, seed=seed,
-                   stop_tokens=(tokenizer.eos_id,), on_token=on_token if stepwise else None, stop_if=stop_if)
-    for token in ids[0, input_ids.shape[1]:].tolist() if not stepwise else ():  # beam: settled at the end
+                   stop_tokens=(tokenizer.eos_id,), on_token=on_token if stepwise else None, stop_if=stop_if,
+                   **start)
+    for token in ids[0, new_from:].tolist() if not stepwise else ():  # beam: settled at the end
         if text.push(token):
             break
     continuation = text.finish()
     if stream is not None:
         stream.write("\n")
-    return prompt + continuation
+    return prefix + continuation
