@@ -14,6 +14,7 @@ from typing import Sequence, TextIO
 import torch
 
 from qkv.data.tokenizer import StreamDecoder, Tokenizer
+from qkv.errors import QkvError
 from qkv.generate.decode import generate
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.run import Run
@@ -62,13 +63,16 @@ class TextStream:
 def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, temperature: float,
                   top_k: int, top_p: float, num_beams: int, seed: int, stream: TextIO | None = None,
                   stop_strings: Sequence[str] = ()) -> str:
-    """prompt + its continuation (cut before the first of `stop_strings`; module docstring)."""
+    """A language model's prompt + continuation, or an encoder-decoder's output for the prompt as its source;
+    cut before the first of `stop_strings` (module docstring)."""
     tokenizer = run.tokenizer
     device = next(run.model.parameters()).device
     # a language model continues [end-of-text] + prompt; an encoder-decoder reads the prompt as its source
     # and writes a new text from the start token, exactly as the seq2seq objective trains it
     seq2seq = isinstance(run.model, EncoderDecoder)
     source = tokenizer.encode(prompt) if seq2seq else [tokenizer.eos_id] + tokenizer.encode(prompt)
+    if not source:
+        raise QkvError("an encoder-decoder needs a non-empty --prompt: it is the source text")
     input_ids = torch.tensor([source], device=device)
     start = {"decoder_start": tokenizer.eos_id} if seq2seq else {}
     prefix = "" if seq2seq else prompt
