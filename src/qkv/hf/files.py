@@ -8,12 +8,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from qkv.config import read_json
 from qkv.errors import QkvError
 from qkv.hf.common import Tensors
+from qkv.train.checkpoint import read_tensors
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -44,7 +44,7 @@ def read_weights(path: Path) -> Tensors:
     """model.safetensors, or every shard named by model.safetensors.index.json."""
     path = Path(path)
     if (path / WEIGHTS).is_file():
-        return _read(path / WEIGHTS)
+        return read_tensors(path / WEIGHTS)
     if not (path / INDEX).is_file():
         if any(path.glob("*.bin")):
             raise QkvError(f"{path}: only PyTorch .bin weights (pickle); qkv reads {WEIGHTS} files only")
@@ -55,20 +55,11 @@ def read_weights(path: Path) -> Tensors:
         raise QkvError(f"{path / INDEX}: no weight_map")
     tensors: Tensors = {}
     for shard in sorted(set(weight_map.values())):
-        tensors.update(_read(path / shard))
+        tensors.update(read_tensors(path / shard))
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise QkvError(f"{path / INDEX}: tensor {missing[0]!r} is not in its shard")
     return tensors
-
-
-def _read(file: Path) -> Tensors:
-    try:
-        return load_file(str(file))
-    except FileNotFoundError:
-        raise QkvError(f"{file}: no such file") from None
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise QkvError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
 def write_dir(out: Path, files: dict[str, str], tensors: Tensors) -> None:

@@ -36,7 +36,6 @@ from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives
 from qkv.train.guards import DeferredInterrupt, is_spike
 from qkv.train.memory import apply_activation_checkpointing
-from qkv.train.objectives import cross_entropy  # noqa: F401 (defined beside the objectives that use it)
 from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
 from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
