@@ -7,7 +7,7 @@ with no autograd anywhere (SPEC D). One step, as qkv.train.loop.Trainer.step:
 
 lr(step) is qkv.train.schedules.SCHEDULES[train.schedule] with total = `steps`; for "cosine":
     lr * (step + 1) / warmup                                          for step < warmup
-    min_lr + 0.5 (lr - min_lr) (1 + cos(pi * min(1, (step - warmup) / max(1, steps - warmup))))   after.
+    min_lr + 0.5 (lr - min_lr) (1 + cos(pi * min(1, (step - warmup) / max(1, steps - 1 - warmup))))   after.
 """
 from __future__ import annotations
 
