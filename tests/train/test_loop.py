@@ -221,3 +221,12 @@ def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
     assert rows[0]["val_loss"] == "" and float(rows[0]["tokens_per_s"]) == 100.0
     MetricsLog(path, resume_step=0)  # a resume without a checkpoint starts the log again
     assert MetricsLog.read(path) == []
+
+
+def test_progress_bar_length_is_unknown_until_a_time_budget_is_fitted(tmp_path):
+    timed = trainer(tmp_path, "timed", max_time=60.0, max_steps=100_000)
+    assert timed.bar_total() is None  # not the 100,000-step cap with its hours-long ETA
+    timed.state.step, timed.state.elapsed = 50, 10.0  # 0.2 s a step past the first check (5% of 60 s)
+    timed.fit_horizon([0.05], 0.0)
+    assert timed.bar_total() == timed.state.horizon == 50 + int(50 / 0.2)
+    assert trainer(tmp_path, "counted", max_steps=7).bar_total() == 7

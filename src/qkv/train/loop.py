@@ -229,7 +229,7 @@ class Trainer:
         KeyboardInterrupt; train.max_bad_steps skipped steps in a row raise QkvError. Returns the summary."""
         tc, state = self.tc, self.state
         logs = open_logs(self.run_dir, state.step, tc.tensorboard, self.log)
-        bar = tqdm(total=state.horizon, initial=state.step, disable=not self.progress, unit="step",
+        bar = tqdm(total=self.bar_total(), initial=state.step, disable=not self.progress, unit="step",
                    dynamic_ncols=True, leave=False)
         self.clock = Clock(state.elapsed)
         self.model.train()
@@ -286,12 +286,18 @@ class Trainer:
                        **self.utilisation(rate))
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         self.check_bad_steps()
-        bar.total = state.horizon
+        bar.total = self.bar_total()
         bar.update(1)
         # never over the last good checkpoint while steps are being skipped: those weights may hold the NaN
         if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and state.step < state.horizon
                 and not state.bad_steps):
             self.save()
+
+    def bar_total(self) -> int | None:
+        """The progress bar's length: unknown (a plain counter) until a time budget's horizon is first fitted."""
+        tc = self.tc
+        unfitted = tc.max_time and tc.time_horizon and self.state.horizon == tc.max_steps
+        return None if unfitted else self.state.horizon
 
     def write(self, logs: list, **row) -> None:
         """One row in metrics.csv (and TensorBoard), with the run's counters."""
