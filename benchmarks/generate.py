@@ -4,8 +4,9 @@ A 6-layer, 384-wide, 6-head GPT-2 with an 8192-token vocabulary is built from a 
 weights, no download) and copied by hand into the equivalent qkv model. Both decode greedily with
 their KV caches: 16 prompt tokens + 128 new, batch 1 and 8, runs alternating A B A B; the table
 shows the median tokens/s (new tokens x batch / seconds), the qkv / transformers ratio of the
-medians and of the best runs (the steadier one on a shared machine), and whether the two produced
-the same tokens.
+medians and of the best runs, the ratio of their median process CPU seconds (waiting for a core on a
+shared machine is not counted: the steadiest of the three there), and whether the two produced the
+same tokens. benchmarks/run.py runs this as its decoding part.
 
     PYTHONPATH=src python benchmarks/generate.py [--repeats 3] [--threads N] [--device cpu|cuda]
 """
@@ -70,14 +71,15 @@ def copy_conv1d(linear, conv) -> None:
     linear.bias.copy_(conv.bias)
 
 
-def timed(fn) -> tuple[float, torch.Tensor]:
+def timed(fn) -> tuple[float, float, torch.Tensor]:
+    """Wall-clock seconds, process CPU seconds and the output of fn()."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     out = fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.process_time() - start_cpu, out
 
 
 def run(batch: int, repeats: int, hf, model, device: str) -> dict:
@@ -89,19 +91,21 @@ def run(batch: int, repeats: int, hf, model, device: str) -> dict:
     }
     for fn in runners.values():  # warm-up
         fn()
-    seconds = {name: [] for name in runners}
+    seconds, cpu = {name: [] for name in runners}, {name: [] for name in runners}
     outputs = {}
     for _ in range(repeats):  # alternating A B A B
         for name, fn in runners.items():
-            elapsed, outputs[name] = timed(fn)
+            elapsed, elapsed_cpu, outputs[name] = timed(fn)
             seconds[name].append(elapsed)
+            cpu[name].append(elapsed_cpu)
     same = outputs["qkv"].shape == outputs["transformers"].shape and torch.equal(outputs["qkv"].cpu(),
                                                                                   outputs["transformers"].cpu())
     agree = (outputs["qkv"][:, PROMPT:] == outputs["transformers"][:, PROMPT:]).float().mean().item()
     rates = {name: NEW * batch / statistics.median(times) for name, times in seconds.items()}
     best = {name: NEW * batch / min(times) for name, times in seconds.items()}
     return {"batch": batch, **rates, "ratio": rates["qkv"] / rates["transformers"],
-            "best_ratio": best["qkv"] / best["transformers"], "same": same, "agree": agree}
+            "best_ratio": best["qkv"] / best["transformers"], "same": same, "agree": agree,
+            "cpu_ratio": statistics.median(cpu["transformers"]) / statistics.median(cpu["qkv"])}
 
 
 def logits_gap(hf, model, device: str) -> float:
@@ -123,11 +127,12 @@ def main() -> None:
     print(f"GPT-2 {LAYERS}L {D}D {HEADS}H V={VOCAB}, greedy, {PROMPT} prompt + {NEW} new tokens, "
           f"device {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"max |logits(qkv) - logits(transformers)| on a prompt: {logits_gap(hf, model, args.device):.2e}")
-    print(f"{'batch':>5} {'qkv tok/s':>10} {'hf tok/s':>10} {'qkv/hf':>7} {'best-run qkv/hf':>16}  same tokens")
+    print(f"{'batch':>5} {'qkv tok/s':>10} {'hf tok/s':>10} {'qkv/hf':>7} {'best-run qkv/hf':>16} {'CPU-s ratio':>12}"
+          f"  same tokens")
     for batch in args.batches:
         row = run(batch, args.repeats, hf, model, args.device)
         print(f"{row['batch']:>5} {row['qkv']:>10.1f} {row['transformers']:>10.1f} {row['ratio']:>7.2f} "
-              f"{row['best_ratio']:>16.2f}  "
+              f"{row['best_ratio']:>16.2f} {row['cpu_ratio']:>12.2f}  "
               f"{'yes' if row['same'] else 'no'} ({row['agree']:.1%} of new tokens agree)")
 
 

@@ -20,7 +20,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.tok_emb = tok_emb  # W_E (V, D)
         self.positional = positional
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied

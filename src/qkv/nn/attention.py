@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^V (Hkv*Dh, D)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # W^O (D, H*Dh)
         self.attn_dropout = dropout
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
     def forward(self, x: Tensor, ctx: AttentionContext, cache: LayerCache | None = None,
                 memory: Tensor | None = None) -> Tensor:

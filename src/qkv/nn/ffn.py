@@ -32,7 +32,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS.get(activation)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)  # W1 (F, D)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)  # W2 (D, F)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         return self.dropout(self.down_proj(self.act(self.up_proj(x))))
@@ -46,7 +46,7 @@ class GLU(nn.Module):
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)  # (F, D)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)  # (F, D)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)  # (D, F)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from qkv.registry import Registry
 
 NORMS: Registry[type[nn.Module]] = Registry("norm")
+WIDE = (torch.float32, torch.float64)  # dtypes whose statistics need no upcast
 
 
 @NORMS.register("layernorm")
@@ -25,7 +26,9 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None  # beta (D,)
 
     def forward(self, x: Tensor) -> Tensor:
-        # statistics in at least fp32 (see module docstring): a no-op for fp32 and fp64 inputs
+        if x.dtype == self.weight.dtype and x.dtype in WIDE:  # already at least fp32: no casts (decoding speed)
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        # statistics in at least fp32 (see module docstring)
         dtype = torch.promote_types(x.dtype, torch.float32)
         bias = None if self.bias is None else self.bias.to(dtype)
         y = F.layer_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), bias, self.eps)
@@ -42,6 +45,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))  # gamma (D,)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype and x.dtype in WIDE:  # as LayerNorm: no casts needed
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32, as LayerNorm
         y = F.rms_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), self.eps)
         return y.to(x.dtype)
