@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from qkv import hf_commands
 from qkv.analysis import commands as analysis_commands
 from qkv.errors import QkvError
+from qkv.train.tasks import TASKS
 
 STRATEGIES = ("greedy", "sample", "top-k", "top-p", "beam")
 
@@ -33,7 +35,11 @@ def parser() -> Parser:
     sub = root.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     train = sub.add_parser("train", help="train a model (default: the shakespeare preset on the bundled corpus)")
-    train.add_argument("--preset", default="shakespeare", help="named configuration (see `qkv presets`)")
+    train.add_argument("--preset", help="named configuration (see `qkv presets`); default: shakespeare, or the "
+                                        "task's own preset with --task")
+    train.add_argument("--task", help="a job for the preset (docs/tasks.md): " + "; ".join(
+        f"{name}: {TASKS.get(name).summary}" for name in TASKS.names()))
+    train.add_argument("--init", metavar="RUN", help="start from this run's weights (all but the head): fine-tuning")
     train.add_argument("--config", help="JSON file with sections model, train, data, parallel")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override one field, e.g. --set model.n_layers=6 (repeatable)")
@@ -49,7 +55,8 @@ def parser() -> Parser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    evaluate = sub.add_parser("eval", help="loss, perplexity and bits per character of a run")
+    evaluate = sub.add_parser("eval", help="held-out figures of a run: loss, perplexity and bits per character "
+                                           "(LM), masked-token accuracy (MLM), accuracy (classifier)")
     evaluate.add_argument("run", help="run directory")
     evaluate.add_argument("--data", action="append", default=[], metavar="PATH",
                           help="score this text instead of the run's validation split")
@@ -71,6 +78,11 @@ def parser() -> Parser:
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop before TEXT (repeatable); the output ends before its first occurrence")
 
+    classify = sub.add_parser("classify", help="label a text with a classifier run, with probabilities")
+    classify.add_argument("run", help="run directory of a classifier (qkv train --task classify)")
+    classify.add_argument("--text", required=True, help="the text to label")
+    classify.add_argument("--json", action="store_true")
+
     hf_commands.add_parsers(sub)
     analysis_commands.add_parsers(sub)
 
@@ -84,31 +96,41 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         return COMMANDS[args.command](args) or 0
     except QkvError as exc:
-        print(f"qkv: error: {exc}", file=sys.stderr)
+        if main_rank():  # under torchrun every rank exits 2, rank 0 alone says why
+            print(f"qkv: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("qkv: interrupted", file=sys.stderr)
         return 130
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
-        print(f"qkv: error: {exc}", file=sys.stderr)
+        if main_rank():
+            print(f"qkv: error: {exc}", file=sys.stderr)
         return 2
 
 
-def cmd_train(args) -> int:
-    from qkv.train import job, objectives
+def main_rank() -> bool:
+    """Rank 0 of a torchrun launch, or a single process."""
+    return os.environ.get("RANK", "0") == "0"
 
-    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+
+def cmd_train(args) -> int:
+    from qkv.train import job, objectives, tasks
+
+    log = (lambda message: print(message, file=sys.stderr)) if main_rank() else (lambda message: None)  # noqa: E731
     if args.resume:
         if not args.out:
             raise QkvError("--resume needs --out RUN_DIR")
+        if args.task or args.init:
+            raise QkvError("--resume continues a run with its own config; --task and --init start a new one")
         job.check_engine(args.engine, resume=True, max_time=0.0)
         out = Path(args.out)
-        cfg = job.resume_config(out, args.max_steps, args.max_time)
+        cfg = job.resume_config(out, args.max_steps, args.max_time, layout=args.set)
     else:
-        cfg = job.resolve_config(preset=args.preset, config_file=args.config, overrides=args.set, data=args.data,
-                                 max_steps=args.max_steps, max_time=args.max_time)
+        preset = args.preset or (tasks.TASKS.get(args.task).preset if args.task else "shakespeare")
+        cfg = job.resolve_config(preset=preset, config_file=args.config, overrides=args.set, data=args.data,
+                                 max_steps=args.max_steps, max_time=args.max_time, task=args.task, init=args.init)
         job.check_engine(args.engine, resume=False, max_time=cfg.train.max_time)
-        out = Path(args.out) if args.out else job.default_out(args.preset)
+        out = Path(args.out) if args.out else job.default_out(f"{preset}-{args.task}" if args.task else preset)
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
         f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
@@ -119,8 +141,13 @@ def cmd_train(args) -> int:
             f"checkpoint saved at step {trainer.saved_step}"
         log(f"qkv: interrupted; {saved}; continue with `qkv train --out {out} --resume`")
         return 130
+    trainer.gather()  # torchrun: rank 0 gets the whole model and reports; the others are done
+    if not trainer.layout.is_main:
+        return 0
     summary["run"] = str(out)
     summary["val_bits_per_char"] = job.bits_per_char(trainer)
+    if trainer.objective.report is not None:  # e.g. a classifier's held-out accuracy and its baselines
+        summary.update(trainer.objective.report(trainer))
     if args.json:
         print(job.summary_line(summary))
     else:
@@ -132,16 +159,25 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from qkv.run import load
-    from qkv.train.scoring import score_run
+    from qkv.train import evaluators
 
     run = load(args.run)
-    require_lm(run, "eval")
-    result = score_run(run, args.data, args.stride)
+    result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
+    print(json.dumps(result) if args.json else evaluators.describe(result))
+    return 0
+
+
+def cmd_classify(args) -> int:
+    from qkv.run import load
+    from qkv.train.classify import classify_text
+
+    run = load(args.run)
+    require_objective(run, "classify", ("classify",))
+    probs = classify_text(run, args.text)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(probs))
     else:
-        print("\n".join(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}"
-                        for key, value in result.items()))
+        print("\n".join(f"{label:<14} {p:.4f}" for label, p in sorted(probs.items(), key=lambda kv: -kv[1])))
     return 0
 
 
@@ -163,10 +199,6 @@ def cmd_generate(args) -> int:
     if not args.stream:
         print(text)
     return 0
-
-
-def require_lm(run, command: str) -> None:
-    require_objective(run, command, ("lm",))
 
 
 def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
@@ -191,4 +223,5 @@ def cmd_presets(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "presets": cmd_presets,
+            "classify": cmd_classify,
             "convert": hf_commands.cmd_convert, **analysis_commands.COMMANDS}

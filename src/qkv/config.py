@@ -57,6 +57,7 @@ class ModelConfig:
     pooling: str = "first"  # head = classifier: first | mean (over unpadded tokens)
     embed_norm: bool = False  # norm the summed embeddings (BERT); encoder / encoder-decoder only
     embed_scale: bool = False  # token embeddings * sqrt(D) (Vaswani et al. §3.4); encoder / encoder-decoder only
+    labels: tuple[str, ...] = ()  # head = classifier: the class names, index = class id (HF's id2label)
 
     @property
     def head_dim(self) -> int:  # Dh
@@ -124,6 +125,8 @@ class ModelConfig:
                     raise QkvError(f"model.{name}=True needs model.arch='encoder' or 'encoder-decoder'")
         if self.head == "classifier" and self.n_classes < 2:
             raise QkvError(f"model.n_classes={self.n_classes} must be at least 2 with model.head='classifier'")
+        if self.labels and len(self.labels) != self.n_classes:
+            raise QkvError(f"model.labels has {len(self.labels)} names, model.n_classes={self.n_classes}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +161,7 @@ class TrainConfig:
     time_horizon: bool = True  # with max_time, fit the LR schedule to the steps the time allows
     objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
+    init: str = ""  # a run (qkv or HF dir) whose weights, all but the head, start this one (qkv.train.finetune)
     # batch size (note 000 LLM §10.2; qkv.train.schedules): rows ramp linearly from batch_warmup_start to
     # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
     batch_warmup_steps: int = 0
@@ -215,7 +219,9 @@ class DataConfig:
     spelling: str = "modern"  # modern | first-folio (bundled corpus only)
     vocab_size: int = 2048  # BPE vocabulary to train; the model's V comes from the trained tokenizer
     val_fraction: float = 0.1  # user corpora: held-out share (whole documents where there are several)
-    seq2seq_task: str = "next-line"  # objective seq2seq: next-line | reverse (qkv.data.seq2seq.TASKS)
+    seq2seq_task: str = "next-line"  # objective seq2seq: next-line | reverse | folio (qkv.data.seq2seq.TASKS)
+    # bundled corpus: standard (corpus.VALIDATION_WORKS) | genre (qkv.data.genres) | folio (qkv.data.folio)
+    split: str = "standard"
 
     def validate(self) -> "DataConfig":
         _positive("data.vocab_size", self.vocab_size)
@@ -228,6 +234,9 @@ class DataConfig:
         from qkv.data.seq2seq import TASKS
 
         _choice("data.seq2seq_task", self.seq2seq_task, TASKS.names())
+        from qkv.data.sources import SPLITS
+
+        _choice("data.split", self.split, SPLITS.names())
         return self
 
 
@@ -237,11 +246,14 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b (qkv.train.pipeline)
+    microbatches: int = 4  # pp > 1: micro-batches per batch, at least pp
 
     def validate(self) -> "ParallelConfig":
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "microbatches"):
             _positive(f"parallel.{name}", getattr(self, name))
         _choice("parallel.zero", self.zero, (0, 1, 2, 3))
+        _choice("parallel.schedule", self.schedule, ("gpipe", "1f1b"))
         return self
 
 

@@ -93,5 +93,46 @@ def test_lines_of_real_text_through_the_tokenizer(monkeypatch, tmp_path):
 def test_the_task_is_validated_with_the_data_config():
     from qkv.config import DataConfig
 
-    with pytest.raises(QkvError, match="data.seq2seq_task='copy' is not allowed; choose from: next-line, reverse"):
+    with pytest.raises(QkvError, match="data.seq2seq_task='copy' is not allowed; choose from: folio, next-line, "
+                                       "reverse"):
         DataConfig(seq2seq_task="copy").validate()
+
+
+TAB = 8
+
+
+def test_folio_pairs_are_the_two_sides_of_a_separator():
+    """Lines "source<TAB>target": the separator ends the source; a line without one makes no pair."""
+    tokens = np.array([EOS, 1, 2, TAB, 3, NL, 4, NL, 5, TAB, 6, 7, NL, TAB, 1, NL])
+    b = batches(tokens, task="folio", separator_ids=[TAB])
+    assert [tokens[a:z].tolist() for a, z in b.spans] == [[1, 2], [3], [4], [5], [6, 7], [1]]
+    assert b.starts.tolist() == [0, 3]  # "4" has no target and "<TAB>1" no source
+    assert [(s.tolist(), t.tolist()) for s, t in b.pairs(10)] == [([1, 2], [3]), ([5], [6, 7])]
+    for _ in range(5):
+        src, src_mask, _, _, labels = b.next()
+        for row in range(4):
+            pair = (tuple(src[row][src_mask[row] == 1]), tuple(labels[row][labels[row] != IGNORE][:-1]))
+            assert pair in {((1, 2), (3,)), ((5,), (6, 7))}
+    with pytest.raises(QkvError, match="finds no pair in the text"):
+        batches(np.array([EOS, 1, 2, NL, 3, NL]), task="folio", separator_ids=[TAB])
+
+
+def test_pairs_for_scoring_are_spread_evenly_and_in_order():
+    b = batches()  # next-line over 60 lines: 59 pairs
+    assert len(b.pairs(1000)) == len(b.starts) == 59
+    firsts = [tuple(s.tolist()) for s, _ in b.pairs(3)]
+    assert firsts == [tuple(b.tokens[slice(*b.spans[i])].tolist()) for i in (0, 29, 58)]
+
+
+def test_folio_lines_through_the_tokenizer():
+    """The tab of "modern<TAB>folio" is a token of its own after byte-level BPE: the pairs decode to the sides."""
+    pairs = [("Upon the heath.", "Vpon the Heath"),
+             ("When shall we three meet again?", "When shall we three meet againe?"),
+             ("Hover through the fog and filthy air.", "Houer through the fogge and filthie ayre.")] * 10
+    text = "\n".join(f"{a}\t{b}" for a, b in pairs)
+    tokenizer = Tokenizer.train([text], 300)
+    breaks = [i for i, data in enumerate(tokenizer.token_bytes) if b"\n" in data] + [tokenizer.eos_id]
+    separators = [i for i, data in enumerate(tokenizer.token_bytes) if b"\t" in data]
+    tokens = np.array([tokenizer.eos_id] + tokenizer.encode(text))
+    b = batches(tokens, task="folio", break_ids=breaks, separator_ids=separators)
+    assert [(tokenizer.decode(s.tolist()), tokenizer.decode(t.tolist())) for s, t in b.pairs(100)] == pairs

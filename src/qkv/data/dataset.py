@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+try:
+    import fcntl  # POSIX; elsewhere concurrent builders race harmlessly (the first complete entry wins)
+except ImportError:  # pragma: no cover
+    fcntl = None
+
 import numpy as np
 
 from qkv.data.corpus import JOINER, content_hash
@@ -143,16 +148,42 @@ def prepare(train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: in
     entry = Path(cache_dir) / key
     if not (entry / "meta.json").exists():
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=entry.parent))
-        try:
-            _build_entry(tmp, train_texts, val_texts, vocab_size, tokenizer)
-            os.replace(tmp, entry)
-        except OSError:
-            if not (entry / "meta.json").exists():  # not another process finishing first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with _building(entry):  # the ranks of a torchrun launch: one tokenizes, the others wait for its entry
+            if not (entry / "meta.json").exists():
+                _build(entry, key, train_texts, val_texts, vocab_size, tokenizer)
     return _load_entry(entry)
+
+
+class _building:
+    """An exclusive lock on `entry`'s lock file (flock: released when the process ends, whatever happens).
+    The holder removes the file when done: a process still waiting holds the old file and finds the entry
+    built; one that comes later sees the entry before it locks anything. No lock file stays in the cache."""
+
+    def __init__(self, entry: Path):
+        self.path = entry.with_name(entry.name + ".lock")
+
+    def __enter__(self):
+        self.handle = open(self.path, "a")
+        if fcntl is not None:
+            fcntl.flock(self.handle, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)
+        self.handle.close()  # closing releases the lock
+        return False
+
+
+def _build(entry: Path, key: str, train_texts: Sequence[str], val_texts: Sequence[str], vocab_size: int,
+           tokenizer: Tokenizer | None) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=entry.parent))
+    try:
+        _build_entry(tmp, train_texts, val_texts, vocab_size, tokenizer)
+        os.replace(tmp, entry)
+    except OSError:
+        if not (entry / "meta.json").exists():  # not another process finishing first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Batches:

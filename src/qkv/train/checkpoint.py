@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -49,7 +50,17 @@ def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], origi
             raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
                            f"config.json needs {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensors[name])
+            param.copy_(_like(tensors[name], param))
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A full tensor laid out as `param`: its own shard of a sharded (DTensor) parameter under FSDP2 or
+    tensor parallel, cut locally (every rank read the same file: no communication)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no parameter is a DTensor
+    if dtensor is not None and isinstance(param, dtensor.DTensor):
+        return dtensor.distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                         src_data_rank=None)
+    return value
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -76,11 +87,16 @@ def _fsync_dir(path: Path) -> None:
 
 def save(run_dir: Path, model: nn.Module, tensors: dict[str, torch.Tensor], state: dict) -> None:
     """Atomically replace the run's checkpoint set (see the module docstring)."""
+    write(run_dir, model_tensors(model), tensors, state)
+
+
+def write(run_dir: Path, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], state: dict) -> None:
+    """`save` with the model's tensors given (a distributed run gathers them first)."""
     run_dir = Path(run_dir)
     staging, commit = run_dir / ".staging", run_dir / ".commit"
     recover(run_dir)
     staging.mkdir()
-    save_file(model_tensors(model), str(staging / MODEL_FILE))
+    save_file(weights, str(staging / MODEL_FILE))
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(staging / STATE_TENSORS))
     (staging / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
     for name in CHECKPOINT_FILES:

@@ -10,20 +10,28 @@ from typing import Callable
 
 from qkv import presets
 from qkv.config import RunConfig, read_json, section_from_dict
-from qkv.data.sources import prepare_data
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.run import CONFIG_FILE, TOKENIZER_FILE
-from qkv.train import objectives
+from qkv.train import finetune, objectives, parallel
 from qkv.train.loop import Trainer
 
 
 def resolve_config(*, preset: str, config_file: str | None, overrides: list[str], data: list[str],
-                   max_steps: int | None, max_time: float | None) -> RunConfig:
-    """preset, then the JSON file's sections, then --set, then the dedicated flags."""
+                   max_steps: int | None, max_time: float | None, task: str | None = None,
+                   init: str | None = None) -> RunConfig:
+    """preset, then the JSON file's sections, then the --task, then --set, then the dedicated flags. With
+    --init, the model's sizes and variants are the init run's (its weights must fit), the head this run's."""
+    from qkv.train import tasks
+
     cfg = presets.get(preset)
     if config_file:
         cfg = merge_file(cfg, Path(config_file))
+    if task:
+        cfg = tasks.TASKS.get(task).apply(cfg)
+    if init:
+        model = finetune.model_from_init(cfg.model, finetune.init_run(init).config.model, init)
+        cfg = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, init=os.path.abspath(init)))
     cfg = cfg.override(overrides)
     if data:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=tuple(data)))
@@ -75,14 +83,19 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     elif out.exists() and any(out.iterdir()):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
     cfg.validate()
+    parallel.check_layout(cfg, parallel.env_world())  # a mis-sized layout fails before the data is read
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     own_tokenizer = out / TOKENIZER_FILE
+    init = None if resume or not cfg.train.init else finetune.init_run(cfg.train.init)
     if resume and own_tokenizer.is_file():  # a resumed or imported run keeps its tokenizer and vocabulary
-        prepared = prepare_data(cfg.data, tokenizer=Tokenizer.load(own_tokenizer))
+        prepared = objective.prepare(cfg, Tokenizer.load(own_tokenizer))
+    elif init is not None:  # fine-tuning keeps the init run's tokenizer and vocabulary
+        prepared = objective.prepare(cfg, init.tokenizer)
+        prepared.tokenizer.add_specials(objective.specials)
     else:
-        prepared = prepare_data(cfg.data)
+        prepared = objective.prepare(cfg, None)
         prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; V counts them
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
     if len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
@@ -93,7 +106,10 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         raise QkvError(f"{own_tokenizer}: {prepared.tokenizer.vocab_size} tokens, more than the model's "
                        f"vocab_size={cfg.model.vocab_size}")
     trainer = Trainer(out, cfg, prepared, progress=progress, log=log)  # may fail: before anything is written
-    if not resume:
+    if init is not None:
+        copied = finetune.load_backbone(trainer.model, init.model, cfg.train.init)
+        log(f"qkv: {copied} tensors from {cfg.train.init}; the head starts fresh")
+    if not resume and trainer.layout.is_main:  # under torchrun rank 0 alone writes the run dir
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
         prepared.tokenizer.save(out / TOKENIZER_FILE)
@@ -105,14 +121,20 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     return trainer, cfg
 
 
-def resume_config(out: Path, max_steps: int | None, max_time: float | None) -> RunConfig:
-    """A resumed run keeps its own config; only the limits may change."""
+def resume_config(out: Path, max_steps: int | None, max_time: float | None,
+                  layout: list[str] = ()) -> RunConfig:
+    """A resumed run keeps its own config; only the limits and the process layout (`layout`: --set
+    parallel.*=..., e.g. a dp=2 run continued in one process) may change."""
     if not (out / CONFIG_FILE).is_file():
         raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
-    cfg = RunConfig.load(out / CONFIG_FILE)
-    cfg = with_limits(cfg, max_steps, max_time).validate()  # never write an invalid config into the run
-    if (max_steps, max_time) != (None, None):
-        cfg.save(out / CONFIG_FILE)
+    other = [item for item in layout if not item.strip().startswith("parallel.")]
+    if other:
+        raise QkvError(f"--resume keeps the run's config; only parallel.* may be set, not {other[0]!r}")
+    saved = RunConfig.load(out / CONFIG_FILE)
+    cfg = with_limits(saved.override(list(layout)), max_steps, max_time).validate()  # never write an invalid config
+    if cfg != saved and parallel.env_rank() == 0:  # one writer under torchrun,
+        cfg.save(out / (CONFIG_FILE + ".tmp"))  # replaced atomically: the other ranks may be reading it
+        os.replace(out / (CONFIG_FILE + ".tmp"), out / CONFIG_FILE)
     return cfg
 
 
@@ -131,6 +153,8 @@ def check_engine(engine: str, *, resume: bool, max_time: float) -> None:
         raise QkvError("--engine ref cannot resume a run; it trains from step 0 in one go")
     if max_time:
         raise QkvError(f"--engine ref takes --max-steps, not a time budget (train.max_time={max_time:g})")
+    if parallel.env_world() > 1:
+        raise QkvError("--engine ref runs in one process; start it without torchrun")
 
 
 def bits_per_char(trainer: Trainer) -> float | None:
@@ -158,9 +182,12 @@ def describe(summary: dict) -> str:
         rate += f", {summary['flops_per_s'] / 1e9:.1f} GFLOP/s"
     if summary.get("mfu"):
         rate += f", MFU {summary['mfu']:.1%}"
+    accuracy = [f"{key.replace('_', ' ')} {value:.3f}" for key, value in summary.items()
+                if key.endswith(("accuracy", "chrf")) and value is not None]  # held-out figures: classifier, seq2seq
+    accuracy_text = "".join(f", {text}" for text in accuracy)
     return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
             f"({rate}){trouble_text}; validation loss {val_text}"
-            f"{bits_text}; run saved in {summary['run']}")
+            f"{bits_text}{accuracy_text}; run saved in {summary['run']}")
 
 
 def sample(trainer: Trainer, cfg: RunConfig, max_new_tokens: int = 200) -> str:

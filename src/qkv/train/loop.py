@@ -33,9 +33,8 @@ from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.nn.moe import MoE, aux_loss
-from qkv.train import checkpoint, objectives
+from qkv.train import checkpoint, objectives, parallel, pipeline
 from qkv.train.guards import DeferredInterrupt, is_spike
-from qkv.train.memory import apply_activation_checkpointing
 from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
 from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
@@ -87,11 +86,14 @@ class StepResult(NamedTuple):
 
 class Trainer:
     def __init__(self, run_dir: Path, cfg: RunConfig, data: Prepared, *, progress: bool = True,
-                 log: Callable[[str], None] = print):
-        self.run_dir, self.cfg, self.data, self.log = Path(run_dir), cfg, data, log
+                 log: Callable[[str], None] = print, layout: parallel.Layout | None = None):
+        self.run_dir, self.cfg, self.data = Path(run_dir), cfg, data
         self.tc: TrainConfig = cfg.train
-        self.progress = progress
-        self.device = resolve_device(self.tc.device)
+        # under torchrun: this rank's place (rank 0 alone logs, shows progress and writes the run dir)
+        self.layout = layout or parallel.setup(cfg, resolve_device(self.tc.device))
+        self.log = log if self.layout.is_main else (lambda message: None)
+        self.progress = progress and self.layout.is_main
+        self.device = self.layout.device
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
@@ -99,10 +101,16 @@ class Trainer:
         self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
         self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
                                                  if self.device.type == "cuda" else None)
-        if self.tc.activation_checkpointing:
-            apply_activation_checkpointing(self.model, save_attention=True)  # docs/training.md: +5% vs +37% time
+        # from outside, in torchtitan's order: tensor parallel, activation checkpointing, DDP / FSDP2;
+        # self.model keeps the parameter names, self.wrapped is what the training forward calls
+        # parallel.pp: this rank's stage of the blocks, wrapped alike, runs under a pipeline schedule
+        self.pipeline = pipeline.Pipeline(
+            self.model, self.layout.mesh["pp"], cfg, self.device, dp=self.layout.dp,
+            wrap=lambda stage: parallel.parallelize(stage, cfg, self.layout)) if self.layout.pp > 1 else None
+        self.wrapped = self.model if self.pipeline else parallel.parallelize(self.model, cfg, self.layout)
         self.has_moe = any(isinstance(module, MoE) for module in self.model.modules())
-        self.optimizer = OPTIMIZERS.get(self.tc.optimizer)(self.model, self.tc)
+        optimizer = OPTIMIZERS.get(self.tc.optimizer)(self.model, self.tc)  # after FSDP2: over its shards
+        self.optimizer = parallel.shard_optimizer(optimizer, self.layout)  # zero=1
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16",
                                            growth_interval=self.tc.loss_scale_window)
         self.objective = objectives.for_run(cfg)  # lm, mlm or seq2seq: its batches and its loss
@@ -115,7 +123,9 @@ class Trainer:
     # ---- state -------------------------------------------------------------------------------
     def resume(self) -> bool:
         """Load the last complete checkpoint; False when the run has none yet."""
-        checkpoint.recover(self.run_dir)
+        if self.layout.is_main:
+            checkpoint.recover(self.run_dir)
+        self.layout.barrier()  # every rank reads the same complete set
         weights = self.run_dir / checkpoint.MODEL_FILE
         if weights.is_file():  # also a run with weights only (imported, converted): fine-tuning starts there
             checkpoint.load_model_tensors(self.model, checkpoint.read_tensors(weights), str(weights))
@@ -124,7 +134,7 @@ class Trainer:
                 self.log(f"{self.run_dir}: weights without training state; fine-tuning them from step 0")
             return False
         state_tensors, raw = checkpoint.load_state(self.run_dir)
-        checkpoint.load_optimizer(self.optimizer, state_tensors, raw["optimizer"])
+        parallel.load_full_optimizer(self.model, self.optimizer, state_tensors, raw["optimizer"], self.layout)
         if "scaler" in raw:
             self.scaler.load_state_dict(raw["scaler"])
         self.state = State(**raw["trainer"])
@@ -140,11 +150,29 @@ class Trainer:
         self.state.batches = self.batches.state()
         rng_json, rng_tensors = capture_rng()
         self.state.rng = rng_json
-        optim_tensors, groups = checkpoint.optimizer_tensors(self.optimizer)
+        # any layout writes the single-process files: full tensors gathered to rank 0 (docs/distributed.md)
+        if self.pipeline:  # each stage's weights and optimizer state onto every rank's whole model
+            self.pipeline.sync(self.optimizer)
+        weights = parallel.full_model_state(self.model, self.layout)
+        optim_tensors, groups = parallel.full_optimizer_state(self.model, self.optimizer, self.layout)
         raw = {"step": self.state.step, "trainer": vars(self.state), "optimizer": groups,
                "scaler": self.scaler.state_dict()}
-        checkpoint.save(self.run_dir, self.model, {**optim_tensors, **rng_tensors}, raw)
+        if self.layout.is_main:
+            checkpoint.write(self.run_dir, weights, {**optim_tensors, **rng_tensors}, raw)
         self.saved_step = self.state.step
+
+    def gather(self) -> None:
+        """End a distributed run: rank 0 swaps in a plain single-device model holding the full weights (for
+        the summary and the sample), then every rank leaves the process group. Collective."""
+        if not self.layout.distributed:
+            return
+        if self.pipeline:
+            self.pipeline.sync()
+        weights = parallel.full_model_state(self.model, self.layout)
+        if self.layout.is_main:
+            self.model = self.wrapped = build_model(self.cfg.model).to(self.device)
+            checkpoint.load_model_tensors(self.model, weights, "the gathered weights")
+        parallel.shutdown()
 
     # ---- one step ----------------------------------------------------------------------------
     def lr(self, step: int, rows: int | None = None) -> float:
@@ -158,31 +186,36 @@ class Trainer:
     def rows(self, step: int) -> int:
         """Rows of the batch used at `step` (batch-size warmup; batch_size once it is over)."""
         tc = self.tc
-        return batch_rows(step, batch_size=tc.batch_size, start=tc.batch_warmup_start,
+        rows = batch_rows(step, batch_size=tc.batch_size, start=tc.batch_warmup_start,
                           warmup_steps=tc.batch_warmup_steps)
+        return max(self.layout.dp, rows - rows % self.layout.dp)  # dp equal shards (docs/distributed.md)
 
     def step(self, *batch: torch.Tensor, lr: float) -> StepResult:
-        """One optimizer update over `batch` (the objective's tensors, e.g. inputs and targets, b rows each)
-        in micro-batches of batch_size / accumulation rows."""
+        """One optimizer update over `batch` (the objective's tensors, e.g. inputs and targets, b rows each;
+        b / dp on each rank under data parallel) in micro-batches of batch_size / accumulation rows."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        rows, micro_rows = len(batch[0]), self.tc.batch_size // self.tc.accumulation
+        # under data parallel `batch` is this rank's b / dp rows; DDP / FSDP2 average the gradients over
+        # the ranks (note 000 LLM §7.1), which makes g the gradient of the global batch
+        rows, micro_rows = len(batch[0]), self.tc.batch_size // self.tc.accumulation // self.layout.dp
+        micros = list(zip(*(tensor.split(micro_rows) for tensor in batch)))
         total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
-        for micro in zip(*(tensor.split(micro_rows) for tensor in batch)):
-            share = len(micro[0]) / rows  # b_i / b: 1 / accumulation for a full batch
+        if self.pipeline is not None:  # the schedule runs parallel.microbatches micro-batches instead
+            micros = []
             with autocast(self.device, self.tc.precision):
-                loss = self.objective.loss(self.model, micro, self.tc.label_smoothing)
-            objective = loss
-            if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
-                aux = aux_loss(self.model)
-                objective = loss + self.tc.aux_loss_weight * aux
-                aux_total += aux.detach() * share
-            self.scaler.scale(objective * share).backward()
-            total += loss.detach() * share
+                total = self.pipeline.forward_backward(*batch)  # the batch mean, on every stage
+        for i, micro in enumerate(micros):
+            share = len(micro[0]) / rows  # b_i / b: 1 / accumulation for a full batch
+            with parallel.grad_sync(self.wrapped, enabled=i == len(micros) - 1):  # communicate once per step
+                loss, aux = self.backward(micro, share)
+            total += loss * share
+            aux_total += aux * share
+        total, aux_total = self.layout.dp_mean(total), self.layout.dp_mean(aux_total)  # global batch means
         self.scaler.unscale_(self.optimizer)  # fp16: g / S, recording whether any is inf or NaN
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = (self.pipeline.clip_grad_norm(max_norm) if self.pipeline else  # over all stages
+                parallel.clip_grad_norm(self.model.parameters(), max_norm))  # also over FSDP2 / TP shards
         loss_value, norm_value = total.item(), norm.item()
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
         if not skipped:
@@ -191,6 +224,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.count_skip(skipped, loss_value, norm_value)
         return StepResult(loss_value, norm_value, skipped, aux_total.item() if self.has_moe else math.nan)
+
+    def backward(self, micro: tuple[torch.Tensor, ...], share: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch, its gradient weighted by `share`; (loss, aux) detached."""
+        with autocast(self.device, self.tc.precision):
+            loss = self.objective.loss(self.wrapped, micro, self.tc.label_smoothing)
+        objective, aux = loss, torch.zeros((), device=self.device)
+        if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
+            aux = aux_loss(self.model)
+            objective = loss + self.tc.aux_loss_weight * aux
+        self.scaler.scale(objective * share).backward()
+        return loss.detach(), aux.detach()
 
     def count_skip(self, skipped: bool, loss: float, norm: float) -> None:
         state = self.state
@@ -228,18 +272,18 @@ class Trainer:
         """Train to the horizon (or max_time); a first Ctrl-C finishes the step, saves and raises
         KeyboardInterrupt; train.max_bad_steps skipped steps in a row raise QkvError. Returns the summary."""
         tc, state = self.tc, self.state
-        logs = open_logs(self.run_dir, state.step, tc.tensorboard, self.log)
+        logs = open_logs(self.run_dir, state.step, tc.tensorboard, self.log) if self.layout.is_main else []
         bar = tqdm(total=self.bar_total(), initial=state.step, disable=not self.progress, unit="step",
                    dynamic_ncols=True, leave=False)
         self.clock = Clock(state.elapsed)
         self.model.train()
         try:
             with DeferredInterrupt(self.log) as interrupt:
-                while state.step < state.horizon and not interrupt.requested:
+                while state.step < state.horizon and not self.layout.any(interrupt.requested):
                     self.train_one(logs, bar)
                     if tc.max_time and state.elapsed >= tc.max_time:
                         break
-                if interrupt.requested:  # the step is complete: a consistent state to save
+                if self.layout.any(interrupt.requested):  # the step is complete: a consistent state to save
                     self.save()
                     raise KeyboardInterrupt
                 final_val = self.evaluate()
@@ -256,21 +300,23 @@ class Trainer:
                 **self.utilisation(state.tokens / max(1e-9, state.elapsed))}
 
     def utilisation(self, tokens_per_s: float) -> dict:
-        """Achieved model FLOP/s (forward + backward, attention included) and MFU when the peak is known."""
+        """Achieved model FLOP/s (forward + backward, attention included) and MFU when the peak is known;
+        under torchrun the whole job's, against the peak of all its devices."""
         achieved = tokens_per_s * self.flops_per_token
-        return {"flops_per_s": achieved, "mfu": achieved / self.peak_flops if self.peak_flops else None}
+        peak = self.peak_flops * self.layout.world if self.peak_flops else None
+        return {"flops_per_s": achieved, "mfu": achieved / peak if peak else None}
 
     def train_one(self, logs: list, bar) -> None:
         """One step of the loop: the update, then its bookkeeping (log row, evaluation, checkpoint)."""
         tc, state, clock = self.tc, self.state, self.clock
         rows = self.rows(state.step)
-        batch = [torch.from_numpy(a[:rows]).to(self.device) for a in self.batches.next()]
+        batch = [torch.from_numpy(self.layout.shard(a[:rows])).to(self.device) for a in self.batches.next()]
         lr = self.lr(state.step, rows)
         result = self.step(*batch, lr=lr)
         state.step += 1
         state.tokens += rows * tc.seq_len
         clock.tokens += rows * tc.seq_len
-        state.elapsed = clock.elapsed()
+        state.elapsed = self.layout.from_main(clock.elapsed())  # one clock: every rank stops at the same step
         spikes = state.spikes
         if not result.skipped:
             self.track_spike(result.loss)
@@ -308,6 +354,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         tc = self.tc
+        if self.pipeline:  # every rank evaluates the whole model, with each stage's current weights
+            self.pipeline.sync()
         loss = objectives.evaluate(self.objective, self.model, self.data.val, self.data.tokenizer, self.cfg,
                                    batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
                                    seed=tc.seed + 1, device=self.device)

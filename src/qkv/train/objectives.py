@@ -8,6 +8,7 @@ Every objective has one signature:
 - lm:      next-token prediction on random windows (note 000 §13.1): CE(model(x), x shifted by one)
 - mlm:     BERT's masked LM on random windows (qkv.data.mlm): CE over the masked positions only
 - seq2seq: teacher forcing on (source, target) line pairs (qkv.data.seq2seq): CE(model(src, tgt_in), labels)
+- classify: labelled passages (qkv.data.genres, qkv.train.classify): CE(model(x), label), one label per row
 
 `train.objective = auto` takes the architecture's own: decoder -> lm, encoder -> mlm, encoder-decoder -> seq2seq.
 """
@@ -27,6 +28,7 @@ from qkv.data.seq2seq import Seq2SeqBatches
 from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError
 from qkv.registry import Registry
+from qkv.train import classify, transduction
 
 AUTO = {"decoder": "lm", "encoder": "mlm", "encoder-decoder": "seq2seq"}
 
@@ -38,12 +40,21 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
                            label_smoothing=label_smoothing)
 
 
+def token_streams(cfg, tokenizer: Tokenizer | None):
+    """The data of the token-stream objectives: qkv.data.sources.prepare_data (a fixed tokenizer or a trained one)."""
+    from qkv.data.sources import prepare_data
+
+    return prepare_data(cfg.data, tokenizer=tokenizer)
+
+
 @dataclass(frozen=True)
 class Objective:
     batches: Callable[..., object]
     loss: Callable[[nn.Module, tuple[Tensor, ...], float], Tensor]
     model: tuple[str, str]  # the (model.arch, model.head) it trains
     specials: tuple[str, ...] = ()  # tokens added to the tokenizer after its trained vocabulary
+    prepare: Callable[..., object] = token_streams  # (RunConfig, Tokenizer | None) -> data.dataset.Prepared
+    report: Callable[..., dict] | None = None  # (Trainer) -> held-out figures for the train summary
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -74,9 +85,10 @@ def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, bat
                     seed: int) -> Seq2SeqBatches:
     tokenizer = needs_tokenizer(tokenizer, "seq2seq")
     breaks = [i for i, data in enumerate(tokenizer.token_bytes) if b"\n" in data] + [tokenizer.eos_id]
+    separators = [i for i, data in enumerate(tokenizer.token_bytes) if b"\t" in data]  # task folio
     return Seq2SeqBatches(tokens, cfg.train.seq_len, batch_size, seed, task=cfg.data.seq2seq_task,
                           break_ids=breaks, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id,
-                          pad_id=tokenizer.special_id(PAD))
+                          pad_id=tokenizer.special_id(PAD), separator_ids=separators)
 
 
 def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
@@ -87,7 +99,9 @@ def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: f
 OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none")))
 OBJECTIVES.register("mlm")(Objective(mlm_batches, mlm_loss, ("encoder", "mlm"), specials=(MASK,)))
 OBJECTIVES.register("seq2seq")(Objective(seq2seq_batches, seq2seq_loss, ("encoder-decoder", "none"),
-                                         specials=(PAD,)))
+                                         specials=(PAD,), report=transduction.report))
+OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("encoder", "classifier"),
+                                          prepare=classify.prepare_passages, report=classify.report))
 
 
 def name_for(cfg) -> str:

@@ -1,0 +1,49 @@
+"""Fine-tuning from another run (`qkv train --init RUN`, train.init): the new model starts from the init run's
+weights wherever a parameter has the same name and shape (the encoder of an MLM run, `encoder.*`), and only its
+own head (`head.*`) starts fresh, as Hugging Face's `from_pretrained` does for a new task head."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from qkv.errors import QkvError
+
+FRESH = "head."  # parameters the init run need not have: the new task's head
+
+
+def init_run(path: str):
+    """The init run (a qkv run dir or a Hugging Face model dir), with a one-line error otherwise."""
+    from qkv.run import load
+
+    return load(path)
+
+
+def model_from_init(model_cfg, init_model_cfg, path: str):
+    """The model section of a fine-tuning run: the init run's sizes and variants, with this run's head fields."""
+    if init_model_cfg.arch != model_cfg.arch:
+        raise QkvError(f"--init {path}: a model.arch={init_model_cfg.arch!r} run; this run trains "
+                       f"model.arch={model_cfg.arch!r}")
+    own = {name: getattr(model_cfg, name) for name in ("head", "n_classes", "pooling", "labels", "dropout")}
+    return dataclasses.replace(init_model_cfg, **own)
+
+
+def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> int:
+    """Copy every parameter of `source` into the same-named parameter of `model`; each parameter of `model`
+    outside its head must be found with its shape. Returns the number of tensors copied."""
+    tensors = dict(source.named_parameters())
+    copied = 0
+    for name, param in model.named_parameters():
+        found = tensors.get(name)
+        if found is None:
+            if name.startswith(FRESH):
+                continue
+            raise QkvError(f"--init {origin}: has no tensor {name!r}; it is not a backbone for this model")
+        if tuple(found.shape) != tuple(param.shape):
+            raise QkvError(f"--init {origin}: {name} has shape {tuple(found.shape)}, this model needs "
+                           f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(found)
+        copied += 1
+    return copied

@@ -1,0 +1,305 @@
+"""Distributed training on torch.distributed: the process layout from torchrun's environment, and the
+wrappers applied to a finished single-device model from outside, in torchtitan's order (tensor parallel,
+activation checkpointing, data parallel). docs/distributed.md compares each mode with note 000 LLM §7.
+
+Data parallel over K = parallel.dp ranks (note 000 LLM §7.1 "梯度平均"): rank k computes g_k on its b/K
+rows of the global batch and every rank applies g = 1/K sum_k g_k, which is the gradient of the whole
+batch, so K processes reproduce one process (up to the order of float sums).
+ZeRO (note 000 LLM §7.3) keeps that update and shards the training state over the K ranks:
+    zero=0  DDP: every rank holds weights, gradients and optimizer states; gradients all-reduced
+    zero=1  DDP + ZeroRedundancyOptimizer: rank k keeps the Adam moments of 1/K of the parameters,
+            updates them and broadcasts them ("优化器状态分区")
+    zero=2  FSDP2 fully_shard, reshard_after_forward=False: gradients reduce-scattered and kept as 1/K
+            shards ("梯度分区"); each block's gathered weights stay from the forward to the backward
+    zero=3  FSDP2 fully_shard, reshard_after_forward=True: weights sharded too, gathered block by block
+            in the forward and again in the backward ("参数分区", "前向/反向传播时广播/收集参数")
+The mesh is (pp, dp, tp), tp innermost; gloo on CPU, NCCL on CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qkv.config import RunConfig
+from qkv.errors import QkvError
+from qkv.nn.block import Block
+from qkv.nn.moe import MoE
+from qkv.train.memory import apply_activation_checkpointing
+
+if TYPE_CHECKING:  # torch.distributed.tensor and device_mesh take seconds to import: a single process never does
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: rank in the world, the dp x tp x pp sizes, the mesh and the device."""
+
+    rank: int = 0
+    world: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: DeviceMesh | None = None  # (pp, dp, tp); None in a single process
+    dp_rank: int = 0  # this rank's coordinate along dp: which rows of each global batch it reads
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run dir, the logs and the messages."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def shard(self, rows: np.ndarray) -> np.ndarray:
+        """This rank's rows of a global batch: rows dp_rank::dp, the rule of qkv.data's samplers, so the
+        dp shards are disjoint and together are the batch."""
+        return np.ascontiguousarray(rows[self.dp_rank :: self.dp])
+
+    def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` over the dp ranks (a per-rank batch mean becomes the global batch mean)."""
+        if self.dp == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())  # gloo has no AVG
+        return value / self.dp
+
+    def from_main(self, value: float) -> float:
+        """Rank 0's value on every rank (clock readings: all ranks must stop and schedule alike)."""
+        if not self.distributed:
+            return value
+        box = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.broadcast(box, src=0)
+        return box.item()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on one (a Ctrl-C that reached some ranks only)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(cfg: RunConfig, world: int) -> None:
+    """QkvError unless parallel.dp x tp x pp processes fit this launch, the model and the batch."""
+    pc, tc = cfg.parallel.validate(), cfg.train
+    needed = pc.dp * pc.tp * pc.pp
+    if needed != world:
+        launch = f"torchrun --nproc-per-node {needed} -m qkv train ..." if needed > 1 else "qkv train ..."
+        raise QkvError(f"parallel.dp x tp x pp = {pc.dp} x {pc.tp} x {pc.pp} = {needed} process"
+                       f"{'es' if needed > 1 else ''}, but this launch has world size {world}; start it with "
+                       f"`{launch}` or change parallel.*")
+    if pc.zero and pc.dp == 1:
+        raise QkvError(f"parallel.zero={pc.zero} shards over data-parallel ranks and needs parallel.dp > 1")
+    if pc.dp > 1 and pc.tp > 1 and pc.zero < 2:
+        raise QkvError(f"parallel.dp={pc.dp} with parallel.tp={pc.tp} needs parallel.zero=2 or 3 (FSDP2): "
+                       f"DDP and ZeroRedundancyOptimizer do not take tensor-parallel (DTensor) weights")
+    if pc.zero >= 2 and tc.precision == "fp16":
+        raise QkvError(f"parallel.zero={pc.zero} (FSDP2) does not support train.precision=fp16 (its loss scaler "
+                       f"would decide overflows per shard); use train.precision=bf16 or fp32")
+    if tc.batch_size % (pc.dp * tc.accumulation):
+        raise QkvError(f"train.batch_size={tc.batch_size} must split into parallel.dp={pc.dp} shards of "
+                       f"train.accumulation={tc.accumulation} equal micro-batches")
+    layers = cfg.model.n_layers if cfg.model.arch != "encoder-decoder" else None
+    if pc.pp > 1 and layers is not None and pc.pp > layers:
+        raise QkvError(f"parallel.pp={pc.pp} is larger than model.n_layers={layers}: each stage needs a layer")
+    if pc.tp > 1:
+        from qkv.train import tensor_parallel
+
+        tensor_parallel.validate(cfg.model, pc.tp)
+    if pc.pp > 1:
+        from qkv.train import pipeline
+
+        pipeline.validate(cfg, pc.dp)
+
+
+def setup(cfg: RunConfig, device: torch.device) -> Layout:
+    """Check the layout and, under torchrun (WORLD_SIZE > 1), join the process group: NCCL when `device`
+    is CUDA (each process takes cuda:LOCAL_RANK), gloo on CPU. A single process needs no group."""
+    world = env_world()
+    check_layout(cfg, world)
+    pc = cfg.parallel
+    if world == 1:
+        return Layout(device=device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (pc.pp, pc.dp, pc.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return Layout(rank=dist.get_rank(), world=world, dp=pc.dp, tp=pc.tp, pp=pc.pp, zero=pc.zero, device=device,
+                  mesh=mesh, dp_rank=mesh["dp"].get_local_rank())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- wrapping a finished model ---------------------------------------------------------------------
+def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout) -> nn.Module:
+    """Tensor parallel, activation checkpointing, then data parallel (torchtitan's order). Returns the
+    module to call in the training forward: the DDP wrapper, or `model` itself (FSDP2 and tensor parallel
+    change it in place). Parameter names never change. The pipeline split (parallel.pp) is done by
+    qkv.train.pipeline before this, on each stage's module."""
+    if layout.tp > 1:
+        from qkv.train import tensor_parallel
+
+        tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model, save_attention=True)  # docs/training.md: +5% vs +37% time
+    if layout.dp == 1:
+        return model
+    if layout.zero >= 2:
+        return shard_fully(model, layout.mesh["dp"], reshard_after_forward=layout.zero == 3)
+    from torch.nn.parallel import DistributedDataParallel
+
+    has_moe = any(isinstance(module, MoE) for module in model.modules())  # top-k leaves experts unused
+    return DistributedDataParallel(model, process_group=layout.mesh["dp"].get_group(),
+                                   device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
+                                   forward_sync_buffers=False, find_unused_parameters=has_moe,
+                                   gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets
+
+
+def shard_fully(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2: one all-gather / reduce-scatter unit per block, the rest (embeddings, final norm, head) in
+    the root unit, as torchtitan wraps its Llama. Weights stay fp32 (autocast handles bf16)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, layout: Layout) -> torch.optim.Optimizer:
+    """zero=1: the same optimizer (class, groups, hyper-parameters) with its states sharded over dp."""
+    if layout.zero != 1:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [dict(group) for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold one it does not take
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   process_group=layout.mesh["dp"].get_group(), **defaults)
+
+
+def grad_sync(module: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch of an accumulated
+    step (the sum is the same; it is communicated once)."""
+    if hasattr(module, "no_sync"):  # DDP
+        return module.no_sync() if not enabled else contextlib.nullcontext()
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping (note 000 LLM §4.3) over plain or DTensor gradients: with FSDP2 / tensor
+    parallel each rank holds shards, and the norm of the whole gradient is reduced over them."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if is_dtensor(norm):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """A sharded DTensor? (Without importing torch.distributed.tensor: unloaded, nothing can be one.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+# ---- full state dicts for qkv's safetensors checkpoints ---------------------------------------------
+def full_model_state(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on rank 0 (empty elsewhere), named as in a single process: parameters
+    (a tied weight once, under its first name) and persistent buffers. Collective."""
+    from qkv.train.checkpoint import model_tensors
+
+    if not layout.distributed:
+        return model_tensors(model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    unique = {name for name, _ in model.named_parameters()}
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t.contiguous() for name, t in full.items() if name in unique or name not in every}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """(tensors `optim.{index}.{key}`, JSON param groups) as a single process's optimizer writes them, on
+    rank 0 ({} and [] elsewhere): index i is the i-th parameter of the groups in order. Collective."""
+    from qkv.train.checkpoint import optimizer_tensors
+
+    if not layout.distributed:
+        return optimizer_tensors(optimizer)
+    if layout.zero == 1:
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer_tensors(optimizer) if layout.is_main else ({}, [])
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not layout.is_main:
+        return {}, []
+    index = {name: i for i, name in enumerate(name for group in full["param_groups"] for name in group["params"])}
+    tensors = {f"optim.{index[name]}.{key}": torch.as_tensor(value).contiguous()
+               for name, entry in full["state"].items() for key, value in entry.items()}
+    groups = [{**group, "params": [index[name] for name in group["params"]]} for group in full["param_groups"]]
+    return tensors, groups
+
+
+def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                        groups: list[dict], layout: Layout) -> None:
+    """Load a single-process-format optimizer state (see full_optimizer_state) into any layout; every rank
+    reads the same files. DDP and ZeRO-1 take it as it is (ZeRO-1 keeps its own partition)."""
+    from qkv.train.checkpoint import load_optimizer
+
+    if layout.zero < 2 and layout.tp == 1:
+        return load_optimizer(optimizer, tensors, groups)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(param): name for name, param in model.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    state: dict[str, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, field = key.split(".", 2)
+            state.setdefault(order[int(index)], {})[field] = value
+    full = {"state": state, "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                             for group in groups]}
+    try:
+        set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+    except (ValueError, KeyError, RuntimeError, IndexError) as exc:
+        raise QkvError(f"optimizer state does not match the model ({exc})") from None

@@ -1,0 +1,38 @@
+"""`qkv train --task NAME`: a task turns a preset into the run that does one job (the data, the objective and
+the head it needs). `--task` without `--preset` starts from the task's own preset. docs/tasks.md."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from qkv.config import RunConfig
+from qkv.registry import Registry
+
+
+@dataclass(frozen=True)
+class Task:
+    preset: str  # the preset used when no --preset is given
+    apply: Callable[[RunConfig], RunConfig]
+    summary: str  # one line for --help and the docs
+
+
+TASKS: Registry[Task] = Registry("task")
+
+
+def genre_classification(cfg: RunConfig) -> RunConfig:
+    """An encoder with a fresh 3-way classifier head on mean-pooled states, fine-tuned on the genre split's
+    training plays (qkv.data.genres) for 3 minutes."""
+    from qkv.data.genres import LABELS
+
+    model = dataclasses.replace(cfg.model, head="classifier", n_classes=len(LABELS), labels=LABELS,
+                                pooling="mean", dropout=0.1)
+    train = dataclasses.replace(cfg.train, objective="classify", batch_size=16, seq_len=128, max_steps=100_000,
+                                max_time=180.0, lr=5e-4, min_lr=2e-5, warmup_steps=30, weight_decay=0.01,
+                                eval_batches=8, label_smoothing=0.0)
+    data = dataclasses.replace(cfg.data, split="genre", spelling="modern")
+    return dataclasses.replace(cfg, model=model, train=train, data=data)
+
+
+TASKS.register("classify")(Task("bert-shakespeare", genre_classification,
+                                "genre classification (comedy / history / tragedy) of passages of the plays"))

@@ -1,0 +1,186 @@
+"""Two gloo processes for tests/train/test_tensor_parallel.py and test_pipeline.py: `results()` starts them
+once per test session (each start costs seconds) for every case of CASES, run as
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/train/model_parallel_worker.py CASES.json OUT
+
+A case: {"mode": "tp" | "pp", "model": {ModelConfig fields}, "parallel": {ParallelConfig fields}, "steps",
+"batch", "seq"}. Every rank also trains the same model in one process (the oracle) on the same batches, with
+the same AdamW and clipping, and writes per case to OUT/rank{r}.json: both runs' losses, (||g - g_ref||,
+||g_ref||) for every gradient of the first step and, for pp, every weight and Adam moment after `sync`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from qkv.models.build import build_model
+from qkv.train import pipeline, tensor_parallel
+from qkv.train.objectives import cross_entropy
+
+LR, CLIP = 1e-2, 1.0
+SMALL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 32}
+LLAMA = {**SMALL, "n_kv_heads": 2, "positional": "rope", "norm": "rmsnorm", "ffn": "glu", "activation": "silu",
+         "tie_embeddings": False, "bias": False}
+CASES = {  # 10 steps each: batch 8 x 16 tokens (pp: 2-4 micro-batches)
+    # GPT-2 style: learned positions, LayerNorm, tied W_E (split over V in the embedding and the head)
+    "tp_gpt": {"mode": "tp", "model": SMALL},
+    # LLaMA style: RoPE, RMSNorm, SwiGLU (gate split like up), GQA with 2 key/value heads (1 per rank), untied
+    "tp_llama": {"mode": "tp", "model": LLAMA},
+    # one layer each (the two above chain layers): Post-LN (norm outputs go back into the stream, the last
+    # one into the head) with ALiBi (each rank its heads' slopes); sandwich norms (two per sublayer) with
+    # sinusoidal positions and the naive kernel
+    "tp_post_alibi": {"mode": "tp", "model": {**SMALL, "n_layers": 1, "positional": "alibi",
+                                              "norm_placement": "post"}},
+    "tp_sandwich": {"mode": "tp", "model": {**SMALL, "n_layers": 1, "positional": "sinusoidal",
+                                            "norm_placement": "sandwich", "attention": "naive"}},
+    # GPipe, 3 layers over 2 stages (2 + 1), tied W_E on the first and the last stage
+    "pp_gpipe_tied": {"mode": "pp", "model": {**SMALL, "n_layers": 3},
+                      "parallel": {"pp": 2, "schedule": "gpipe", "microbatches": 4}},
+    # 1F1B with as many micro-batches as stages, LLaMA style
+    "pp_1f1b_llama": {"mode": "pp", "model": LLAMA, "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 2}},
+    # 1F1B with Shaw's relative positions: one table read by every layer of both stages
+    "pp_1f1b_shaw": {"mode": "pp", "model": {**SMALL, "positional": "shaw", "attention": "naive"},
+                     "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 4}},
+}
+
+
+@functools.cache
+def results() -> dict:
+    """Rank 0's and rank 1's results for every case, from one 2-process launch."""
+    out = Path(tempfile.mkdtemp(prefix="qkv-model-parallel-"))
+    cases = [{"name": name, "steps": 10, "batch": 8, "seq": 16, "parallel": {}, **case} for name, case in CASES.items()]
+    (out / "cases.json").write_text(json.dumps(cases))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(out / "cases.json"), str(out)],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    # eps 1e-6: a key bias's gradient is 0 up to rounding, and Adam with a tiny eps turns rounding into +-lr
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6, foreach=True)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()  # clipping scales in place
+
+
+def batches(cfg: ModelConfig, steps: int, batch: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(cfg.vocab_size, (batch, seq + 1), generator=generator)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def final_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every weight and its Adam moment m after the last step."""
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state.update({f"{name}:exp_avg": opt.state[p]["exp_avg"].clone() for name, p in model.named_parameters()})
+    return state
+
+
+def reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = optimizer(model.parameters())
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(data):
+        loss = cross_entropy(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, final_state(model, opt)
+
+
+def tensor_parallel_run(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = tensor_parallel.apply(build_model(cfg), mesh["tp"], cfg)
+    opt = optimizer(model.parameters())
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(data):
+        loss = cross_entropy(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            grads = {name: full(p.grad) for name, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def pipeline_run(cfg: RunConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+    runner = pipeline.Pipeline(build_model(cfg.model), mesh["pp"], cfg, torch.device("cpu"))
+    opt = optimizer(runner.model.parameters())  # a whole-model optimizer: it skips parameters without gradients
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(data):
+        loss = runner.forward_backward(inputs, targets)
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in runner.named_parameters()}
+        runner.clip_grad_norm(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    runner.sync(opt)  # every rank's whole model and optimizer state now equal one process's
+    return losses, grads, final_state(runner.model, opt)
+
+
+def difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(||got - want||, ||want||): a key bias's gradient is 0 in exact arithmetic, so tests add an atol."""
+    return (got - want).norm().item(), want.norm().item()
+
+
+def main(cases_path: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    out = {}
+    for case in json.loads(Path(cases_path).read_text()):
+        cfg = ModelConfig(**case["model"]).validate()
+        data = batches(cfg, case["steps"], case["batch"], case["seq"])
+        want_losses, want_grads, want_state = reference(cfg, data)
+        result = {"reference": want_losses, "reference_names": list(want_grads)}
+        if case["mode"] == "tp":
+            result["losses"], grads = tensor_parallel_run(cfg, data)
+        else:
+            run = RunConfig(model=cfg, train=TrainConfig(batch_size=case["batch"], seq_len=case["seq"]),
+                            parallel=ParallelConfig(**case["parallel"])).validate()
+            result["losses"], grads, full_state = pipeline_run(run, data)
+            result["synced"] = {name: difference(value, want_state[name])
+                                       for name, value in full_state.items()}
+        result["grad_errors"] = {name: difference(grad, want_grads[name]) for name, grad in grads.items()}
+        out[case["name"]] = result
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
