@@ -320,7 +320,7 @@ class Trainer:
         spikes = state.spikes
         if not result.skipped:
             self.track_spike(result.loss)
-        clock.checks = self.fit_horizon(clock.checks, clock.session_start)
+        self.fit_horizon(clock)
         val = math.nan
         if tc.eval_every and state.step % tc.eval_every == 0 and state.step < state.horizon:
             val = self.evaluate()
@@ -362,15 +362,19 @@ class Trainer:
         self.state.best_val = min(self.state.best_val, loss)
         return loss
 
-    def fit_horizon(self, checks: list[float], session_start: float) -> list[float]:
-        """With max_time, re-estimate how many steps fit and stretch the LR schedule to end there."""
+    def fit_horizon(self, clock: "Clock") -> None:
+        """With max_time, re-estimate how many steps fit and stretch the LR schedule to end there. Each estimate
+        uses the speed since the previous one (the first: since the run began), so a slow start (a machine
+        that was busy, warm-up) does not cut the run short once the steps get faster."""
         tc, state = self.tc, self.state
-        if not (tc.max_time and tc.time_horizon) or not checks or state.elapsed < checks[0] * tc.max_time:
-            return checks
-        seconds_per_step = state.elapsed / state.step
+        if not (tc.max_time and tc.time_horizon) or not clock.checks or state.elapsed < clock.checks[0] * tc.max_time:
+            return
+        since_elapsed, since_step = clock.fitted
+        seconds_per_step = (state.elapsed - since_elapsed) / max(1, state.step - since_step)
         remaining = max(0.0, tc.max_time - state.elapsed)
-        state.horizon = min(tc.max_steps, state.step + max(1, int(remaining / seconds_per_step)))
-        return [c for c in checks if state.elapsed < c * tc.max_time]
+        state.horizon = min(tc.max_steps, state.step + max(1, int(remaining / max(1e-9, seconds_per_step))))
+        clock.fitted = (state.elapsed, state.step)
+        clock.checks = [c for c in clock.checks if state.elapsed < c * tc.max_time]
 
 
 class Clock:
@@ -379,7 +383,8 @@ class Clock:
     def __init__(self, elapsed_before: float):
         self.elapsed_before, self.session_start = elapsed_before, time.perf_counter()
         self.window_start, self.tokens = time.perf_counter(), 0
-        self.checks = list(HORIZON_CHECKS)
+        self.checks = list(HORIZON_CHECKS)  # fractions of max_time still to fit the step horizon at
+        self.fitted = (0.0, 0)  # (elapsed, step) of the last fit; the first fit averages the whole run
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.session_start
