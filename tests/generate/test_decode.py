@@ -294,3 +294,33 @@ def test_beam_search_matches_transformers_gpt2(length_penalty, early_stopping):
         for hyp, tokens, score in zip(found, theirs, expected.sequences_scores[3 * row:3 * row + 3]):
             assert hyp.tokens.tolist() == tokens[:len(hyp.tokens)].tolist()
             assert hyp.score == pytest.approx(float(score), rel=1e-6, abs=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decoding_head_equals_the_linear_head_and_is_put_back(bias):
+    from qkv.generate.decode import DecodingHead, decoding_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    x = torch.randn(3, 2, 16)
+    torch.testing.assert_close(DecodingHead(head)(x), head(x), rtol=1e-6, atol=1e-6)
+    model = tiny_model()
+    original = model.lm_head
+    with pytest.raises(RuntimeError), decoding_head(model):
+        assert isinstance(model.lm_head, DecodingHead)
+        raise RuntimeError("a failing step")
+    assert model.lm_head is original  # restored, also after an error
+    ids = torch.tensor([[3, 5, 7, 9]])
+    out = generate(model, ids, max_new_tokens=6, strategy="greedy")
+    assert model.lm_head is original
+    assert out[0, 4:].tolist() == greedy_by_full_recomputation(model, ids[0].tolist(), 6)
+
+
+def greedy_by_full_recomputation(model, ids: list[int], new: int) -> list[int]:
+    """Greedy continuation without a cache and through the model's own nn.Linear head."""
+    out = []
+    with torch.no_grad():
+        for _ in range(new):
+            nxt = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            out.append(nxt)
+    return out

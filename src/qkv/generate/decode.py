@@ -69,6 +69,40 @@ def eval_mode(model: nn.Module):
             module.training = training
 
 
+class DecodingHead(nn.Module):
+    """The LM head W_out (V, D) for decoding: logits = x W_out^T + b with W_out^T held (D, V) contiguous.
+
+    Each decoding step reads the whole head for a few rows of x. On CPU, torch's matrix product reads a
+    (D, V) row-major operand about twice as fast as nn.Linear's transposed (V, D) one (12.6 MB head: 1.2 ms
+    against 2.4 ms; greedy decoding +14% tokens/s at batch 1, +5% at batch 8, README "Performance"). The
+    copy costs V x D more values of memory while one generate() call runs; it is taken from the current
+    weights at the call's start, so it never goes stale.
+    """
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.weight_t = head.weight.detach().t().contiguous()  # (D, V)
+        self.bias = None if head.bias is None else head.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, V)
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+@contextmanager
+def decoding_head(model: nn.Module):
+    """Swap a CPU model's nn.Linear `lm_head` for a DecodingHead for the duration; put it back afterwards."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu":  # CUDA reads both layouts alike
+        yield model
+        return
+    model.lm_head = DecodingHead(head)
+    try:
+        yield model
+    finally:
+        model.lm_head = head
+
+
 def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,
              temperature: float = 1.0, top_k: int = 50, top_p: float = 0.9, min_p: float = 0.0,
              repetition_penalty: float = 1.0, seed: int | None = None, attention_mask: Tensor | None = None,
@@ -102,7 +136,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, str
     prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
     device = prompt.ids.device
     stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
-    with torch.inference_mode(), eval_mode(model):
+    with torch.inference_mode(), eval_mode(model), decoding_head(model):
         if prompt.max_new == 0:
             new = prompt.ids[:, :0]
         elif chosen.choose is None:
@@ -213,7 +247,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, 
     if prompt.max_new == 0:
         raise QkvError("beam_search needs max_new_tokens >= 1")
     stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=prompt.ids.device)
-    with torch.inference_mode(), eval_mode(model):
+    with torch.inference_mode(), eval_mode(model), decoding_head(model):
         return beam_rows(prompt, beams, stop, params)[0]
 
 
