@@ -101,20 +101,26 @@ def final_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return state
 
 
-def reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    opt = optimizer(model.parameters())
+def train_steps(model: torch.nn.Module, opt, data, first_grad) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`opt` with clipping over `data`: the losses, and first_grad(p.grad) of every parameter at step 0."""
     losses, grads = [], {}
     for step, (inputs, targets) in enumerate(data):
         loss = cross_entropy(model(inputs), targets)
         loss.backward()
         if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            grads = {name: first_grad(p.grad) for name, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses, grads
+
+
+def reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = optimizer(model.parameters())
+    losses, grads = train_steps(model, opt, data, torch.Tensor.clone)
     return losses, grads, final_state(model, opt)
 
 
@@ -122,18 +128,7 @@ def tensor_parallel_run(cfg: ModelConfig, data) -> tuple[list[float], dict[str, 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     model = tensor_parallel.apply(build_model(cfg), mesh["tp"], cfg)
-    opt = optimizer(model.parameters())
-    losses, grads = [], {}
-    for step, (inputs, targets) in enumerate(data):
-        loss = cross_entropy(model(inputs), targets)
-        loss.backward()
-        if step == 0:
-            grads = {name: full(p.grad) for name, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    return train_steps(model, optimizer(model.parameters()), data, full)
 
 
 def pipeline_run(cfg: RunConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -133,6 +133,7 @@ BAD_LAYOUTS = [
     (3, ["parallel.pp=3"], "larger than model.n_layers=2"),
     (2, ["parallel.dp=2", "train.batch_size=7"], "must split into parallel.dp=2"),
     (2, ["parallel.dp=2", "parallel.zero=3", "train.precision=fp16"], "use train.precision=bf16"),
+    (2, ["parallel.pp=2", "parallel.microbatches=3"], "parallel.microbatches=3 must be at least parallel.pp=2"),
 ]
 
 

@@ -7,12 +7,10 @@ import re
 import pytest
 import torch
 
-from qkv.cli import main
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.train import parallel, pipeline
-from tests.train import TINY, setup_env
 from tests.train.model_parallel_worker import CASES, results
 
 PP_CASES = [name for name, case in CASES.items() if case["mode"] == "pp"]
@@ -85,15 +83,3 @@ def test_the_launch_checks_the_layout_before_any_process_group():
     cfg = RunConfig(model=ModelConfig(n_layers=2)).override(["parallel.pp=4"])
     with pytest.raises(QkvError, match="parallel.pp=4 is larger than model.n_layers=2"):
         parallel.check_layout(cfg, world=4)
-
-
-def test_a_mis_sized_layout_exits_2_with_one_line(capsys, monkeypatch, tmp_path_factory, tmp_path):
-    """As rank 0 of a 2-process torchrun sees it (WORLD_SIZE=2): exit 2, one line, no run dir."""
-    text = setup_env(monkeypatch, tmp_path_factory)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    sets = [arg for assignment in ['parallel.pp=2', 'parallel.microbatches=3'] for arg in ("--set", assignment)]
-    rc = main(["train", *TINY, "--data", str(text), "--out", str(tmp_path / "run"), *sets])
-    out, err = capsys.readouterr()
-    assert rc == 2 and out == "" and err.startswith('qkv: error: parallel.microbatches=3 must be at least parallel.pp=2 and divide the 8 rows') and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run").exists()
