@@ -297,22 +297,34 @@ def test_beam_search_matches_transformers_gpt2(length_penalty, early_stopping):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_decoding_head_equals_the_linear_head_and_is_put_back(bias):
-    from qkv.generate.decode import DecodingHead, decoding_head
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 4), (0, 1), (3, 50)])  # 150 rows > max_rows
+def test_decoding_linear_equals_nn_linear(bias, shape):
+    from qkv.generate.decode import DecodingLinear
 
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=bias)
-    x = torch.randn(3, 2, 16)
-    torch.testing.assert_close(DecodingHead(head)(x), head(x), rtol=1e-6, atol=1e-6)
+    layer = torch.nn.Linear(16, 40, bias=bias)
+    x = torch.randn(*shape, 16)
+    out = DecodingLinear(layer)(x)
+    torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
+    assert out.is_contiguous()
+
+
+def test_decoding_linears_swap_shares_parameters_and_put_back():
+    from qkv.generate.decode import DecodingLinear, decoding_linears
+
     model = tiny_model()
-    original = model.lm_head
-    with pytest.raises(RuntimeError), decoding_head(model):
-        assert isinstance(model.lm_head, DecodingHead)
+    layers = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    keys = list(model.state_dict())
+    with pytest.raises(RuntimeError), decoding_linears(model):
+        swapped = dict(model.named_modules())
+        assert all(type(swapped[name]) is DecodingLinear and swapped[name].weight is layer.weight
+                   for name, layer in layers.items())
+        assert list(model.state_dict()) == keys  # same names, same (tied) parameters
         raise RuntimeError("a failing step")
-    assert model.lm_head is original  # restored, also after an error
+    assert all(dict(model.named_modules())[name] is layer for name, layer in layers.items())  # restored
     ids = torch.tensor([[3, 5, 7, 9]])
     out = generate(model, ids, max_new_tokens=6, strategy="greedy")
-    assert model.lm_head is original
+    assert all(dict(model.named_modules())[name] is layer for name, layer in layers.items())
     assert out[0, 4:].tolist() == greedy_by_full_recomputation(model, ids[0].tolist(), 6)
 
 

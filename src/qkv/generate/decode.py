@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
@@ -69,38 +70,59 @@ def eval_mode(model: nn.Module):
             module.training = training
 
 
-class DecodingHead(nn.Module):
-    """The LM head W_out (V, D) for decoding: logits = x W_out^T + b with W_out^T held (D, V) contiguous.
+class DecodingLinear(nn.Module):
+    """nn.Linear for a decoding step's few rows on CPU: y^T = W x^T + b, with W kept (out, in) as it is.
 
-    Each decoding step reads the whole head for a few rows of x. On CPU, torch's matrix product reads a
-    (D, V) row-major operand about twice as fast as nn.Linear's transposed (V, D) one (12.6 MB head: 1.2 ms
-    against 2.4 ms; greedy decoding +14% tokens/s at batch 1, +5% at batch 8, README "Performance"). The
-    copy costs V x D more values of memory while one generate() call runs; it is taken from the current
-    weights at the call's start, so it never goes stale.
+    A decoding step multiplies every weight matrix by a few rows (the batch, or its beams), with weights
+    that do not fit in cache, so its time is the time to read W. On these machines torch's CPU product
+    x W^T (nn.Linear's form) reads W at 3-6 GB/s for 1-128 rows; the same product taken as W x^T (W on
+    the left, x^T a transposed view) reads it up to 2x faster (benchmarks/decode_kernels.py). One row is
+    widened to two with a zero row: a single column falls back to a matrix-vector kernel as slow as
+    nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path. The parameters stay
+    registered under the layer's own names (state_dict unchanged); nothing is copied.
     """
 
-    def __init__(self, head: nn.Linear):
-        super().__init__()
-        self.weight_t = head.weight.detach().t().contiguous()  # (D, V)
-        self.bias = None if head.bias is None else head.bias.detach()
+    max_rows = 64
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, V)
-        y = torch.matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # (out, in), (out,) or None
+        # plain attributes as well: read on every call without nn.Module's __getattr__
+        object.__setattr__(self, "w", linear.weight)
+        object.__setattr__(self, "b", None if linear.bias is None else linear.bias[:, None])  # (out, 1)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
+        flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+        rows = flat.shape[0]
+        if rows > self.max_rows:
+            return F.linear(x, self.w, self.bias)
+        if rows == 1:
+            flat = torch.cat((flat, torch.zeros_like(flat)))  # (2, in)
+        y = torch.mm(self.w, flat.t()) if self.b is None else torch.addmm(self.b, self.w, flat.t())  # (out, rows)
+        return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
 
 
 @contextmanager
-def decoding_head(model: nn.Module):
-    """Swap a CPU model's nn.Linear `lm_head` for a DecodingHead for the duration; put it back afterwards."""
-    head = getattr(model, "lm_head", None)
-    if type(head) is not nn.Linear or head.weight.device.type != "cpu":  # CUDA reads both layouts alike
-        yield model
-        return
-    model.lm_head = DecodingHead(head)
+def decoding_linears(model: nn.Module):
+    """Swap every nn.Linear of a CPU model for a DecodingLinear for the duration; put them back afterwards.
+
+    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
+    """
+    swapped = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear and type(child.weight) is nn.Parameter
+               and child.weight.device.type == "cpu" and not has_hooks(child)]
     try:
+        for parent, name, child in swapped:
+            setattr(parent, name, DecodingLinear(child))
         yield model
     finally:
-        model.lm_head = head
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,
@@ -136,7 +158,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, str
     prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
     device = prompt.ids.device
     stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
-    with torch.inference_mode(), eval_mode(model), decoding_head(model):
+    with torch.inference_mode(), eval_mode(model), decoding_linears(model):
         if prompt.max_new == 0:
             new = prompt.ids[:, :0]
         elif chosen.choose is None:
@@ -247,7 +269,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, 
     if prompt.max_new == 0:
         raise QkvError("beam_search needs max_new_tokens >= 1")
     stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=prompt.ids.device)
-    with torch.inference_mode(), eval_mode(model), decoding_head(model):
+    with torch.inference_mode(), eval_mode(model), decoding_linears(model):
         return beam_rows(prompt, beams, stop, params)[0]
 
 
