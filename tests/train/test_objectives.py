@@ -63,7 +63,8 @@ def test_train_objective_and_mask_prob_are_validated():
         TrainConfig(mask_prob=1.0).validate()
 
 
-def test_lm_loss_and_evaluation_are_the_decoder_path_bit_for_bit():
+def test_lm_loss_and_evaluation_are_the_decoder_path():
+    """The LM loss takes the head and the loss in chunks (qkv.nn.linear_cross_entropy): equal to float rounding."""
     cfg = presets.get("tiny")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64))
     model = build_model(cfg.model)
@@ -71,9 +72,10 @@ def test_lm_loss_and_evaluation_are_the_decoder_path_bit_for_bit():
     lm = OBJECTIVES.get("lm")
     x, y = (torch.from_numpy(a) for a in lm.batches(stream, None, cfg, batch_size=4, seed=2).next())
     expected = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), label_smoothing=0.1)
-    assert torch.equal(lm.loss(model, (x, y), 0.1), expected)
+    torch.testing.assert_close(lm.loss(model, (x, y), 0.1), expected, rtol=1e-6, atol=1e-6)
     got = objectives.evaluate(lm, model, stream, None, cfg, batch_size=3, batches=2, seed=5, device="cpu")
-    assert got == val_loss(model, stream, seq_len=cfg.train.seq_len, batch_size=3, batches=2, seed=5, device="cpu")
+    want = val_loss(model, stream, seq_len=cfg.train.seq_len, batch_size=3, batches=2, seed=5, device="cpu")
+    assert got == pytest.approx(want, rel=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from qkv.errors import QkvError
 from qkv.generate.families import CachedDecoder, Prompt, PromptTruncatedWarning, family_of  # noqa: F401
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, Strategy, make_generator, process
+from qkv.nn.hooks import has_hooks
 
 OnToken = Callable[[int, Tensor], None]
 StopIf = Callable[[Tensor], Tensor]  # (B, n) new tokens so far -> (B,) bool: stop these rows now
@@ -118,11 +119,6 @@ def decoding_linears(model: nn.Module):
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
-
-
-def has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
 
 
 def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,

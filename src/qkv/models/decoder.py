@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
+from qkv.nn.linear_cross_entropy import head_cross_entropy
 from qkv.nn.positional import Positional
 
 
@@ -27,13 +28,19 @@ class DecoderLM(nn.Module):
         self.max_seq_len = max_seq_len
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
-        """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding."""
+                cache: KVCache | None = None, *, targets: Tensor | None = None,
+                label_smoothing: float = 0.0) -> Tensor:
+        """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding.
+
+        With `targets` (B, T) (-100: ignored) it returns the mean cross-entropy instead, the head and the
+        loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
         ctx = self.context(input_ids, attention_mask, cache)
         x = self.dropout(self.positional.embed(self.tok_emb(input_ids), ctx.positions))  # (B, T, D)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)
+        if targets is not None:
+            return head_cross_entropy(self.lm_head, self.final_norm(x), targets, label_smoothing)
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):

@@ -66,7 +66,7 @@ def lm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_si
 
 def lm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     inputs, targets = batch  # (B, T) each
-    return cross_entropy(model(inputs), targets, label_smoothing)
+    return model(inputs, targets=targets, label_smoothing=label_smoothing)  # the head and the loss in chunks
 
 
 def mlm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> MLMBatches:

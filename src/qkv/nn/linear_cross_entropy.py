@@ -1,0 +1,115 @@
+"""The LM head and its cross-entropy in one pass over row chunks: the (N, V) logits never exist whole.
+
+    logits L = H W_out^T (+ b)                      (N, V)   H: final hidden states (N, D)
+    loss     = mean over kept rows of  logsumexp(L_t) - L_{t, y_t}           (note 000 §13.2)
+    dloss/dL = (P - onehot(y)) / n,  P = softmax(L)                          (note 000 LLM §3.1)
+    dloss/dH = dloss/dL W_out,  dloss/dW_out = (dloss/dL)^T H                (note 000 LLM §3.2)
+
+With label smoothing eps the target is (1 - eps) onehot(y) + eps / V (note 000 §13.3): the loss adds
+eps (logsumexp(L_t) - mean_j L_tj) and subtracts (1 - eps) L_ty instead of L_ty, and dloss/dL is
+P - (1 - eps) onehot(y) - eps / V. Rows whose target is -100 (padding) count for nothing.
+
+`linear_cross_entropy` takes C rows at a time (C x V about 8 MiB of fp32, so the chunk's logits stay in
+cache): their logits, logsumexp and loss, and, when gradients are wanted, P - target in place of the
+logits, then that chunk's share of dloss/dH and dloss/dW_out (and db); the backward only scales the
+stored gradients by the incoming one. A step thus passes over each chunk's logits while they are in
+cache, where log_softmax + nll_loss pass over the whole (N, V) tensor in memory five times (forward,
+zero-filled gradient, scatter, two in the backward), and holds 2 N V fewer floats. The chunk's logits
+are formed transposed, L^T = W H^T (V, C): on these CPUs the product with W on the left is 10-20%
+faster than H W^T at a few hundred rows (benchmarks/decode_kernels.py measures the same effect).
+On a GPT-2 training step on 2 CPU cores: +3.5% tokens/s against head + F.cross_entropy (A/B in one
+process; README "Performance").
+It matches F.linear + F.cross_entropy to float rounding (tests/nn/test_linear_cross_entropy.py).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.nn.hooks import has_hooks
+
+IGNORE = -100
+CHUNK_ELEMENTS = 2 ** 21  # logits per chunk: 8 MiB of fp32
+
+
+def wide(x: Tensor) -> Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                label_smoothing: float) -> Tensor:
+        N, V = hidden.shape[0], weight.shape[0]
+        keep = targets != IGNORE  # (N,)
+        count = keep.sum()
+        wants = ctx.needs_input_grad
+        grad_hidden = hidden.new_empty(hidden.shape) if wants[0] else None
+        grad_weight = torch.zeros_like(weight) if wants[1] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and wants[2] else None
+        total = hidden.new_zeros((), dtype=wide(hidden).dtype)
+        eps = label_smoothing
+        for start in range(0, N, chunk_rows(V)):
+            rows = slice(start, start + chunk_rows(V))
+            h, y, kept = hidden[rows], targets[rows].clamp(min=0)[None, :], keep[rows][None, :]  # y, kept (1, C)
+            # the chunk's logits transposed, L^T = W h^T (V, C): W on the left reads it faster on CPU
+            logits = wide(torch.mm(weight, h.t()) if bias is None else torch.addmm(bias[:, None], weight, h.t()))
+            lse = torch.logsumexp(logits, dim=0, keepdim=True)  # (1, C)
+            loss = lse - (1 - eps) * logits.gather(0, y)
+            if eps:
+                loss = loss - eps * logits.mean(dim=0, keepdim=True)
+            total += loss.masked_fill(~kept, 0.0).sum()
+            if not any(wants[:3]):
+                continue
+            probs = logits.sub_(lse).exp_()  # P^T, in place of the logits
+            probs.scatter_add_(0, y, probs.new_full(y.shape, -(1 - eps)))  # P^T - (1 - eps) onehot^T
+            if eps:
+                probs.sub_(eps / V)
+            probs = probs.mul_(kept).to(hidden.dtype)  # padding rows: no gradient
+            if grad_hidden is not None:
+                torch.mm(probs.t(), weight, out=grad_hidden[rows])  # (C, D)
+            if grad_weight is not None:
+                grad_weight.addmm_(probs, h)  # (V, D)
+            if grad_bias is not None:
+                grad_bias += probs.sum(1)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
+        return total / count  # at least fp32, as cross_entropy; no kept row: nan, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return tuple(None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)) \
+            + (None, None)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                         label_smoothing: float = 0.0) -> Tensor:
+    """Mean cross-entropy of (hidden (..., D) W^T + b) against targets (...), -100 ignored; a scalar."""
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+                                    float(label_smoothing))
+
+
+def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
+    with plain weights and no hooks, outside autocast; otherwise the head's logits, then F.cross_entropy
+    in fp32 (tensor parallel's DTensor heads, autocast's low-precision products, a hooked head)."""
+    weight = getattr(head, "weight", None)
+    if (type(head) is nn.Linear and not has_hooks(head) and not is_dtensor(weight) and not is_dtensor(hidden)
+            and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype):
+        return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing)
+    logits = head(hidden)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
+                           label_smoothing=label_smoothing)
+
+
+def is_dtensor(tensor: Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: nothing can be a DTensor
+    return module is not None and isinstance(tensor, module.DTensor)

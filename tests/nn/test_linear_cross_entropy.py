@@ -1,0 +1,95 @@
+"""The chunked head + cross-entropy against F.linear + F.cross_entropy under torch autograd."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv.nn import linear_cross_entropy as lce
+from qkv.nn.linear_cross_entropy import head_cross_entropy, linear_cross_entropy
+
+
+def reference(hidden, weight, bias, targets, eps):
+    logits = F.linear(hidden, weight, bias)
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, label_smoothing=eps)
+
+
+def grads(loss_fn, *tensors):
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    loss = loss_fn(*leaves)
+    (2.5 * loss).backward()  # an incoming gradient other than 1
+    return loss.detach(), [None if t.grad is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 64])  # many chunks, a ragged last one, one chunk
+def test_equals_linear_then_cross_entropy(monkeypatch, eps, bias, rows_per_chunk):
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab: rows_per_chunk)
+    torch.manual_seed(0)
+    V, D = 37, 16
+    hidden = torch.randn(3, 11, D, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True) if bias else None
+    targets = torch.randint(0, V, (3, 11))
+    targets[0, :4] = -100  # padding
+    targets[2, -1] = -100
+    args = (hidden, weight) + ((b,) if bias else ())
+    ours, our_grads = grads(lambda h, w, *bb: linear_cross_entropy(h, w, bb[0] if bb else None, targets, eps), *args)
+    theirs, their_grads = grads(lambda h, w, *bb: reference(h, w, bb[0] if bb else None, targets, eps), *args)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    for mine, want in zip(our_grads, their_grads):
+        torch.testing.assert_close(mine, want, rtol=1e-10, atol=1e-12)
+
+
+def test_fp32_default_chunks_and_no_grad_path():
+    torch.manual_seed(1)
+    V, D = 3000, 24  # 1398 rows per chunk: 4000 rows take 3 chunks
+    hidden, weight = torch.randn(4000, D), torch.randn(V, D) * 0.1
+    targets = torch.randint(0, V, (4000,))
+    assert lce.chunk_rows(V) < 4000
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, None, targets),
+                                   reference(hidden, weight, None, targets, 0.0), rtol=1e-5, atol=1e-5)
+    w = weight.clone().requires_grad_()
+    ours = linear_cross_entropy(hidden, w, None, targets)
+    ours.backward()
+    w_ref = weight.clone().requires_grad_()
+    reference(hidden, w_ref, None, targets, 0.0).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_every_target_ignored_gives_nan_as_cross_entropy():
+    hidden, weight = torch.randn(4, 8), torch.randn(5, 8)
+    targets = torch.full((4,), -100)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, None, targets))
+    assert torch.isnan(reference(hidden, weight, None, targets, 0.0))
+
+
+def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=16)
+    model = qkv.build_model(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight  # tied: the head's gradient joins the embedding's
+    ids, targets = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+    targets[1, :3] = -100
+    fused = model(ids, targets=targets, label_smoothing=0.1)
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    plain = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=0.1)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_autocast_takes_the_logits_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lce, "linear_cross_entropy", lambda *a, **k: calls.append(1))
+    head = torch.nn.Linear(8, 5, bias=False)
+    hidden, targets = torch.randn(2, 3, 8), torch.randint(0, 5, (2, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = head_cross_entropy(head, hidden, targets)
+    assert calls == [] and loss.dtype == torch.float32
+    head_cross_entropy(head, hidden, targets)
+    assert calls == [1]
