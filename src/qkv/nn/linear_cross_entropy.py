@@ -61,14 +61,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             h, y, kept = hidden[rows], targets[rows].clamp(min=0)[None, :], keep[rows][None, :]  # y, kept (1, C)
             # the chunk's logits transposed, L^T = W h^T (V, C): W on the left reads it faster on CPU
             logits = wide(torch.mm(weight, h.t()) if bias is None else torch.addmm(bias[:, None], weight, h.t()))
-            lse = torch.logsumexp(logits, dim=0, keepdim=True)  # (1, C)
-            loss = lse - (1 - eps) * logits.gather(0, y)
+            loss = -(1 - eps) * logits.gather(0, y)  # (1, C)
             if eps:
-                loss = loss - eps * logits.mean(dim=0, keepdim=True)
+                loss -= eps * logits.mean(dim=0, keepdim=True)
+            top = logits.amax(dim=0, keepdim=True)
+            exps = logits.sub_(top).exp_()  # exp(L - max), in place of the logits: one pass, one exp
+            sums = exps.sum(dim=0, keepdim=True)
+            loss += top + sums.log()  # + logsumexp
             total += loss.masked_fill(~kept, 0.0).sum()
             if not any(wants[:3]):
                 continue
-            probs = logits.sub_(lse).exp_()  # P^T, in place of the logits
+            probs = exps.div_(sums)  # P^T
             probs.scatter_add_(0, y, probs.new_full(y.shape, -(1 - eps)))  # P^T - (1 - eps) onehot^T
             if eps:
                 probs.sub_(eps / V)
