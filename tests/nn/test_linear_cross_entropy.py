@@ -58,6 +58,19 @@ def test_fp32_default_chunks_and_no_grad_path():
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_no_grad_forms_no_gradients(monkeypatch):
+    """Evaluation under no_grad with trainable weights: the loss only, no dloss/dH or dloss/dW products."""
+    calls, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(1) or mm(*a, **k))
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)
+    targets = torch.randint(0, 10, (6,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, None, targets)
+    monkeypatch.undo()
+    assert calls == [1]  # the logits' product alone
+    torch.testing.assert_close(loss, reference(hidden, weight, None, targets, 0.0).detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_every_target_ignored_gives_nan_as_cross_entropy():
     hidden, weight = torch.randn(4, 8), torch.randn(5, 8)
     targets = torch.full((4,), -100)

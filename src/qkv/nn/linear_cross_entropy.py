@@ -46,11 +46,11 @@ def chunk_rows(vocab: int) -> int:
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                label_smoothing: float) -> Tensor:
+                label_smoothing: float, grad_enabled: bool) -> Tensor:
         N, V = hidden.shape[0], weight.shape[0]
         keep = targets != IGNORE  # (N,)
         count = keep.sum()
-        wants = ctx.needs_input_grad
+        wants = ctx.needs_input_grad if grad_enabled else (False,) * 3  # (set under no_grad too)
         grad_hidden = hidden.new_empty(hidden.shape) if wants[0] else None
         grad_weight = torch.zeros_like(weight) if wants[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and wants[2] else None
@@ -90,14 +90,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
         scale = grad_loss / count
         return tuple(None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)) \
-            + (None, None)
+            + (None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                          label_smoothing: float = 0.0) -> Tensor:
     """Mean cross-entropy of (hidden (..., D) W^T + b) against targets (...), -100 ignored; a scalar."""
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                    float(label_smoothing))
+                                    float(label_smoothing), torch.is_grad_enabled())
 
 
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
