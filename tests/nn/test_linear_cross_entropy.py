@@ -106,3 +106,27 @@ def test_autocast_takes_the_logits_path(monkeypatch):
     assert calls == [] and loss.dtype == torch.float32
     head_cross_entropy(head, hidden, targets)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_mlm_loss_on_the_masked_rows_equals_the_full_logits_loss(hooked):
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(arch="encoder", head="mlm", vocab_size=40, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                          max_seq_len=16)
+    model = qkv.build_model(cfg)
+    seen = []
+    if hooked:  # a hook on the head must see the whole logits
+        model.head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    ids = torch.randint(0, 40, (3, 12))
+    targets = torch.full((3, 12), -100)
+    targets[0, 2], targets[1, 5], targets[1, 9], targets[2, 0] = 4, 7, 39, 11  # BERT's sparse targets
+    fused = model(ids, targets=targets, label_smoothing=0.1)
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    plain = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=0.1)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert seen == ([(3, 12, 40)] * 2 if hooked else [])

@@ -78,7 +78,7 @@ def mlm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_s
 
 def mlm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     inputs, targets = batch  # (B, T) each; targets -100 except at the chosen positions
-    return cross_entropy(model(inputs), targets, label_smoothing)
+    return model(inputs, targets=targets, label_smoothing=label_smoothing)  # the head on the chosen rows only
 
 
 def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int,
