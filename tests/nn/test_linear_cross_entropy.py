@@ -130,3 +130,24 @@ def test_mlm_loss_on_the_masked_rows_equals_the_full_logits_loss(hooked):
     for name, p in model.named_parameters():
         torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert seen == ([(3, 12, 40)] * 2 if hooked else [])
+
+
+def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(arch="encoder-decoder", vocab_size=30, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                          max_seq_len=16)
+    model = qkv.build_model(cfg)
+    src, tgt = torch.randint(0, 30, (2, 9)), torch.randint(0, 30, (2, 7))
+    src_mask, tgt_mask = torch.ones(2, 9, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
+    src_mask[1, 6:], tgt_mask[1, 4:] = 0, 0  # right padding, as qkv.data.seq2seq pads
+    labels = torch.randint(0, 30, (2, 7)).masked_fill(tgt_mask == 0, -100)
+    fused = model(src, tgt, src_mask, tgt_mask, targets=labels)
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(src, tgt, src_mask, tgt_mask)
+    plain = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -25,6 +25,8 @@ from qkv.models.encoder import Encoder
 from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
+from qkv.nn.hooks import has_hooks
+from qkv.nn.linear_cross_entropy import IGNORE, head_cross_entropy
 from qkv.nn.positional import Positional
 
 
@@ -83,14 +85,23 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src_ids: Tensor | None, tgt_ids: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, *, memory: Tensor | None = None,
-                cache: Seq2SeqCache | None = None) -> Tensor:
+                cache: Seq2SeqCache | None = None, targets: Tensor | None = None,
+                label_smoothing: float = 0.0) -> Tensor:
         """(B, S) source and (B, T) target ids -> (B, T, V) logits; masks (B, S), (B, T): 1 = token.
 
         Target t sees targets <= t and every source token. `memory` (B, S, D) is a precomputed
-        `encode(src_ids, src_mask)`; a cache that already holds the cross-attention K/V needs neither."""
+        `encode(src_ids, src_mask)`; a cache that already holds the cross-attention K/V needs neither.
+        With `targets` (B, T) (-100 at padding) it returns the mean cross-entropy instead, the head run on
+        the target rows only, its projection and loss in row chunks (qkv.nn.linear_cross_entropy)."""
         if memory is None and (cache is None or not cache.memory_len):
             memory = self.encode(src_ids, src_mask)
-        return self.decode(tgt_ids, memory, src_mask, tgt_mask, cache)
+        hidden = self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache)  # (B, T, D)
+        if targets is None:
+            return self.lm_head(hidden)  # (B, T, V)
+        if has_hooks(self.lm_head):  # its hooks see every position's logits
+            return head_cross_entropy(self.lm_head, hidden, targets, label_smoothing)
+        picked = targets != IGNORE  # (B, T): padding needs no logits
+        return head_cross_entropy(self.lm_head, hidden[picked], targets[picked], label_smoothing)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """(B, S) source ids -> H_enc (B, S, D)."""
@@ -99,6 +110,11 @@ class EncoderDecoder(nn.Module):
     def decode(self, tgt_ids: Tensor, memory: Tensor | None, src_mask: Tensor | None = None,
                tgt_mask: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
         """(B, T) target ids attending to `memory` (B, S, D) -> (B, T, V) logits."""
+        return self.lm_head(self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache))
+
+    def decode_hidden(self, tgt_ids: Tensor, memory: Tensor | None, src_mask: Tensor | None = None,
+                      tgt_mask: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
+        """The decoder stack's final hidden states (B, T, D), before the head."""
         ctx = self_context(self.positional, tgt_ids, tgt_mask, cache, causal=True)
         x = self.dropout(self.embed_norm(self.positional.embed(self.tok_emb(tgt_ids) * self.embed_scale,
                                                                ctx.positions)))  # (B, T, D)
@@ -107,7 +123,7 @@ class EncoderDecoder(nn.Module):
         self_caches, cross_caches = (cache.layers, cache.cross) if cache is not None else ([None] * n, [None] * n)
         for block, self_cache, cross_cache in zip(self.blocks, self_caches, cross_caches):
             x = block(x, ctx, self_cache, memory, memory_ctx, cross_cache)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+        return self.final_norm(x)  # (B, T, D)
 
     def memory_context(self, memory: Tensor | None, src_mask: Tensor | None, positions: Tensor,
                        cache: Seq2SeqCache | None) -> tuple[Tensor, AttentionContext]:

@@ -93,7 +93,7 @@ def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, bat
 
 def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     src, src_mask, tgt_in, tgt_mask, labels = batch  # (B, S), (B, S), (B, T), (B, T), (B, T)
-    return cross_entropy(model(src, tgt_in, src_mask, tgt_mask), labels, label_smoothing)
+    return model(src, tgt_in, src_mask, tgt_mask, targets=labels, label_smoothing=label_smoothing)  # target rows only
 
 
 OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none")))
