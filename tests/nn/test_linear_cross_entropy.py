@@ -96,7 +96,7 @@ def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
         torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_autocast_takes_the_logits_path(monkeypatch):
+def test_autocast_and_bf16_weights_take_the_logits_path(monkeypatch):
     calls = []
     monkeypatch.setattr(lce, "linear_cross_entropy", lambda *a, **k: calls.append(1))
     head = torch.nn.Linear(8, 5, bias=False)
@@ -104,7 +104,9 @@ def test_autocast_takes_the_logits_path(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = head_cross_entropy(head, hidden, targets)
     assert calls == [] and loss.dtype == torch.float32
-    head_cross_entropy(head, hidden, targets)
+    loss = head_cross_entropy(head.to(torch.bfloat16), hidden.to(torch.bfloat16), targets)  # bf16 weights
+    assert calls == [] and loss.dtype == torch.float32
+    head_cross_entropy(head.float(), hidden, targets)
     assert calls == [1]
 
 

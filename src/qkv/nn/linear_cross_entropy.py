@@ -102,11 +102,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
 
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
-    with plain weights and no hooks, outside autocast; otherwise the head's logits, then F.cross_entropy
-    in fp32 (tensor parallel's DTensor heads, autocast's low-precision products, a hooked head)."""
+    with plain fp32/fp64 weights and no hooks, outside autocast; otherwise the head's logits, then
+    F.cross_entropy in fp32 (tensor parallel's DTensor heads, autocast's or bf16 weights' low-precision
+    products, a hooked head)."""
     weight = getattr(head, "weight", None)
     if (type(head) is nn.Linear and not has_hooks(head) and not is_dtensor(weight) and not is_dtensor(hidden)
-            and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype):
+            and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
+            and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing)
     logits = head(hidden)
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
