@@ -78,6 +78,19 @@ def test_every_target_ignored_gives_nan_as_cross_entropy():
     assert torch.isnan(reference(hidden, weight, None, targets, 0.0))
 
 
+def assert_same_loss_and_gradients(model, fused_loss, plain_logits, targets, eps=0.0):
+    """model(..., targets=) against F.cross_entropy of model(...)'s logits: the loss and every gradient."""
+    fused = fused_loss()
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    plain = F.cross_entropy(plain_logits().flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=eps)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=16)
@@ -85,15 +98,8 @@ def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
     assert model.lm_head.weight is model.tok_emb.weight  # tied: the head's gradient joins the embedding's
     ids, targets = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
     targets[1, :3] = -100
-    fused = model(ids, targets=targets, label_smoothing=0.1)
-    fused.backward()
-    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    plain = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=0.1)
-    plain.backward()
-    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(model, lambda: model(ids, targets=targets, label_smoothing=0.1),
+                                   lambda: model(ids), targets, 0.1)
 
 
 def test_autocast_and_bf16_weights_take_the_logits_path(monkeypatch):
@@ -122,15 +128,8 @@ def test_mlm_loss_on_the_masked_rows_equals_the_full_logits_loss(hooked):
     ids = torch.randint(0, 40, (3, 12))
     targets = torch.full((3, 12), -100)
     targets[0, 2], targets[1, 5], targets[1, 9], targets[2, 0] = 4, 7, 39, 11  # BERT's sparse targets
-    fused = model(ids, targets=targets, label_smoothing=0.1)
-    fused.backward()
-    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    plain = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=0.1)
-    plain.backward()
-    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(model, lambda: model(ids, targets=targets, label_smoothing=0.1),
+                                   lambda: model(ids), targets, 0.1)
     assert seen == ([(3, 12, 40)] * 2 if hooked else [])
 
 
@@ -143,13 +142,5 @@ def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss():
     src_mask, tgt_mask = torch.ones(2, 9, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
     src_mask[1, 6:], tgt_mask[1, 4:] = 0, 0  # right padding, as qkv.data.seq2seq pads
     labels = torch.randint(0, 30, (2, 7)).masked_fill(tgt_mask == 0, -100)
-    fused = model(src, tgt, src_mask, tgt_mask, targets=labels)
-    fused.backward()
-    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    logits = model(src, tgt, src_mask, tgt_mask)
-    plain = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    plain.backward()
-    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(model, lambda: model(src, tgt, src_mask, tgt_mask, targets=labels),
+                                   lambda: model(src, tgt, src_mask, tgt_mask), labels)
