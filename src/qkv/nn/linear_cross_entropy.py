@@ -1,4 +1,4 @@
-"""The LM head and its cross-entropy in one pass over row chunks: the (N, V) logits never exist whole.
+"""A vocabulary head and its cross-entropy in one pass over row chunks: the (N, V) logits never exist whole.
 
     logits L = H W_out^T (+ b)                      (N, V)   H: final hidden states (N, D)
     loss     = mean over kept rows of  logsumexp(L_t) - L_{t, y_t}           (note 000 §13.2)
@@ -17,8 +17,9 @@ cache, where log_softmax + nll_loss pass over the whole (N, V) tensor in memory 
 zero-filled gradient, scatter, two in the backward), and holds 2 N V fewer floats. The chunk's logits
 are formed transposed, L^T = W H^T (V, C): on these CPUs the product with W on the left is 10-20%
 faster than H W^T at a few hundred rows (benchmarks/decode_kernels.py measures the same effect).
-On a GPT-2 training step on 2 CPU cores: +3.5% tokens/s against head + F.cross_entropy (A/B in one
-process; README "Performance").
+On a GPT-2 training step on 2 CPU cores: +2-3.5% tokens/s against head + F.cross_entropy (A/B in one
+process; README "Performance"). The decoder LM uses it on every row; the MLM and seq2seq models on the rows
+that have a target only (qkv.models.heads.EncoderMLM, qkv.models.encoder_decoder).
 It matches F.linear + F.cross_entropy to float rounding (tests/nn/test_linear_cross_entropy.py).
 """
 from __future__ import annotations
