@@ -76,8 +76,8 @@ class DecodingLinear(nn.Module):
 
     A decoding step multiplies every weight matrix by a few rows (the batch, or its beams), with weights
     that do not fit in cache, so its time is the time to read W. On these machines torch's CPU product
-    x W^T (nn.Linear's form) reads W at 4.6-5.2 GB/s for 2-16 rows and 8.8 GB/s for one; the same product
-    taken as W x^T (W on the left, x^T a transposed view) reads it at 6-11 GB/s (benchmarks/decode_kernels.py,
+    x W^T (nn.Linear's form) reads W at 4.5-5.2 GB/s for 2-16 rows and 8.8 GB/s for one; the same product
+    taken as W x^T (W on the left, x^T a transposed view) reads it at 5-11 GB/s (benchmarks/decode_kernels.py,
     one step of the benchmark GPT-2: 1 row 6.2 -> 5.4 ms, 2 rows 11.9 -> 5.4 ms, 8 rows 10.7 -> 7.2 ms; equal
     at 128 rows). One row is widened to two with a zero row: a single column falls back to a matrix-vector
     kernel as slow as nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path. The
