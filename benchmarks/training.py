@@ -46,8 +46,8 @@ def rss_bytes() -> int:
 def child(variant: str) -> dict:
     """One variant, measured in this (fresh) process."""
     import qkv
+    from qkv.nn.linear_cross_entropy import cross_entropy
     from qkv.train.memory import apply_activation_checkpointing
-    from qkv.train.objectives import cross_entropy
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -84,8 +84,8 @@ def timing_child(repeats: int) -> dict:
     """Step times of the three variants in one process, interleaved (plain, full, save-attention, plain, ...)
     so that the load of other processes hits them alike; the fastest of `repeats` per variant."""
     import qkv
+    from qkv.nn.linear_cross_entropy import cross_entropy
     from qkv.train.memory import apply_activation_checkpointing
-    from qkv.train.objectives import cross_entropy
 
     torch.set_num_threads(1)
     cfg = qkv.ModelConfig(vocab_size=VOCAB, d_model=WIDTH, n_heads=HEADS, n_layers=LAYERS, d_ff=FFN,

@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.models.build import build_model
+from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.train import pipeline, tensor_parallel
-from qkv.train.objectives import cross_entropy
 
 LR, CLIP = 1e-2, 1.0
 SMALL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 32}

@@ -13,8 +13,8 @@ import torch
 from qkv import presets
 from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
+from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.train.loop import Clock, Trainer
-from qkv.train.objectives import cross_entropy
 from qkv.train.metrics import MetricsLog
 
 VOCAB = 64

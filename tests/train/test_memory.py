@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from qkv.models import build_model
+from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.train.memory import apply_activation_checkpointing
-from qkv.train.objectives import cross_entropy
 from tests.train.test_loop import trainer
 
 

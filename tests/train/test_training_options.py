@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
+from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.moe import aux_loss
 from qkv.train.loop import Trainer
 from qkv.train.metrics import MetricsLog
-from qkv.train.objectives import cross_entropy
 from tests.train.test_loop import capture_grads, data, interrupt_during, params, run_config, trainer
 
 

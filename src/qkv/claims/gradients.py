@@ -145,8 +145,8 @@ def embedding() -> Result:
 
 @claim(14, "label smoothing: target (1 - eps) onehot + eps/K and its loss", "000 §13.3, LLM §6.3")
 def label_smoothing() -> Result:
+    from qkv.nn.linear_cross_entropy import cross_entropy
     from qkv.ref.functional import cross_entropy_forward
-    from qkv.train.objectives import cross_entropy
 
     eps, K = 0.1, 10
     logits = torch.randn(1, 6, K, generator=_gen(), dtype=F64, requires_grad=True)

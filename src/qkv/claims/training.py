@@ -21,7 +21,7 @@ def _tiny_model():
 
 def _grads(model, ids: torch.Tensor, scale: float = 1.0) -> None:
     """Accumulate d(scale * mean next-token CE)/d theta into .grad."""
-    from qkv.train.objectives import cross_entropy
+    from qkv.nn.linear_cross_entropy import cross_entropy
 
     logits = model(ids[:, :-1])
     (scale * cross_entropy(logits.double(), ids[:, 1:])).backward()

@@ -26,7 +26,7 @@ from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.hooks import has_hooks
-from qkv.nn.linear_cross_entropy import IGNORE, head_cross_entropy
+from qkv.nn.linear_cross_entropy import head_cross_entropy, target_rows
 from qkv.nn.positional import Positional
 
 
@@ -98,10 +98,9 @@ class EncoderDecoder(nn.Module):
         hidden = self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache)  # (B, T, D)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, V)
-        if has_hooks(self.lm_head):  # its hooks see every position's logits
-            return head_cross_entropy(self.lm_head, hidden, targets, label_smoothing)
-        picked = targets != IGNORE  # (B, T): padding needs no logits
-        return head_cross_entropy(self.lm_head, hidden[picked], targets[picked], label_smoothing)
+        if not has_hooks(self.lm_head):  # (a hooked head's hooks see every position's logits)
+            hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): padding needs no logits
+        return head_cross_entropy(self.lm_head, hidden, targets, label_smoothing)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """(B, S) source ids -> H_enc (B, S, D)."""

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.models.encoder import Encoder
 from qkv.nn.hooks import has_hooks
-from qkv.nn.linear_cross_entropy import IGNORE, head_cross_entropy
+from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 
 POOLINGS: Registry[Callable[[Tensor, Tensor | None], Tensor]] = Registry("pooling")
@@ -89,13 +88,11 @@ class EncoderMLM(nn.Module):
         if targets is None:
             return self.head(hidden)  # (B, T, V)
         if has_hooks(self.head):  # its hooks see the whole (B, T, V) logits
-            logits = self.head(hidden)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                   label_smoothing=label_smoothing)
-        picked = targets != IGNORE  # (B, T)
+            return cross_entropy(self.head(hidden), targets, label_smoothing)
+        hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): the masked positions only
         head = self.head
-        x = head.norm(head.activation(head.transform(hidden[picked])))  # (n, D): the masked rows only
-        return head_cross_entropy(head.decoder, x, targets[picked], label_smoothing)
+        return head_cross_entropy(head.decoder, head.norm(head.activation(head.transform(hidden))), targets,
+                                  label_smoothing)
 
 
 class EncoderClassifier(nn.Module):

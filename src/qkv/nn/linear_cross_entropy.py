@@ -101,6 +101,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                                     float(label_smoothing), torch.is_grad_enabled())
 
 
+def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in fp32, from whole logits
+    (..., V) and targets (...); targets of -100 (padding) are ignored. Label smoothing uses the target
+    (1 - eps) onehot + eps / V (note 000 §13.3)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
+                           label_smoothing=label_smoothing)
+
+
+def target_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of hidden (..., D) and targets (...) that have a target (not -100): (n, D), (n,). A head
+    that acts on each position alone needs no logits for the others (MLM's unmasked tokens, padding)."""
+    picked = targets != IGNORE
+    return hidden[picked], targets[picked]
+
+
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
     with plain fp32/fp64 weights and no hooks, outside autocast; otherwise the head's logits, then
@@ -111,9 +126,7 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_s
             and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing)
-    logits = head(hidden)
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
-                           label_smoothing=label_smoothing)
+    return cross_entropy(head(hidden), targets, label_smoothing)
 
 
 def is_dtensor(tensor: Tensor) -> bool:

@@ -19,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.data.dataset import Batches
@@ -31,13 +30,6 @@ from qkv.registry import Registry
 from qkv.train import classify, transduction
 
 AUTO = {"decoder": "lm", "encoder": "mlm", "encoder-decoder": "seq2seq"}
-
-
-def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in fp32; targets of -100
-    (padding) are ignored. Label smoothing uses the target (1 - eps) onehot + eps / V (note 000 §13.3)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                           label_smoothing=label_smoothing)
 
 
 def token_streams(cfg, tokenizer: Tokenizer | None):

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.models.context import self_context
+from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
-from qkv.train.objectives import cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
