@@ -133,14 +133,19 @@ def test_mlm_loss_on_the_masked_rows_equals_the_full_logits_loss(hooked):
     assert seen == ([(3, 12, 40)] * 2 if hooked else [])
 
 
-def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss():
+@pytest.mark.parametrize("hooked", [False, True])
+def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss(hooked):
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(arch="encoder-decoder", vocab_size=30, d_model=32, n_heads=4, n_layers=2, d_ff=64,
                           max_seq_len=16)
     model = qkv.build_model(cfg)
+    seen = []
+    if hooked:  # a hook on the head must see every position's logits
+        model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
     src, tgt = torch.randint(0, 30, (2, 9)), torch.randint(0, 30, (2, 7))
     src_mask, tgt_mask = torch.ones(2, 9, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
     src_mask[1, 6:], tgt_mask[1, 4:] = 0, 0  # right padding, as qkv.data.seq2seq pads
     labels = torch.randint(0, 30, (2, 7)).masked_fill(tgt_mask == 0, -100)
     assert_same_loss_and_gradients(model, lambda: model(src, tgt, src_mask, tgt_mask, targets=labels),
                                    lambda: model(src, tgt, src_mask, tgt_mask), labels)
+    assert seen == ([(2, 7, 30)] * 2 if hooked else [])
