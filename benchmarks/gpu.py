@@ -73,7 +73,7 @@ def flash_check() -> dict:
 
     def run(name: str, dtype) -> list[torch.Tensor]:
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = KERNELS.get(name)(*inputs, mask=None, causal=True, bias=None, scale=shape[-1] ** -0.5)
+        out = KERNELS.get(name).fn(*inputs, mask=None, causal=True, bias=None, scale=shape[-1] ** -0.5)
         out.backward(dout.to(dtype))
         return [out.detach().float()] + [t.grad.float() for t in inputs]
 

@@ -2,8 +2,13 @@
 
 `ModelConfig` says what the network is; `TrainConfig` how it is trained; `DataConfig` what it reads;
 `ParallelConfig` how it is laid out over processes. `RunConfig` holds the four and is what a run dir
-stores as config.json. Variant names (norm, positional, attention, ...) are looked up in the registries
-of `qkv.nn`; `validate()` checks every field in one place and names the field, the value and what is allowed.
+stores as config.json.
+
+This module is a leaf: it imports nothing of qkv but the error type. `validate()` checks what the config
+can check alone (types, ranges, combinations of fields); the variant names (norm, positional, attention,
+schedule, ...) belong to the registries beside the code they name, which check them where they are used,
+and `qkv.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every
+error names the field, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -16,8 +21,7 @@ from typing import Any
 
 from qkv.errors import QkvError
 
-ARCHS = ("decoder", "encoder", "encoder-decoder")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.train.loop.autocast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +80,7 @@ class ModelConfig:
         return self.n_decoder_layers or self.n_layers
 
     def validate(self) -> "ModelConfig":
-        from qkv.nn import registries  # the registries live beside the modules they name
-
-        _choice("model.arch", self.arch, ARCHS)
+        """Sizes, ranges and combinations; the names are checked by qkv.models.build.check_model."""
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "n_encoder_layers", "n_decoder_layers", "moe_experts", "window"):
@@ -87,10 +89,6 @@ class ModelConfig:
             raise QkvError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-        if self.positional == "rope" and self.head_dim % 2:
-            raise QkvError(f"model.positional='rope' needs an even head width, got {self.head_dim}")
-        if self.attention in ("local", "dilated", "random") and self.window < 1:
-            raise QkvError(f"model.attention={self.attention!r} needs model.window >= 1, got {self.window}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
         if not 0.0 <= self.dropout < 1.0:
@@ -100,18 +98,11 @@ class ModelConfig:
         _positive("model.rope_theta", self.rope_theta)  # the base of the angles: <= 0 gives inf/NaN
         _positive("model.max_distance", self.max_distance)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
-        for axis, value in registries.model_axes(self).items():
-            _choice(f"model.{axis}", value, registries.get(axis).names())
         self._validate_family()
         return self
 
     def _validate_family(self) -> None:
         """The fields that only some architectures use (encoder heads, token types, embedding options)."""
-        from qkv.models.build import HEADS  # the builders of each head live beside build_model
-        from qkv.models.heads import POOLINGS
-
-        _choice("model.head", self.head, HEADS.names())
-        _choice("model.pooling", self.pooling, POOLINGS.names())
         _at_least("model.type_vocab_size", self.type_vocab_size, 0)
         _at_least("model.n_classes", self.n_classes, 0)
         if self.arch != "encoder":
@@ -176,8 +167,7 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard package)
 
     def validate(self) -> "TrainConfig":
-        from qkv.train import optim, schedules
-
+        """Sizes and ranges; the names are checked by qkv.checks.check_run."""
         for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every",
                      "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))
@@ -195,20 +185,14 @@ class TrainConfig:
             raise QkvError(
                 f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}"
             )
-        _choice("train.precision", self.precision, PRECISIONS)
+        choice("train.precision", self.precision, PRECISIONS)
         if not 1 <= self.batch_warmup_start <= self.batch_size:
             raise QkvError(f"train.batch_warmup_start={self.batch_warmup_start} must be in 1..train.batch_size="
                            f"{self.batch_size}")
         if 0 < self.spike_factor <= 1:
             raise QkvError(f"train.spike_factor={self.spike_factor} must be above 1 (or 0 to disable)")
-        _choice("train.lr_scaling", self.lr_scaling, schedules.LR_SCALING.names())
         if not 0.0 < self.mask_prob < 1.0:
             raise QkvError(f"train.mask_prob={self.mask_prob} must be in (0, 1)")
-        from qkv.train.objectives import OBJECTIVES  # imports torch: only when validating a train section
-
-        _choice("train.objective", self.objective, ("auto", *OBJECTIVES.names()))
-        schedules.SCHEDULES.get(self.schedule)
-        optim.OPTIMIZERS.get(self.optimizer)
         return self
 
 
@@ -229,14 +213,6 @@ class DataConfig:
             raise QkvError(f"data.vocab_size={self.vocab_size} must be at least 257 (256 bytes + end of text)")
         if not 0.0 < self.val_fraction < 1.0:
             raise QkvError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
-        _choice("data.spelling", self.spelling, ("modern", "first-folio"))
-        _choice("data.corpus", self.corpus, ("shakespeare",))
-        from qkv.data.seq2seq import TASKS
-
-        _choice("data.seq2seq_task", self.seq2seq_task, TASKS.names())
-        from qkv.data.sources import SPLITS
-
-        _choice("data.split", self.split, SPLITS.names())
         return self
 
 
@@ -252,8 +228,7 @@ class ParallelConfig:
     def validate(self) -> "ParallelConfig":
         for name in ("dp", "tp", "pp", "microbatches"):
             _positive(f"parallel.{name}", getattr(self, name))
-        _choice("parallel.zero", self.zero, (0, 1, 2, 3))
-        _choice("parallel.schedule", self.schedule, ("gpipe", "1f1b"))
+        choice("parallel.zero", self.zero, (0, 1, 2, 3))
         return self
 
 
@@ -380,7 +355,7 @@ def _no_unknown(where: str, raw: dict, allowed) -> None:
             raise QkvError(f"{where}: unknown key {key!r}; choose from: {', '.join(allowed)}")
 
 
-def _choice(key: str, value: Any, allowed) -> None:
+def choice(key: str, value: Any, allowed) -> None:
     if value not in allowed:
         raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(map(str, allowed))}")
 

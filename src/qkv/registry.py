@@ -36,6 +36,11 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}; choose from: {', '.join(self.names())}"
             ) from None
 
+    def check(self, key: str, value: object) -> None:
+        """QkvError naming the config field `key` unless `value` is a registered name."""
+        if value not in self._entries:
+            raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(self.names())}")
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

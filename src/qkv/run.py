@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qkv.checks import check_run
 from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
@@ -39,7 +40,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         return hf.load(path, device)
     if not (path / CONFIG_FILE).is_file():
         raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
-    config = RunConfig.load(path / CONFIG_FILE).validate()
+    config = check_run(RunConfig.load(path / CONFIG_FILE))
     model_file = checkpoint.committed_file(path, checkpoint.MODEL_FILE)  # reads only: training may be running
     if not model_file.is_file():
         raise QkvError(f"{path}: has no checkpoint yet ({checkpoint.MODEL_FILE} is missing)")

@@ -9,7 +9,7 @@ from qkv import presets
 from qkv.analysis import params
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.models.build import ARCHITECTURES
+from qkv.models.build import ARCHITECTURES, check_model
 from qkv.nn import registries
 
 BASE = dict(vocab_size=37, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=20)
@@ -44,7 +44,7 @@ def test_counts_equal_built_models(arch):
     for variant in VARIANTS:
         cfg = ModelConfig(arch=arch, **BASE, **variant)
         try:
-            cfg.validate()
+            check_model(cfg)
         except QkvError:
             continue  # a combination this family refuses (e.g. an MLM head on a decoder)
         breakdown = params.breakdown(cfg)

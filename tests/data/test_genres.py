@@ -106,10 +106,11 @@ def test_training_windows_resume_from_their_json_state():
 
 
 def test_config_fields_of_the_task_are_validated():
-    from qkv.config import DataConfig, ModelConfig
+    from qkv.checks import check_run
+    from qkv.config import DataConfig, ModelConfig, RunConfig
 
     with pytest.raises(QkvError, match="data.split='nope' is not allowed; choose from: .*genre.*standard"):
-        DataConfig(split="nope").validate()
+        check_run(RunConfig(data=DataConfig(split="nope")))
     with pytest.raises(QkvError, match="model.labels has 2 names, model.n_classes=3"):
         ModelConfig(arch="encoder", head="classifier", n_classes=3, labels=("a", "b")).validate()
     assert ModelConfig(arch="encoder", head="classifier", n_classes=3, labels=genres.LABELS).validate()

@@ -9,6 +9,7 @@ from qkv import presets
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
+from qkv.models.build import check_model
 from qkv.models.encoder import Encoder
 from qkv.models.heads import EncoderClassifier, EncoderMLM
 from qkv.nn import registries
@@ -126,7 +127,7 @@ def test_every_encoder_parameter_gets_a_gradient_through_the_head(head):
 ])
 def test_family_fields_are_validated(fields, message):
     with pytest.raises(QkvError, match=message.replace("(", r"\(")):
-        config(**fields).validate()
+        check_model(config(**fields))
 
 
 def test_bert_base_has_the_parameters_of_hugging_face_bert_for_masked_lm():

@@ -1,7 +1,7 @@
 import torch
 
 from qkv.nn.norms import LayerNorm
-from qkv.nn.residual import RESIDUALS, NormPair, needs_final_norm, post_norm, pre_norm, sandwich_norm, sublayer_norm
+from qkv.nn.residual import RESIDUALS, NormPair, post_norm, pre_norm, sandwich_norm, sublayer_norm
 
 
 def layer_norm(x, eps=1e-5):
@@ -11,8 +11,8 @@ def layer_norm(x, eps=1e-5):
 
 def test_registry_holds_pre_post_and_sandwich():
     assert RESIDUALS.names() == ["post", "pre", "sandwich"]
-    assert RESIDUALS.get("pre") is pre_norm and RESIDUALS.get("post") is post_norm
-    assert RESIDUALS.get("sandwich") is sandwich_norm
+    assert RESIDUALS.get("pre").apply is pre_norm and RESIDUALS.get("post").apply is post_norm
+    assert RESIDUALS.get("sandwich").apply is sandwich_norm
 
 
 def sublayer_and_inputs():
@@ -75,4 +75,4 @@ def test_every_placement_gets_the_norms_it_needs():
     for placement in RESIDUALS.names():
         norm = sublayer_norm(placement, make)
         assert isinstance(norm, NormPair) == (placement == "sandwich")
-    assert [needs_final_norm(p) for p in RESIDUALS.names()] == [False, True, True]
+    assert [RESIDUALS.get(p).final_norm for p in RESIDUALS.names()] == [False, True, True]

@@ -1,14 +1,14 @@
 """Every kernel against its explicit form: naive softmax attention with the kernel's pattern in the mask
 (sparse kinds, flash), the explicit O(n^2) form (linear attention); the patterns against their definitions
 (note 000 §15.1) written as loops; values, value terms and gradients. Parametrised over KERNELS.names(), so
-a new kernel is tested here once it registers its explicit weights in WEIGHTS."""
+a new kernel is tested here once it is registered with its KernelSpec; the spec's facts are checked too."""
 import math
 
 import pytest
 import torch
 
 from qkv.nn import kernels as kernels_module
-from qkv.nn.kernels import KERNELS, WEIGHTS, RelativeValues, kernel_for, naive, weights_for
+from qkv.nn.kernels import KERNELS, RelativeValues, attention_weights, kernel_for, naive, weights_for
 from qkv.nn.linear_attention import linear_weights
 from qkv.nn.masks import causal_mask
 from qkv.nn.sparse import GLOBAL_KEYS, RANDOM_KEYS, RANDOM_SPAN, random_distances
@@ -90,8 +90,25 @@ def test_every_kernel_equals_its_explicit_form_in_values_and_gradients(name, cas
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
-def test_every_kernel_has_explicit_weights():
-    assert set(WEIGHTS) == set(NAMES)
+@pytest.mark.parametrize("name", NAMES)
+def test_spec_facts_hold_for_the_weights(name):
+    """full: the weights are naive softmax attention's; exact: each row is a softmax of scores over the keys it
+    sees; reach: a causal query reads no key more than reach(w) columns back; windowed: the window matters."""
+    spec = KERNELS.get(name)
+    T = S = 10
+    q, k, _ = qkv(T, S)
+    weights = weights_for(name, window=WINDOW)(q, k, mask=None, causal=True, bias=None, scale=0.5)
+    dense = attention_weights(q, k, mask=None, causal=True, bias=None, scale=0.5)
+    assert torch.allclose(weights, dense, atol=1e-12) == spec.full
+    seen = weights > 0
+    renormalised = torch.where(seen, dense, 0.0) / torch.where(seen, dense, 0.0).sum(-1, keepdim=True)
+    assert torch.allclose(weights, renormalised, atol=1e-12) == spec.exact
+    if spec.reach is not None:
+        distance = torch.arange(S)[:, None] - torch.arange(S)[None, :]  # query column - key column
+        assert not seen[..., distance > spec.reach(WINDOW)].any()
+        assert seen[..., distance == spec.reach(WINDOW)].all()
+    wider = weights_for(name, window=WINDOW + 2)(q, k, mask=None, causal=True, bias=None, scale=0.5)
+    assert (not torch.allclose(weights, wider)) == spec.windowed
 
 
 # ------------------------------------------------------------------------------------------ patterns by loops
@@ -188,7 +205,7 @@ def linear_loops(q, k, v, causal):
 def test_linear_attention_equals_its_sum_form(causal, monkeypatch):
     monkeypatch.setattr("qkv.nn.linear_attention.CHUNK", 3)  # several chunks and a partial one
     q, k, v = qkv(7, 7)
-    out = KERNELS.get("linear")(q, k, v, mask=None, causal=causal, bias=None, scale=0.5)
+    out = KERNELS.get("linear").fn(q, k, v, mask=None, causal=causal, bias=None, scale=0.5)
     torch.testing.assert_close(out, linear_loops(q, k, v, causal), rtol=1e-12, atol=1e-12)
     weights = linear_weights(q, k, mask=None, causal=causal, bias=None)
     torch.testing.assert_close(out, weights @ v, rtol=1e-12, atol=1e-12)
@@ -196,7 +213,7 @@ def test_linear_attention_equals_its_sum_form(causal, monkeypatch):
 
 def test_linear_attention_is_not_softmax_attention():
     q, k, v = qkv(6, 6)
-    out = KERNELS.get("linear")(q, k, v, mask=None, causal=True, bias=None, scale=0.5)
+    out = KERNELS.get("linear").fn(q, k, v, mask=None, causal=True, bias=None, scale=0.5)
     assert (out - naive(q, k, v, mask=None, causal=True, bias=None, scale=0.5)).abs().max() > 1e-3
 
 
@@ -208,7 +225,7 @@ def test_flash_equals_naive_in_float32_across_tiles(T, S):
     q, k, v = qkv(T, S, dtype=torch.float32)
     bias = torch.randn(2, 2, T, S)
     for causal in (True, False):
-        out = KERNELS.get("flash")(q, k, v, mask=None, causal=causal, bias=bias, scale=0.5)
+        out = KERNELS.get("flash").fn(q, k, v, mask=None, causal=causal, bias=bias, scale=0.5)
         torch.testing.assert_close(out, naive(q, k, v, mask=None, causal=causal, bias=bias, scale=0.5),
                                    rtol=1e-5, atol=1e-6)
 
@@ -217,8 +234,8 @@ def test_flash_with_dropout_keeps_the_normaliser():
     """Dropout acts on the normalised weights (the running sum l keeps every term), so it is unbiased:
     the mean over many draws approaches the output without dropout (std of the mean ~0.02 here)."""
     q, k, v = qkv(4, 4, B=1, H=1)
-    exact = KERNELS.get("flash")(q, k, v, mask=None, causal=True, bias=None, scale=0.5)
-    draws = KERNELS.get("flash")(*(x.expand(2000, 1, 4, 4) for x in (q, k, v)), mask=None, causal=True,
+    exact = KERNELS.get("flash").fn(q, k, v, mask=None, causal=True, bias=None, scale=0.5)
+    draws = KERNELS.get("flash").fn(*(x.expand(2000, 1, 4, 4) for x in (q, k, v)), mask=None, causal=True,
                                  bias=None, scale=0.5, dropout=0.5)  # 2000 independent draws in one batch
     torch.testing.assert_close(draws.mean(0, keepdim=True), exact, rtol=0, atol=0.1)
     assert (draws[0] - exact).abs().max() > 0.05  # a single draw does differ

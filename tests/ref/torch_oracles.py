@@ -178,7 +178,7 @@ def _block_oracle(placement, norm, cross=False):
     def run(i):
         make_norm = (lambda: LayerNorm(D, eps=1e-5)) if norm == "layernorm" else (lambda: RMSNorm(D, eps=1e-5))
         block = Block(attn=Attention(D, H, H, kernel="sdpa", bias=True), ffn=MLP(D, F_, activation="gelu", bias=True),
-                      attn_norm=make_norm(), ffn_norm=make_norm(), residual=RESIDUALS.get(placement),
+                      attn_norm=make_norm(), ffn_norm=make_norm(), residual=RESIDUALS.get(placement).apply,
                       cross_attn=Attention(D, H, H, kernel="sdpa", bias=True) if cross else None,
                       cross_norm=make_norm() if cross else None).double()
         params = {k: v for k, v in i.items() if k not in ("x", "memory")}
@@ -246,7 +246,7 @@ ORACLES["kernel_linear_padding_bias"] = _weights_oracle("linear")
 def _sandwich_block(i):
     pair = lambda: NormPair(LayerNorm(D, eps=1e-5), LayerNorm(D, eps=1e-5))  # noqa: E731
     block = Block(attn=Attention(D, H, H, kernel="sdpa", bias=True), ffn=MLP(D, F_, activation="gelu", bias=True),
-                  attn_norm=pair(), ffn_norm=pair(), residual=RESIDUALS.get("sandwich")).double()
+                  attn_norm=pair(), ffn_norm=pair(), residual=RESIDUALS.get("sandwich").apply).double()
     return functional_call(block, {k: v for k, v in i.items() if k != "x"}, (i["x"], torch_context()))
 
 

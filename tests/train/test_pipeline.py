@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from qkv.checks import check_run
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
@@ -76,7 +77,7 @@ def test_layouts_that_cannot_run_are_refused():
         with pytest.raises(QkvError, match=re.escape(message)):
             pipeline.validate(base.override(assignments))
     with pytest.raises(QkvError, match="parallel.schedule"):
-        ParallelConfig(schedule="zb").validate()
+        check_run(RunConfig(parallel=ParallelConfig(schedule="zb")))
 
 
 def test_the_launch_checks_the_layout_before_any_process_group():

@@ -26,7 +26,9 @@ def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -
 
         cfg = merge_file(cfg, Path(config_file))
     cfg = cfg.override(overrides)
-    cfg.model.validate()
+    from qkv.models.build import check_model  # torch: the registries name the variants
+
+    check_model(cfg.model)
     return cfg
 
 

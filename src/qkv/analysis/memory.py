@@ -34,7 +34,6 @@ PRECISION_BYTES = {  # weights, gradients, master weights, activations
     "fp16": (2, 2, 4, 2),
 }
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 states per parameter
-FUSED_KERNELS = ("sdpa", "flash")  # kernels that never store the (T, S) probabilities
 FP32 = 4
 
 
@@ -74,16 +73,24 @@ def model_states(n_params: int, setup: Setup) -> dict[str, float]:
             "optimizer_states": n_params * OPTIMIZER_BYTES[setup.optimizer] / shard(1)}
 
 
+def keeps_probabilities(kernel: str) -> bool:
+    """Whether the kernel stores the (B, H, T, S) probabilities for its backward (its registry entry)."""
+    from qkv.nn.kernels import KERNELS  # torch: only when a memory estimate is asked for
+
+    return KERNELS.get(kernel).keeps_probabilities
+
+
 def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
     """Bytes one attention sub-layer keeps (self-attention: S = T)."""
     D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
     elements = 2 * B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # x, LN(x), Q, K+V, concat(heads)
-    if cfg.attention in FUSED_KERNELS:
+    keeps = keeps_probabilities(cfg.attention)
+    if not keeps:
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
     else:
         kernel = FP32 * B * H * T * S  # A = softmax(Q K^T / sqrt(Dh)), fp32
-    masks = (B * T * D + (0 if cfg.attention in FUSED_KERNELS else B * H * T * S)) if cfg.dropout else 0
+    masks = (B * T * D + (B * H * T * S if keeps else 0)) if cfg.dropout else 0
     return a * elements + kernel + masks
 
 

@@ -88,16 +88,16 @@ def positional(cfg: ModelConfig) -> int:
 
 def sublayer_norms(cfg: ModelConfig) -> int:
     """The norms of one sublayer: one (pre, post) or an inner and an outer one (sandwich)."""
-    from qkv.nn.residual import PAIRED
+    from qkv.nn.residual import RESIDUALS
 
-    return (2 if cfg.norm_placement in PAIRED else 1) * norm(cfg)
+    return (2 if RESIDUALS.get(cfg.norm_placement).paired else 1) * norm(cfg)
 
 
 def final_norm(cfg: ModelConfig) -> int:
     """Pre-LN and sandwich stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
-    from qkv.nn.residual import needs_final_norm
+    from qkv.nn.residual import RESIDUALS
 
-    return norm(cfg) if needs_final_norm(cfg.norm_placement) else 0
+    return norm(cfg) if RESIDUALS.get(cfg.norm_placement).final_norm else 0
 
 
 def lm_head(cfg: ModelConfig) -> int:

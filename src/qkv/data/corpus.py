@@ -26,7 +26,8 @@ VALIDATION_WORKS = ("hamlet_gut", "julius_caesar_gut", "tempest_gut", "twelfth_n
 # are not in the Folio, so first-folio validation holds four works.
 FIRST_FOLIO_VALIDATION_WORKS = ("hamlet_gut_f", "julius_caesar_gut_f", "tempest_gut_f", "twelfe-night_gut_f")
 JOINER = "\n\n"  # between documents: a blank line
-BUNDLED_CORPUS = "shakespeare.jsonl.gz"
+BUNDLED_CORPORA = {"shakespeare": "shakespeare.jsonl.gz"}  # data.corpus -> its file in qkv/data/corpora
+BUNDLED_CORPUS = BUNDLED_CORPORA["shakespeare"]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ decoder (prefill / step / reorder) that the strategies drive without knowing the
 
 Context limit (prompt + new <= model.max_seq_len, module docstring of qkv.generate.decode) is lifted when
 the model's cache rolls (a local kernel: qkv.nn.cache) AND its positional encoding only ever compares
-positions (SHIFT_INVARIANT: none, RoPE, ALiBi, Shaw, Transformer-XL, T5): every query then sees at most w
+positions (`shift_invariant` in its class: none, RoPE, ALiBi, Shaw, Transformer-XL, T5): every query then sees at most w
 earlier keys at distances it met in training, so generation may run past max_seq_len with O(w) memory.
 Absolute encodings keep the limit: a learned table has no row max_seq_len, and sinusoidal positions past
 it were never trained on. An encoder-decoder's source is always cut to its first max_seq_len tokens
@@ -36,11 +36,6 @@ from qkv.errors import QkvError
 from qkv.models.decoder import DecoderLM
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import rolling_window
-from qkv.nn.positional import ALiBi, Positional, Rotary
-from qkv.nn.relative import ShawRelative, T5Bias, T5CausalBias, TransformerXL
-
-# encodings that see positions only through differences (exact types: Sinusoidal subclasses Positional)
-SHIFT_INVARIANT = (Positional, Rotary, ALiBi, ShawRelative, TransformerXL, T5Bias, T5CausalBias)
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -122,7 +117,7 @@ def context_limit(model: nn.Module) -> int | None:
     """model.max_seq_len, or None where generation may run past it (module docstring)."""
     attn = model.blocks[0].attn
     rolls = rolling_window(attn.kernel_name, attn.window) > 0
-    return None if rolls and type(model.positional) in SHIFT_INVARIANT else model.max_seq_len
+    return None if rolls and model.positional.shift_invariant else model.max_seq_len
 
 
 @family(DecoderLM)

@@ -25,6 +25,7 @@ from qkv.hf.common import FAMILIES, Family
 from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
 from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
+from qkv.models.build import check_model
 from qkv.run import Run
 from qkv.train import checkpoint
 
@@ -61,7 +62,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     try:
         family, architecture = detect(hf)
         cfg = family.config(hf, architecture)
-        cfg.validate()
+        check_model(cfg)
     except QkvError as exc:
         raise QkvError(f"{path / CONFIG}: {exc}") from None
     weights = read_weights(path)

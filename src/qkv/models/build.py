@@ -7,27 +7,45 @@ from typing import Callable
 from torch import nn
 
 from qkv.config import ModelConfig
+from qkv.errors import QkvError
 from qkv.models.decoder import DecoderLM
 from qkv.models.encoder import Encoder
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.models.heads import POOLINGS, ClassifierHead, EncoderClassifier, EncoderMLM, MLMHead
+from qkv.nn import registries
 from qkv.nn.attention import Attention
 from qkv.nn.block import Block
 from qkv.nn.ffn import ACTIVATIONS, FFNS
 from qkv.nn.init import INITS
+from qkv.nn.kernels import KERNELS
 from qkv.nn.norms import NORMS
 from qkv.nn.positional import POSITIONALS
 from qkv.nn.moe import MoE
-from qkv.nn.residual import RESIDUALS, needs_final_norm, sublayer_norm
+from qkv.nn.residual import RESIDUALS, sublayer_norm
 from qkv.registry import Registry
 
 ARCHITECTURES: Registry[Callable[[ModelConfig], nn.Module]] = Registry("architecture")
 HEADS: Registry[Callable[[ModelConfig, Encoder], nn.Module]] = Registry("encoder head")  # model.head
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Validate `cfg`, build the model and initialise it with `cfg.init`."""
+def check_model(cfg: ModelConfig) -> ModelConfig:
+    """cfg.validate(), every variant name by its registry, and the chosen entries' facts against the sizes."""
     cfg.validate()
+    ARCHITECTURES.check("model.arch", cfg.arch)
+    HEADS.check("model.head", cfg.head)
+    POOLINGS.check("model.pooling", cfg.pooling)
+    for axis, registry in registries.AXES.items():
+        registry.check(f"model.{axis}", getattr(cfg, axis))
+    if POSITIONALS.get(cfg.positional).even_head_dim and cfg.head_dim % 2:
+        raise QkvError(f"model.positional={cfg.positional!r} needs an even head width, got {cfg.head_dim}")
+    if KERNELS.get(cfg.attention).windowed and cfg.window < 1:
+        raise QkvError(f"model.attention={cfg.attention!r} needs model.window >= 1, got {cfg.window}")
+    return cfg
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Check `cfg`, build the model and initialise it with `cfg.init`."""
+    check_model(cfg)
     model = ARCHITECTURES.get(cfg.arch)(cfg)
     depth = cfg.encoder_layers if cfg.arch == "encoder" else cfg.decoder_layers
     INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=depth)
@@ -46,23 +64,16 @@ def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -
         rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, causal=causal)
 
 
-# encodings whose decoder form is a separate entry: T5's decoder spends all its buckets on the past
-DECODER_TWINS = {"t5": "t5_causal"}
-
-
 def decoder_positional(cfg: ModelConfig) -> nn.Module:
-    """The encoder-decoder's decoder stack: the causal twin of cfg.positional where one is registered."""
-    twin = DECODER_TWINS.get(cfg.positional)
-    return positional(cfg, causal=True, name=twin if twin in POSITIONALS else None)
-
-
-FULL_KERNELS = ("naive", "sdpa", "flash")  # compute the full softmax(QK^T)V; the others restrict or approximate it
+    """The encoder-decoder's decoder stack: the encoding's `decoder_twin` where it names one (T5's decoder
+    spends all its buckets on the past)."""
+    return positional(cfg, causal=True, name=POSITIONALS.get(cfg.positional).decoder_twin)
 
 
 def attention(cfg: ModelConfig, cross: bool = False) -> Attention:
     """Self-attention with `cfg.attention`. Cross-attention always attends to the whole source (note 000
     §8.4): a local window or a linear approximation of it has no meaning between two sequences."""
-    kernel = cfg.attention if not cross or cfg.attention in FULL_KERNELS else "sdpa"
+    kernel = cfg.attention if not cross or KERNELS.get(cfg.attention).full else "sdpa"
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
                      dropout=cfg.dropout, window=cfg.window)
 
@@ -84,13 +95,13 @@ def sublayer_norm_of(cfg: ModelConfig) -> nn.Module:
 
 def block(cfg: ModelConfig, cross: bool = False) -> Block:
     return Block(attn=attention(cfg), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
-                 residual=RESIDUALS.get(cfg.norm_placement), cross_attn=attention(cfg, cross=True) if cross else None,
+                 residual=RESIDUALS.get(cfg.norm_placement).apply, cross_attn=attention(cfg, cross=True) if cross else None,
                  cross_norm=sublayer_norm_of(cfg) if cross else None)
 
 
 def final_norm(cfg: ModelConfig) -> nn.Module:
     """Pre-LN and sandwich stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
-    return norm(cfg) if needs_final_norm(cfg.norm_placement) else nn.Identity()
+    return norm(cfg) if RESIDUALS.get(cfg.norm_placement).final_norm else nn.Identity()
 
 
 @ARCHITECTURES.register("decoder")

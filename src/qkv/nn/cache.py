@@ -12,13 +12,15 @@ Rolling cache (`window=w > 0`): a kernel whose query at column i reads only keys
 kernel, |i - j| <= w, causal) never needs more than the last w columns of earlier calls. `RollingLayerCache`
 and a KVCache built with `window` keep exactly those between calls (a call sees w + T columns), so memory
 stays O(w) however long generation runs, and `max_len` no longer bounds the length. `rolling_window(name,
-window)` says which kernels allow it (ROLLING_KERNELS); the models' `new_cache(..., rolling=True)` asks
+window)` says which kernels allow it (KernelSpec.reach); the models' `new_cache(..., rolling=True)` asks
 it (generation does; Transformer-XL segment training keeps the full cache).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from qkv.nn.kernels import KERNELS
 
 
 class LayerCache:
@@ -77,13 +79,9 @@ class RollingLayerCache:
         self.length = self.k.shape[2]
 
 
-# kernels whose query at column i reads no key before column i - reach(window) (causal); see qkv.nn.sparse
-ROLLING_KERNELS = {"local": lambda window: window}
-
-
 def rolling_window(kernel: str, window: int) -> int:
-    """How many past columns a cache must keep for `kernel` (0: all of them, no rolling)."""
-    reach = ROLLING_KERNELS.get(kernel)
+    """How many past columns a cache must keep for `kernel` (0: all of them, no rolling): its spec's reach."""
+    reach = KERNELS.get(kernel).reach
     return reach(window) if reach is not None and window > 0 else 0
 
 

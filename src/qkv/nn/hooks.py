@@ -1,10 +1,22 @@
-"""Whether a module has hooks: the fast paths that bypass a module's call (the chunked head + loss, the
-decoding layers) step aside for a module with hooks, so that its hooks still run."""
+"""What the fast paths ask before they bypass the general one.
+
+`has_hooks`: the fast paths that bypass a module's call (the chunked head + loss, the decoding layers) step
+aside for a module with hooks, so that its hooks still run. `is_dtensor`: a tensor sharded by tensor
+parallel or FSDP2 (qkv.train.parallel) takes the general path too.
+"""
 from __future__ import annotations
 
-from torch import nn
+import sys
+
+from torch import Tensor, nn
 
 
 def has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks)
+
+
+def is_dtensor(tensor: Tensor) -> bool:
+    """A DTensor? Without importing torch.distributed.tensor (a second): unloaded, nothing can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)

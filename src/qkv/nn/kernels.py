@@ -8,6 +8,11 @@
     value_bias: a `RelativeValues` term added to the weighted values (Shaw et al.'s a^V_ij), or None
     out: (B, H, T, Dh)
 
+Each kernel is registered with what qkv needs to know about it, in one `KernelSpec`: the function, the
+explicit weights it computes, whether it takes a window, how far back a causal query reads (for a rolling
+KV cache), whether it sees every allowed key (cross-attention needs that), whether it is the exact softmax
+of its pattern, and whether it keeps the (T, S) probabilities (the memory calculator's model).
+
 `naive` writes note 000 §2.1 / §8.2 out: softmax(Q K^T / sqrt(d_k) + M) V; every other kernel is tested
 against it (the sparse ones with their pattern in the mask). Kernels with a parameter (the window of the
 sparse kinds) take it as a keyword and are bound once by `kernel_for(name, window=...)`, so every call
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -30,12 +34,28 @@ from qkv.nn.masks import causal_mask
 from qkv.registry import Registry
 
 Kernel = Callable[..., Tensor]
-KERNELS: Registry[Kernel] = Registry("attention kernel")
-# name -> weights(q, k, *, mask, causal, bias, scale[, window]) -> A (B, H, T, S): the explicit attention
-# matrix each kernel computes (naive with the kernel's pattern, or linear attention's normalised kernel).
-# The recording kernel and the tests use it; a new kernel registers its weights here too.
-WEIGHTS: dict[str, Callable[..., Tensor]] = {}
 BLOCK = 128  # key tile of the tiled kernels: extra memory O(T * BLOCK), O(n) for a fixed tile
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One attention kernel and its facts: the registry entry of model.attention."""
+
+    fn: Kernel  # the kernel (module docstring's signature, plus `window=` when `windowed`)
+    # weights(q, k, *, mask, causal, bias, scale[, window]) -> A (B, H, T, S): the explicit attention matrix
+    # the kernel computes (naive with its pattern, or linear attention's normalised kernel); record_attention
+    # and the tests use it
+    weights: Callable[..., Tensor]
+    windowed: bool = False  # takes model.window, which must then be >= 1
+    # causal query i reads no key before column i - reach(window): a rolling KV cache of reach(window)
+    # columns serves it (qkv.nn.cache); None: it may read every column
+    reach: Callable[[int], int] | None = None
+    full: bool = True  # softmax over every allowed key; cross-attention always uses a full kernel
+    exact: bool = True  # the exact softmax of its pattern (False: an approximation, linear attention)
+    keeps_probabilities: bool = True  # stores the (B, H, T, S) probabilities for the backward (qkv calc)
+
+
+KERNELS: Registry[KernelSpec] = Registry("attention kernel")
 
 
 @dataclass(frozen=True)
@@ -86,14 +106,12 @@ def weighted_values(weights: Tensor, v: Tensor, value_bias: RelativeValues | Non
     return out
 
 
-@KERNELS.register("naive")
 def naive(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
           scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
     weights = attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)
     return weighted_values(weights, v, value_bias, dropout)  # (B, H, T, Dh)
 
 
-@KERNELS.register("sdpa")
 def sdpa(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
     """torch's fused scaled_dot_product_attention (flash / memory-efficient kernels where available).
@@ -189,7 +207,6 @@ def tile_allowed(query_cols: Tensor, key_cols: Tensor, *, mask: Tensor | None, c
     return allowed
 
 
-@KERNELS.register("flash")
 def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
           scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
     """Exact softmax attention, tiled: O(n) extra memory for a fixed tile (note 002; SPEC claim 18)."""
@@ -202,18 +219,14 @@ def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
 
 def kernel_for(name: str, *, window: int = 0) -> Kernel:
     """The kernel `name`, with its parameter (`window`) bound when it takes one: one signature after."""
-    kernel = KERNELS.get(name)
-    if "window" in inspect.signature(kernel).parameters:
-        return functools.partial(kernel, window=window)
-    return kernel
+    spec = KERNELS.get(name)
+    return functools.partial(spec.fn, window=window) if spec.windowed else spec.fn
 
 
 def weights_for(name: str, *, window: int = 0) -> Callable[..., Tensor]:
     """The explicit (B, H, T, S) attention matrix kernel `name` computes, with its window bound."""
-    weights = WEIGHTS[name]
-    if "window" in inspect.signature(weights).parameters:
-        return functools.partial(weights, window=window)
-    return weights
+    spec = KERNELS.get(name)
+    return functools.partial(spec.weights, window=window) if spec.windowed else spec.weights
 
 
 def recording_kernel(weights: Callable[..., Tensor], records: list, slot: int) -> Kernel:
@@ -251,8 +264,10 @@ def record_attention(model: torch.nn.Module) -> Iterator[list]:
             layer.kernel = kernel
 
 
-for _name in ("naive", "sdpa", "flash"):
-    WEIGHTS[_name] = attention_weights
+KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights))
+KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False))
+# the calculator's model of flash: the tiles' probabilities are not counted
+KERNELS.register("flash")(KernelSpec(fn=flash, weights=attention_weights, keeps_probabilities=False))
 
 # the kernels defined in their own files register themselves here
 from qkv.nn import linear_attention, sparse  # noqa: E402,F401

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.nn.kernels import KERNELS, WEIGHTS, RelativeValues, weighted_values, wide_dtype
+from qkv.nn.kernels import KERNELS, KernelSpec, RelativeValues, weighted_values, wide_dtype
 from qkv.nn.masks import causal_mask
 
 CHUNK = 64  # queries per step of the causal prefix sums
@@ -44,7 +44,6 @@ def linear_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool, b
     return sim / sim.sum(-1, keepdim=True)
 
 
-@KERNELS.register("linear")
 def linear(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
            scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
     if mask is not None or bias is not None or value_bias is not None:
@@ -77,4 +76,5 @@ def causal_linear(qf: Tensor, kf: Tensor, v: Tensor) -> Tensor:
     return torch.cat(outs, dim=2)  # (B, H, T, Dh)
 
 
-WEIGHTS["linear"] = linear_weights
+KERNELS.register("linear")(KernelSpec(fn=linear, weights=linear_weights, full=False, exact=False,
+                                      keeps_probabilities=False))

@@ -24,13 +24,12 @@ It matches F.linear + F.cross_entropy to float rounding (tests/nn/test_linear_cr
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.hooks import has_hooks
+from qkv.nn.hooks import has_hooks, is_dtensor
 
 IGNORE = -100
 CHUNK_ELEMENTS = 2 ** 21  # logits per chunk: 8 MiB of fp32
@@ -128,7 +127,3 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_s
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing)
     return cross_entropy(head(hidden), targets, label_smoothing)
 
-
-def is_dtensor(tensor: Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # not imported: nothing can be a DTensor
-    return module is not None and isinstance(tensor, module.DTensor)

@@ -9,6 +9,11 @@
 - `value_bias(q_positions, k_positions)`: a `RelativeValues` term the kernel adds to the weighted values
   (Shaw's sum_j a_ij a^V_ij), or None.
 
+Each class states its properties beside its hooks: `shift_invariant` (positions are seen only through
+differences, so a rolling cache may generate past max_seq_len: qkv.generate.families), `decoder_twin` (the
+registry name of its form in an encoder-decoder's decoder, or None for the same) and `even_head_dim`
+(rotates pairs of head coordinates).
+
 Every encoding takes the same keyword arguments (d_model, n_heads, head_dim, max_seq_len,
 rope_theta, max_distance) and ignores the ones it does not use. Positions are (B, T) integer
 tensors, so left-padded rows can carry their own positions.
@@ -29,6 +34,10 @@ POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
 
 class Positional(nn.Module):
     """No positional information: every hook is the identity."""
+
+    shift_invariant = True  # positions only through differences (here: not at all)
+    decoder_twin: str | None = None  # the encoder-decoder's decoder uses this registry entry instead
+    even_head_dim = False  # needs an even head width
 
     def __init__(self, **dims):
         super().__init__()
@@ -64,6 +73,8 @@ def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0, dtype=t
 
 @POSITIONALS.register("sinusoidal")
 class Sinusoidal(Positional):
+    shift_invariant = False  # absolute: positions past max_seq_len were never trained on
+
     def __init__(self, *, d_model: int, **dims):
         super().__init__()
         self.d_model = d_model
@@ -76,6 +87,8 @@ class Sinusoidal(Positional):
 @POSITIONALS.register("learned")
 class Learned(Positional):
     """A trained table P (max_seq_len, D); H0 = E + P[positions] (note 000 LLM §2.1)."""
+
+    shift_invariant = False  # absolute: the table has no row max_seq_len
 
     def __init__(self, *, d_model: int, max_seq_len: int, **dims):
         super().__init__()
@@ -97,6 +110,8 @@ class Rotary(Positional):
     than the note's (2i, 2i+1); the two differ by a fixed permutation of the head dimensions, which
     leaves every dot product unchanged (docs/DEVIATIONS.md).
     """
+
+    even_head_dim = True  # rotates pairs of head coordinates
 
     def __init__(self, *, head_dim: int, rope_theta: float, **dims):
         super().__init__()

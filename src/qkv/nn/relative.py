@@ -120,6 +120,7 @@ class T5Bias(Positional):
     on the past (T5's decoder)."""
 
     bidirectional = True
+    decoder_twin = "t5_causal"
 
     def __init__(self, *, n_heads: int, max_distance: int, **dims):
         super().__init__()
@@ -138,3 +139,4 @@ class T5Bias(Positional):
 @POSITIONALS.register("t5_causal")
 class T5CausalBias(T5Bias):
     bidirectional = False
+    decoder_twin = None

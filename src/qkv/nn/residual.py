@@ -8,19 +8,29 @@ Note 002 writes Post-Norm as x + LN(F(x)); that is neither of the first two (doc
 
 A placement that needs two norms per sublayer receives them as one `NormPair` module (`norm.inner`,
 `norm.outer`), so the block keeps one norm attribute per sublayer and its signature; `sublayer_norm`
-builds what a placement needs.
+builds what a placement needs. Each registry entry is a `Placement`: the wrapper and its two facts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import Tensor, nn
 
 from qkv.registry import Registry
 
-RESIDUALS: Registry[Callable[..., Tensor]] = Registry("norm placement")
-PAIRED = ("sandwich",)  # placements whose `norm` is a NormPair
-STREAM_NORMED = ("post",)  # placements whose blocks end in a norm: the stack needs no final norm
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One residual placement: the registry entry of model.norm_placement."""
+
+    apply: Callable[..., Tensor]  # (x, norm, sublayer, *args) -> the sublayer's residual update of x
+    paired: bool = False  # each sublayer's `norm` is an (inner, outer) NormPair
+    final_norm: bool = True  # the blocks leave the stream unnormalised: the stack ends with a norm
+
+
+RESIDUALS: Registry[Placement] = Registry("norm placement")
 
 
 class NormPair(nn.Module):
@@ -33,24 +43,21 @@ class NormPair(nn.Module):
 
 def sublayer_norm(placement: str, make_norm: Callable[[], nn.Module]) -> nn.Module:
     """The norm module one sublayer of `placement` takes: a NormPair for sandwich, else one norm."""
-    return NormPair(make_norm(), make_norm()) if placement in PAIRED else make_norm()
+    return NormPair(make_norm(), make_norm()) if RESIDUALS.get(placement).paired else make_norm()
 
 
-def needs_final_norm(placement: str) -> bool:
-    """Pre-LN and sandwich stacks leave the residual stream unnormalised: they end with a norm."""
-    return placement not in STREAM_NORMED
-
-
-@RESIDUALS.register("pre")
 def pre_norm(x: Tensor, norm: Callable, sublayer: Callable, *args) -> Tensor:
     return x + sublayer(norm(x), *args)
 
 
-@RESIDUALS.register("post")
 def post_norm(x: Tensor, norm: Callable, sublayer: Callable, *args) -> Tensor:
     return norm(x + sublayer(x, *args))
 
 
-@RESIDUALS.register("sandwich")
 def sandwich_norm(x: Tensor, norm: NormPair, sublayer: Callable, *args) -> Tensor:
     return x + norm.outer(sublayer(norm.inner(x), *args))
+
+
+RESIDUALS.register("pre")(Placement(pre_norm))
+RESIDUALS.register("post")(Placement(post_norm, final_norm=False))  # every block already ends in a norm
+RESIDUALS.register("sandwich")(Placement(sandwich_norm, paired=True))

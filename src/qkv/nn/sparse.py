@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from qkv.nn.kernels import KERNELS, WEIGHTS, RelativeValues, attention_weights, tiled, weighted_values
+from qkv.nn.kernels import KERNELS, KernelSpec, RelativeValues, attention_weights, tiled, weighted_values
 
 GLOBAL_KEYS = 2  # BigBird's global tokens: the first keys every query attends to
 RANDOM_KEYS = 3  # BigBird's r random keys (3 random blocks in the paper)
@@ -94,7 +94,6 @@ def band(T: int, S: int, window: int, device) -> tuple[Tensor, Tensor, Tensor, i
     return rows, cols, valid, b
 
 
-@KERNELS.register("local")
 def local(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
           scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
     """softmax over the keys with |i - j| <= w, per query block of b = w rows against its W = b + 2w band
@@ -126,14 +125,12 @@ def local(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
 # ---------------------------------------------------------------------------------------- dilated, random
 
 
-@KERNELS.register("dilated")
 def dilated(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
             scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
     return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
                  value_bias=value_bias, pattern=functools.partial(dilated_pattern, window=window))
 
 
-@KERNELS.register("random")
 def random(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
            scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
     pattern, mask = with_global_keys(functools.partial(random_pattern, window=window), mask,
@@ -155,6 +152,10 @@ def sparse_weights(pattern_fn, global_keys: bool = False):
     return weights
 
 
-WEIGHTS["local"] = sparse_weights(local_pattern)
-WEIGHTS["dilated"] = sparse_weights(dilated_pattern)
-WEIGHTS["random"] = sparse_weights(random_pattern, global_keys=True)
+# causal local attention reads the w keys before each query: a rolling cache of w columns serves it
+KERNELS.register("local")(KernelSpec(fn=local, weights=sparse_weights(local_pattern), windowed=True,
+                                     reach=lambda window: window, full=False))
+KERNELS.register("dilated")(KernelSpec(fn=dilated, weights=sparse_weights(dilated_pattern), windowed=True,
+                                       full=False))
+KERNELS.register("random")(KernelSpec(fn=random, weights=sparse_weights(random_pattern, global_keys=True),
+                                      windowed=True, full=False))

@@ -31,6 +31,8 @@ class Sublayer(NamedTuple):
 class Residual(NamedTuple):
     forward: Callable  # (x, norm, sub) -> (y, cache)
     backward: Callable  # (dy, cache, norm, sub) -> (dx, norm_extra, sub_extra)
+    paired: bool = False  # the sublayer norm is an (inner, outer) pair (as qkv.nn.residual.Placement)
+    final_norm: bool = True  # the stack ends with a norm
 
 
 RESIDUALS: Registry[Residual] = Registry("norm placement")
@@ -80,9 +82,8 @@ def sandwich_backward(dy, cache, norm: tuple[Sublayer, Sublayer], sub: Sublayer)
 
 
 RESIDUALS.register("pre")(Residual(pre_forward, pre_backward))
-RESIDUALS.register("post")(Residual(post_forward, post_backward))
-RESIDUALS.register("sandwich")(Residual(sandwich_forward, sandwich_backward))
-PAIRED = ("sandwich",)  # placements whose sublayer norm is an (inner, outer) pair, as qkv.nn.residual
+RESIDUALS.register("post")(Residual(post_forward, post_backward, final_norm=False))
+RESIDUALS.register("sandwich")(Residual(sandwich_forward, sandwich_backward, paired=True))
 
 
 # ---- sublayers bound to their parameters -----------------------------------------------------
@@ -94,7 +95,7 @@ def norm_sublayer(params: dict, cfg) -> Sublayer:
 
 def sublayer_norm(params: dict, cfg):
     """What the placement takes: one norm, or the (inner, outer) pair of a sandwich."""
-    if cfg.norm_placement in PAIRED:
+    if RESIDUALS.get(cfg.norm_placement).paired:
         return norm_sublayer(scope(params, "inner"), cfg), norm_sublayer(scope(params, "outer"), cfg)
     return norm_sublayer(params, cfg)
 

@@ -30,8 +30,6 @@ from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
 from qkv.registry import Registry
 
-DECODER_TWINS = {"t5": "t5_causal"}  # as qkv.models.build: T5's decoder spends its buckets on the past
-FULL_KERNELS = ("naive", "sdpa", "flash")  # as qkv.models.build: cross-attention always sees the whole source
 
 
 def embed_scale(cfg) -> float:
@@ -153,12 +151,13 @@ def cross_context(cfg, positions, src_mask, memory_len: int) -> AttentionContext
     """Queries at the target positions over all source columns minus padding; no positional hook and no
     own-column rescue (qkv.models.context.cross_context). A sparse or linear cfg.attention applies to
     self-attention only: cross-attention is full softmax attention (qkv.models.build.attention)."""
-    kernel = cfg.attention if cfg.attention in FULL_KERNELS else "sdpa"
+    kernel = KERNELS.get(cfg.attention)(cfg)
+    kernel = kernel if kernel.full else KERNELS.get("sdpa")(cfg)
     B, T = positions.shape
     mask = None if src_mask is None else np.broadcast_to(src_mask.astype(bool)[:, None, None, :],
                                                          (B, 1, T, memory_len))
     return AttentionContext(POSITIONALS.get("none")(cfg), positions, np.broadcast_to(np.arange(memory_len),
-                            (B, memory_len)), mask, causal=False, kernel=KERNELS.get(kernel)(cfg),
+                            (B, memory_len)), mask, causal=False, kernel=kernel,
                             n_heads=cfg.n_heads)
 
 
@@ -171,7 +170,7 @@ def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=
     encoder_params.setdefault("tok_emb.weight", params["tok_emb.weight"])  # tied: one W_E for both sides
     memory, cenc = encoder_stack_forward(encoder_params, cfg, src_ids, src_mask, aux_weight=aux_weight)  # (B, S, D)
     ctx = make_context(cfg, tgt_ids, tgt_mask, causal=True, params=params,
-                       positional=DECODER_TWINS.get(cfg.positional))
+                       positional=POSITIONALS.get(cfg.positional).decoder_twin)
     x, cemb = embed_forward(params, ctx, tgt_ids, cfg, scale=embed_scale(cfg))  # Y0   (B, T, D)
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, memory=memory,
                               memory_ctx=cross_context(cfg, ctx.positions, src_mask, memory.shape[1]),

@@ -23,6 +23,7 @@ from qkv.registry import Registry
 class Kernel(NamedTuple):
     forward: Callable
     backward: Callable
+    full: bool = True  # softmax over every allowed key (as qkv.nn.kernels.KernelSpec.full): cross-attention needs it
 
 
 class KernelGrads(NamedTuple):
@@ -155,4 +156,4 @@ def random_pattern(T: int, S: int, cfg, mask=None) -> np.ndarray:
 
 
 for _name, _fn in (("local", local_pattern), ("dilated", dilated_pattern), ("random", random_pattern)):
-    KERNELS.register(_name)(lambda cfg=None, _fn=_fn: _naive(cfg, _fn))
+    KERNELS.register(_name)(lambda cfg=None, _fn=_fn: _naive(cfg, _fn)._replace(full=False))

@@ -114,4 +114,4 @@ def linear_explicit(q, k, v, causal: bool):
     return (weights / weights.sum(axis=-1, keepdims=True)) @ v
 
 
-KERNELS.register("linear")(lambda cfg=None: Kernel(linear_forward, linear_backward))
+KERNELS.register("linear")(lambda cfg=None: Kernel(linear_forward, linear_backward, full=False))

@@ -18,7 +18,7 @@ import numpy as np
 
 from qkv.errors import QkvError
 from qkv.ref.attention import AttentionContext
-from qkv.ref.block import aux_losses, block_backward, block_forward
+from qkv.ref.block import RESIDUALS, aux_losses, block_backward, block_forward
 from qkv.ref.functional import (accumulate, cross_entropy_backward, cross_entropy_forward, embedding_backward,
                                 embedding_forward, linear_backward, linear_forward, scope)
 from qkv.ref.kernels import KERNELS
@@ -94,14 +94,14 @@ def embed_backward(dx, cache, grads):
 
 def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None, aux_weight: float = 0.0):
     """H^l = Block^l(H^{l-1}), l = 1..L, then the final norm where the placement leaves the stream
-    unnormalised (pre, sandwich: qkv.nn.residual.needs_final_norm)."""
+    unnormalised (pre, sandwich: the placement's `final_norm`)."""
     cblocks = []
     for i in range(layers):
         x, cb = block_forward(scope(params, f"blocks.{i}"), x, cfg, ctx, memory=memory, memory_ctx=memory_ctx,
                               aux_weight=aux_weight)
         cblocks.append(cb)
     cn = None
-    if cfg.norm_placement != "post":
+    if RESIDUALS.get(cfg.norm_placement).final_norm:
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "final_norm"), x, cfg.norm_eps)
     return x, (cblocks, cn, ctx, cfg)
 

@@ -29,6 +29,8 @@ POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
 class Positional:
     """No positional information: every hook is the identity (and so is its backward)."""
 
+    decoder_twin: str | None = None  # as qkv.nn.positional: the encoder-decoder's decoder uses this entry
+
     def __init__(self, cfg):
         self.cfg = cfg
 

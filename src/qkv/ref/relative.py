@@ -120,6 +120,7 @@ class T5Bias(Positional):
     """b_hij = W[bucket(j - i), h]; dW[r, h] = sum_{b, i, j: bucket = r} db_hij (a scatter-add)."""
 
     bidirectional = True
+    decoder_twin = "t5_causal"  # T5's decoder spends its buckets on the past
 
     def score_bias_forward(self, params, q, k, q_positions, k_positions):
         table = params["relative_attention_bias.weight"]  # (buckets, H)
@@ -136,4 +137,5 @@ class T5Bias(Positional):
 
 @POSITIONALS.register("t5_causal")
 class T5CausalBias(T5Bias):
+    decoder_twin = None
     bidirectional = False

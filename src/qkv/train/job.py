@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from qkv import presets
+from qkv.checks import check_run
 from qkv.config import RunConfig, read_json, section_from_dict
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
@@ -82,7 +83,7 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
             raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     elif out.exists() and any(out.iterdir()):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
-    cfg.validate()
+    check_run(cfg)
     parallel.check_layout(cfg, parallel.env_world())  # a mis-sized layout fails before the data is read
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
@@ -131,7 +132,7 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None,
     if other:
         raise QkvError(f"--resume keeps the run's config; only parallel.* may be set, not {other[0]!r}")
     saved = RunConfig.load(out / CONFIG_FILE)
-    cfg = with_limits(saved.override(list(layout)), max_steps, max_time).validate()  # never write an invalid config
+    cfg = check_run(with_limits(saved.override(list(layout)), max_steps, max_time))  # never write an invalid config
     if cfg != saved and parallel.env_rank() == 0:  # one writer under torchrun,
         cfg.save(out / (CONFIG_FILE + ".tmp"))  # replaced atomically: the other ranks may be reading it
         os.replace(out / (CONFIG_FILE + ".tmp"), out / CONFIG_FILE)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
+from qkv.nn.hooks import is_dtensor
 from qkv.nn.block import Block
 from qkv.nn.moe import MoE
 from qkv.train.memory import apply_activation_checkpointing
@@ -233,11 +233,6 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
 
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """A sharded DTensor? (Without importing torch.distributed.tensor: unloaded, nothing can be one.)"""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
 
 
 # ---- full state dicts for qkv's safetensors checkpoints ---------------------------------------------

@@ -27,16 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.models.context import self_context
+from qkv.nn.hooks import is_dtensor
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
+from qkv.registry import Registry
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
+# package takes over a second to import, and a config check only needs the names)
+SCHEDULES: Registry[str] = Registry("pipeline schedule")
+SCHEDULES.register("gpipe")("ScheduleGPipe")
+SCHEDULES.register("1f1b")("Schedule1F1B")
 
 
 def validate(cfg: RunConfig, dp: int = 1) -> None:
@@ -133,10 +137,12 @@ class Pipeline:
             torch.empty(*shape, d_model, device="meta", requires_grad=True)
         width = cfg.model.vocab_size if self.is_last else d_model
         outputs = torch.empty(*shape, width, device="meta", requires_grad=True)
-        self.stage = PipelineStage(wrap(self.stage_module), self.index, self.stages, device,
+        from torch.distributed import pipelining  # a second to import: only once a pipeline is built
+
+        self.stage = pipelining.PipelineStage(wrap(self.stage_module), self.index, self.stages, device,
                                    input_args=inputs, output_args=outputs, group=self.group)
         smoothing = tc.label_smoothing
-        self.schedule = SCHEDULES[pc.schedule](
+        self.schedule = getattr(pipelining, SCHEDULES.get(pc.schedule))(
             self.stage, n_microbatches=pc.microbatches,
             loss_fn=lambda logits, targets: cross_entropy(logits, targets, smoothing))  # each micro-batch's mean
 
@@ -177,7 +183,7 @@ class Pipeline:
         counted = [p.grad for p, owners in zip(self.params, self.owners)
                    if owners[0] == self.index and p.grad is not None]
         norm = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares = norm.float() ** 2
         dist.all_reduce(squares, group=self.group)
@@ -218,4 +224,4 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffe
 
 def local(tensor: Tensor) -> Tensor:
     """The rank's own data of a (possibly DTensor) tensor, for point-to-point collectives."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.nn.positional import Learned
-from qkv.nn.residual import PAIRED
+from qkv.nn.residual import RESIDUALS
 
 # encodings whose parameters or biases work per head on whole positions: supported as they are (none,
 # sinusoidal, rope: no parameters; learned: a replicated table; alibi: each rank keeps its heads' slopes)
@@ -95,7 +95,7 @@ def sequence_parallel_norm(cfg: ModelConfig) -> SequenceParallel | dict:
     Local outputs: the residual stream stays a plain tensor for every placement (post-norm puts a norm's
     output back into the stream)."""
     style = SequenceParallel(use_local_output=True)
-    return {"inner": style, "outer": style} if cfg.norm_placement in PAIRED else style
+    return {"inner": style, "outer": style} if RESIDUALS.get(cfg.norm_placement).paired else style
 
 
 def block_plan(cfg: ModelConfig) -> dict:
