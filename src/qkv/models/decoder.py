@@ -1,6 +1,6 @@
 """Decoder-only language model (GPT/LLaMA style; note 000 LLM part §1-2, note 003).
 
-    H0 = E[x] + P          (token embedding = one-hot(x) W_E, note 000 LLM §2.1)
+    H0 = E[x] + P          (token embedding = one-hot(x) W_E, note 000 LLM §2.1; qkv.nn.embedding)
     H^l = Block^l(H^{l-1})  for l = 1..L  (causal self-attention + FFN)
     logits = LN(H^L) W_out  (W_out = W_E^T when tied)
 """
@@ -11,17 +11,16 @@ from torch import Tensor, nn
 from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
+from qkv.nn.embedding import Embeddings
 from qkv.nn.linear_cross_entropy import head_cross_entropy
 from qkv.nn.positional import Positional
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(Embeddings):
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int):
         super().__init__()
-        self.tok_emb = tok_emb  # W_E (V, D)
-        self.positional = positional
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
+        self.set_embeddings(tok_emb, positional, dropout)
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied
@@ -35,7 +34,7 @@ class DecoderLM(nn.Module):
         With `targets` (B, T) (-100: ignored) it returns the mean cross-entropy instead, the head and the
         loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
         ctx = self.context(input_ids, attention_mask, cache)
-        x = self.dropout(self.positional.embed(self.tok_emb(input_ids), ctx.positions))  # (B, T, D)
+        x = self.embed(input_ids, ctx.positions)  # H0 (B, T, D)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)

@@ -10,27 +10,21 @@ class for its encoder.
 """
 from __future__ import annotations
 
-import math
-
-import torch
 from torch import Tensor, nn
 
 from qkv.models.context import self_context
 from qkv.nn.block import Block
+from qkv.nn.embedding import Embeddings
 from qkv.nn.positional import Positional
 
 
-class Encoder(nn.Module):
+class Encoder(Embeddings):
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, dropout: float, type_emb: nn.Embedding | None = None,
                  embed_norm: nn.Module | None = None, embed_scale: bool = False):
         super().__init__()
-        self.tok_emb = tok_emb  # W_E (V, D)
-        self.type_emb = type_emb  # token types (segments) (type_vocab_size, D), or None
-        self.positional = positional
-        self.embed_norm = embed_norm if embed_norm is not None else nn.Identity()
-        self.embed_scale = math.sqrt(tok_emb.embedding_dim) if embed_scale else 1.0
-        self.dropout = nn.Dropout(dropout)
+        self.set_embeddings(tok_emb, positional, dropout, type_emb=type_emb, embed_norm=embed_norm,
+                            embed_scale=embed_scale)
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
 
@@ -43,10 +37,3 @@ class Encoder(nn.Module):
         for block in self.blocks:
             x = block(x, ctx)
         return self.final_norm(x)  # (B, T, D)
-
-    def embed(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None) -> Tensor:
-        x = self.tok_emb(input_ids) * self.embed_scale  # (B, T, D)
-        if self.type_emb is not None:
-            types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            x = x + self.type_emb(types)
-        return self.dropout(self.embed_norm(self.positional.embed(x, positions)))

@@ -15,8 +15,6 @@ output, projected by the first cached call only.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -25,6 +23,7 @@ from qkv.models.encoder import Encoder
 from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
+from qkv.nn.embedding import Embeddings
 from qkv.nn.hooks import has_hooks
 from qkv.nn.linear_cross_entropy import head_cross_entropy, target_rows
 from qkv.nn.positional import Positional
@@ -67,17 +66,14 @@ class Seq2SeqCache(KVCache):
             self.memory_padding = self.memory_padding[rows]
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(Embeddings):
     def __init__(self, *, tok_emb: nn.Embedding, encoder: Encoder, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int,
                  embed_norm: nn.Module | None = None, embed_scale: bool = False):
         super().__init__()
-        self.tok_emb = tok_emb  # target W_E (V, D); first, so a shared W_E is saved as tok_emb.weight
+        # the target embedding first, so a shared W_E is saved as tok_emb.weight
+        self.set_embeddings(tok_emb, positional, dropout, embed_norm=embed_norm, embed_scale=embed_scale)
         self.encoder = encoder
-        self.positional = positional
-        self.embed_norm = embed_norm if embed_norm is not None else nn.Identity()
-        self.embed_scale = math.sqrt(tok_emb.embedding_dim) if embed_scale else 1.0
-        self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(blocks)  # each with cross_attn
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D)
@@ -115,8 +111,7 @@ class EncoderDecoder(nn.Module):
                       tgt_mask: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
         """The decoder stack's final hidden states (B, T, D), before the head."""
         ctx = self_context(self.positional, tgt_ids, tgt_mask, cache, causal=True)
-        x = self.dropout(self.embed_norm(self.positional.embed(self.tok_emb(tgt_ids) * self.embed_scale,
-                                                               ctx.positions)))  # (B, T, D)
+        x = self.embed(tgt_ids, ctx.positions)  # Y0 (B, T, D)
         memory, memory_ctx = self.memory_context(memory, src_mask, ctx.positions, cache)
         n = len(self.blocks)
         self_caches, cross_caches = (cache.layers, cache.cross) if cache is not None else ([None] * n, [None] * n)

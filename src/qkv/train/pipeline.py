@@ -91,6 +91,7 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if first:
             self.tok_emb, self.dropout = model.tok_emb, model.dropout
+            self.embed = model.embed  # the model's embedding equation (qkv.nn.embedding), on these modules
         if last:
             self.final_norm, self.lm_head = model.final_norm, model.lm_head
 
@@ -101,7 +102,7 @@ class Stage(nn.Module):
         ids = x if self.first else torch.zeros(B, T, dtype=torch.long, device=x.device)
         ctx = self_context(self.positional, ids, None, None, causal=True)
         if self.first:
-            x = self.dropout(self.positional.embed(self.tok_emb(x), ctx.positions))  # (B, T, D)
+            x = self.embed(x, ctx.positions)  # H0 (B, T, D)
         for block in self.blocks.values():
             x = block(x, ctx)
         if self.last:
