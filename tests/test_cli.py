@@ -16,7 +16,7 @@ import torch
 
 import qkv
 from qkv.cli import main
-from qkv.train.checkpoint import MODEL_FILE, read_tensors
+from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import COLUMNS, MetricsLog
 from tests.train import TINY, setup_env, trained_run
 

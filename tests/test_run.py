@@ -8,8 +8,9 @@ from safetensors.torch import save_file
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.run import load
+from qkv import files
 from qkv.train import checkpoint
-from qkv.train.checkpoint import MODEL_FILE, read_tensors
+from qkv.files import MODEL_FILE, read_tensors
 from tests.train import setup_env, trained_run
 
 
@@ -44,7 +45,7 @@ def test_load_reads_a_committed_set_and_never_touches_staging(run_copy):
     (staging / MODEL_FILE).write_bytes(b"half written")
     commit.mkdir()
     newer = build_model(load(run_copy).config.model)  # different weights from the trained ones
-    save_file(checkpoint.model_tensors(newer), str(commit / MODEL_FILE))
+    save_file(files.model_tensors(newer), str(commit / MODEL_FILE))
     run = load(run_copy)
     for name, p in newer.named_parameters():
         assert torch.equal(run.model.get_parameter(name).detach(), p.detach()), name

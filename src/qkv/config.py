@@ -4,7 +4,7 @@
 `ParallelConfig` how it is laid out over processes. `RunConfig` holds the four and is what a run dir
 stores as config.json.
 
-This module is a leaf: it imports nothing of qkv but the error type. `validate()` checks what the config
+This module is a leaf: it imports nothing of qkv but the error type and the JSON reader (qkv.files). `validate()` checks what the config
 can check alone (types, ranges, combinations of fields); the variant names (norm, positional, attention,
 schedule, ...) belong to the registries beside the code they name, which check them where they are used,
 and `qkv.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.errors import QkvError
+from qkv.files import read_json
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.train.loop.autocast)
 
@@ -279,6 +280,21 @@ class RunConfig:
         return cfg
 
 
+def merge_file(cfg: RunConfig, path: Path) -> RunConfig:
+    """cfg with the sections of a --config JSON file laid over it (fields it does not name stay cfg's)."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise QkvError(f"{path}: expected a JSON object with sections model, train, data, parallel")
+    merged = cfg.to_dict()
+    for section, values in raw.items():
+        if section not in merged:
+            raise QkvError(f"{path}: unknown section {section!r}; choose from: {', '.join(merged)}")
+        if not isinstance(values, dict):
+            raise QkvError(f"{path}: section {section!r} must be a JSON object")
+        merged[section].update(values)
+    return RunConfig(**{name: section_from_dict(name, merged[name], str(path)) for name in merged})
+
+
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "parallel": ParallelConfig}
 
 
@@ -331,17 +347,6 @@ def parse_value(key: str, text: str, kind: Any) -> Any:
         return tuple(part for part in text.split(",") if part)
     except ValueError:
         raise QkvError(f"{key}={text!r} is not a valid {_type_name(kind)}") from None
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QkvError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QkvError(f"{path}: not valid JSON ({exc})") from None
-    except IsADirectoryError:
-        raise QkvError(f"{path}: is a directory, expected a JSON file") from None
 
 
 def _type_name(kind: Any) -> str:

@@ -7,15 +7,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.checks import check_run
+from qkv import files
 from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
+from qkv.files import CONFIG_FILE, TOKENIZER_FILE
 from qkv.models import build_model
-from qkv.train import checkpoint
-
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
+from qkv.models.build import check_model
 
 
 @dataclass
@@ -40,12 +38,13 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         return hf.load(path, device)
     if not (path / CONFIG_FILE).is_file():
         raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
-    config = check_run(RunConfig.load(path / CONFIG_FILE))
-    model_file = checkpoint.committed_file(path, checkpoint.MODEL_FILE)  # reads only: training may be running
+    config = RunConfig.load(path / CONFIG_FILE).validate()
+    check_model(config.model)  # the model's names: a run is loaded to use its model, not to train it
+    model_file = files.committed_file(path, files.MODEL_FILE)  # reads only: training may be running
     if not model_file.is_file():
-        raise QkvError(f"{path}: has no checkpoint yet ({checkpoint.MODEL_FILE} is missing)")
+        raise QkvError(f"{path}: has no checkpoint yet ({files.MODEL_FILE} is missing)")
     tokenizer = Tokenizer.load(path / TOKENIZER_FILE)
     model = build_model(config.model)
-    tensors = checkpoint.read_tensors(model_file)
-    checkpoint.load_model_tensors(model, tensors, str(model_file))
+    tensors = files.read_tensors(model_file)
+    files.load_model_tensors(model, tensors, str(model_file))
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer)

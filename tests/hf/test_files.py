@@ -13,6 +13,7 @@ import qkv
 from qkv.config import ModelConfig, RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.models import build_model
+from qkv import files
 from qkv.train import checkpoint
 from tests.hf import V, cli, max_diff, right_padded, save_hf
 from tests.train import verse
@@ -42,7 +43,7 @@ def write_run(path, cfg: ModelConfig, tokenizer: Tokenizer | None = None):
     path.mkdir(parents=True)
     RunConfig(model=cfg).save(path / "config.json")
     (tokenizer or bpe()).save(path / "tokenizer.json")
-    save_file(checkpoint.model_tensors(model), str(path / checkpoint.MODEL_FILE))
+    save_file(files.model_tensors(model), str(path / files.MODEL_FILE))
     return path
 
 

@@ -8,8 +8,9 @@ import torch
 from qkv.config import TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
+from qkv import files
 from qkv.train import checkpoint
-from qkv.train.checkpoint import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS
+from qkv.files import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS
 from qkv.train.optim import OPTIMIZERS
 
 TC = TrainConfig(lr=1e-2)
@@ -35,7 +36,7 @@ def save_set(run_dir, model, optimizer, step: int) -> None:
 
 def load_set(run_dir, cfg):
     model = build_model(cfg)
-    checkpoint.load_model_tensors(model, checkpoint.read_tensors(run_dir / MODEL_FILE), "test")
+    files.load_model_tensors(model, files.read_tensors(run_dir / MODEL_FILE), "test")
     optimizer = OPTIMIZERS.get("adamw")(model, TC)
     tensors, state = checkpoint.load_state(run_dir)
     checkpoint.load_optimizer(optimizer, tensors, state["optimizer"])
@@ -60,19 +61,19 @@ def test_save_load_gives_bit_identical_next_steps(tmp_path, tiny_cfg):
 
 def test_tied_head_is_stored_once(tmp_path, tiny_cfg):
     model = build_model(tiny_cfg)
-    names = set(checkpoint.model_tensors(model))
+    names = set(files.model_tensors(model))
     assert names == {n for n, _ in model.named_parameters()}
     assert len(names) == len(list(model.parameters()))
 
 
 def test_missing_or_misshapen_tensor_is_a_clear_error(tiny_cfg):
     model = build_model(tiny_cfg)
-    tensors = checkpoint.model_tensors(model)
+    tensors = files.model_tensors(model)
     with pytest.raises(QkvError, match="missing tensor 'final_norm.weight'"):
-        checkpoint.load_model_tensors(model, {k: v for k, v in tensors.items() if k != "final_norm.weight"}, "f")
+        files.load_model_tensors(model, {k: v for k, v in tensors.items() if k != "final_norm.weight"}, "f")
     tensors["final_norm.weight"] = torch.zeros(3)
     with pytest.raises(QkvError, match=r"final_norm.weight has shape \(3,\)"):
-        checkpoint.load_model_tensors(model, tensors, "f")
+        files.load_model_tensors(model, tensors, "f")
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def two_sets(tmp_path, tiny_cfg):
 
 
 def assert_complete_set(run_dir, cfg, expected_model, step: int) -> None:
-    assert checkpoint.has_checkpoint(run_dir)
+    assert files.has_checkpoint(run_dir)
     assert not (run_dir / ".staging").exists() and not (run_dir / ".commit").exists()
     model, _, state = load_set(run_dir, cfg)
     assert state["step"] == step and same_weights(model, expected_model)
@@ -139,7 +140,7 @@ def test_crash_after_the_commit_rolls_forward(tmp_path, tiny_cfg, two_sets, monk
     monkeypatch.undo()
     left = sorted(p.name for p in (tmp_path / ".commit").iterdir())
     assert left == sorted(CHECKPOINT_FILES[moved:])
-    assert checkpoint.committed_file(tmp_path, MODEL_FILE).parent.name == (".commit" if moved == 0 else tmp_path.name)
+    assert files.committed_file(tmp_path, MODEL_FILE).parent.name == (".commit" if moved == 0 else tmp_path.name)
     checkpoint.recover(tmp_path)
     assert_complete_set(tmp_path, tiny_cfg, at_b, step=2)
 
@@ -156,9 +157,9 @@ def test_corrupt_files_are_qkv_errors(tmp_path, tiny_cfg, two_sets):
     data = (tmp_path / MODEL_FILE).read_bytes()
     (tmp_path / MODEL_FILE).write_bytes(data[: len(data) // 2])
     with pytest.raises(QkvError, match="not a readable safetensors file"):
-        checkpoint.read_tensors(tmp_path / MODEL_FILE)
+        files.read_tensors(tmp_path / MODEL_FILE)
     with pytest.raises(QkvError, match="no such file"):
-        checkpoint.read_tensors(tmp_path / "absent.safetensors")
+        files.read_tensors(tmp_path / "absent.safetensors")
     (tmp_path / STATE_JSON).write_text('{"step": 1, "optim')
     with pytest.raises(QkvError, match="corrupt training state"):
         checkpoint.load_state(tmp_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from qkv import files
 from qkv.train import checkpoint
 
 CHILD = textwrap.dedent("""
@@ -47,9 +48,9 @@ def test_sigkill_during_saves_leaves_one_complete_set(tmp_path, delay):
     child.send_signal(signal.SIGKILL)
     child.wait()
     checkpoint.recover(run)
-    assert checkpoint.has_checkpoint(run)
+    assert files.has_checkpoint(run)
     assert not (run / ".staging").exists() and not (run / ".commit").exists()
-    weights = checkpoint.read_tensors(run / checkpoint.MODEL_FILE)
+    weights = files.read_tensors(run / files.MODEL_FILE)
     tensors, state = checkpoint.load_state(run)
     step = state["step"]
     assert step >= int(first)

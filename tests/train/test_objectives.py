@@ -17,7 +17,7 @@ from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.run import load
 from qkv.train import objectives
-from qkv.train.checkpoint import MODEL_FILE, read_tensors
+from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.evaluate import val_loss
 from qkv.train.metrics import MetricsLog
 from qkv.train.objectives import OBJECTIVES

@@ -19,9 +19,9 @@ import torch
 
 from qkv.cli import main
 from qkv.data.dataset import Batches
-from qkv.run import CONFIG_FILE
+from qkv.files import CONFIG_FILE
 from qkv.train import parallel
-from qkv.train.checkpoint import MODEL_FILE, read_tensors
+from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
 from tests.train import setup_env, shared_dir
 from tests.train.parallel_worker import CHECKPOINT_STEP, STEPS, ZEROS, cli_args, run_config, train_recorded

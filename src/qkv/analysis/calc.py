@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qkv import presets
 from qkv.analysis import flops, memory, params
-from qkv.config import RunConfig
+from qkv.config import RunConfig, merge_file
 from qkv.errors import QkvError
 
 
@@ -22,8 +22,6 @@ def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -
     """The preset (or the defaults), then the JSON file, then --set; the model section validated."""
     cfg = presets.get(preset) if preset else RunConfig()
     if config_file:
-        from qkv.train.job import merge_file
-
         cfg = merge_file(cfg, Path(config_file))
     cfg = cfg.override(overrides)
     from qkv.models.build import check_model  # torch: the registries name the variants

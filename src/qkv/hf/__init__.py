@@ -20,6 +20,7 @@ from torch import nn
 
 from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
+from qkv.files import MODEL_FILE, load_model_tensors, model_tensors
 from qkv.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family)
 from qkv.hf.common import FAMILIES, Family
 from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
@@ -27,7 +28,6 @@ from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
 from qkv.models.build import check_model
 from qkv.run import Run
-from qkv.train import checkpoint
 
 __all__ = ["convert_from_hf", "is_hf_dir", "load", "save", "supported"]
 
@@ -71,7 +71,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     except QkvError as exc:
         raise QkvError(f"{path}: {exc}") from None
     model = build_model(cfg)
-    checkpoint.load_model_tensors(model, tensors, str(path / WEIGHTS))
+    load_model_tensors(model, tensors, str(path / WEIGHTS))
     tokenizer, _ = read_tokenizer(path, hf)
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer)
@@ -103,15 +103,15 @@ def save(run_or_model: Run | nn.Module, out_dir: str | Path, *, config: ModelCon
         raise QkvError("qkv.hf.save(model, dir) needs config=ModelConfig (or pass a Run)")
     family = exporter(cfg)
     architecture, hf = family.hf_config(cfg)
-    tensors = family.to_hf(checkpoint.model_tensors(model), cfg)
+    tensors = family.to_hf(model_tensors(model), cfg)
     hf = {"architectures": [architecture], **hf, "dtype": "float32"}
     tokenizer = run.tokenizer if run is not None else None
     decoder = cfg.arch == "decoder"
     if tokenizer is not None and decoder:  # generation's start and stop token
         hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.eos_id)
-    files = {CONFIG: to_json(hf),
-             **hf_tokenizer_files(tokenizer, original_tokenizer(run), cfg.max_seq_len, decoder)}
-    write_dir(Path(out_dir), files, {name: t.float() for name, t in tensors.items()})
+    documents = {CONFIG: to_json(hf),
+                 **hf_tokenizer_files(tokenizer, original_tokenizer(run), cfg.max_seq_len, decoder)}
+    write_dir(Path(out_dir), documents, {name: t.float() for name, t in tensors.items()})
     return Path(out_dir)
 
 
@@ -140,7 +140,7 @@ def convert_from_hf(src: str | Path, out: str | Path) -> Path:
         run.config.save(tmp / CONFIG)
         run.tokenizer.save(tmp / TOKENIZER)
         (tmp / ORIGINAL).write_text((src / TOKENIZER).read_text(encoding="utf-8"), encoding="utf-8")
-        save_file(checkpoint.model_tensors(run.model), str(tmp / checkpoint.MODEL_FILE))
+        save_file(model_tensors(run.model), str(tmp / MODEL_FILE))
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from qkv.config import read_json
 from qkv.errors import QkvError
 from qkv.hf.common import Tensors
-from qkv.train.checkpoint import read_tensors
+from qkv.files import read_json, read_tensors
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qkv.config import read_json
+from qkv.files import read_json
 from qkv.data.tokenizer import EOS, Tokenizer
 from qkv.errors import QkvError
 from qkv.hf.files import TOKENIZER

@@ -1,6 +1,6 @@
 """Checkpoints: safetensors for tensors, JSON for everything else; never pickle.
 
-A run dir holds config.json and tokenizer.json (written once) and the checkpoint set model.safetensors,
+A run dir (its layout and tensor I/O: qkv.files) holds config.json and tokenizer.json (written once) and the checkpoint set model.safetensors,
 train_state.safetensors, train_state.json (rewritten at every checkpoint). A new set is written into
 `.staging/` and fsynced; renaming `.staging` to `.commit` marks it complete; its files then replace the
 old ones one by one and `.commit` is removed. A crash before the rename leaves the old set (the partial
@@ -11,65 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from qkv.errors import QkvError
-
-MODEL_FILE = "model.safetensors"
-STATE_TENSORS = "train_state.safetensors"
-STATE_JSON = "train_state.json"
-CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS, STATE_JSON)
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (a tied weight once, under its first name) and persistent buffers, on the CPU."""
-    tensors = {name: p.detach() for name, p in model.named_parameters()}
-    tensors.update({name: b.detach() for name, b in model.named_buffers()
-                    if name.rpartition(".")[2] not in _non_persistent(model, name)})
-    return {name: t.to("cpu").contiguous() for name, t in tensors.items()}
-
-
-def _non_persistent(model: nn.Module, buffer_name: str) -> set[str]:
-    owner = model.get_submodule(buffer_name.rpartition(".")[0]) if "." in buffer_name else model
-    return owner._non_persistent_buffers_set
-
-
-def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], origin: str) -> None:
-    """Copy `tensors` into `model`; every parameter must be present with its shape."""
-    expected = dict(model.named_parameters())
-    for name, param in expected.items():
-        if name not in tensors:
-            raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")
-        if tuple(tensors[name].shape) != tuple(param.shape):
-            raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
-                           f"config.json needs {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(_like(tensors[name], param))
-
-
-def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A full tensor laid out as `param`: its own shard of a sharded (DTensor) parameter under FSDP2 or
-    tensor parallel, cut locally (every rank read the same file: no communication)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no parameter is a DTensor
-    if dtensor is not None and isinstance(param, dtensor.DTensor):
-        return dtensor.distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                         src_data_rank=None)
-    return value
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise QkvError(f"{path}: no such file") from None
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise QkvError(f"{path}: not a readable safetensors file ({exc})") from None
+from qkv.files import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS, model_tensors, read_tensors
 
 
 def _fsync_file(path: Path) -> None:
@@ -119,17 +68,6 @@ def recover(run_dir: Path) -> None:
         shutil.rmtree(commit)
     if staging.exists():
         shutil.rmtree(staging)
-
-
-def committed_file(run_dir: Path, name: str) -> Path:
-    """Where the newest complete copy of `name` is, without writing anything (a reader must not `recover`:
-    it would delete the `.staging` a running trainer is writing): in `.commit` until a save moves it out."""
-    pending = Path(run_dir) / ".commit" / name
-    return pending if pending.is_file() else Path(run_dir) / name
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    return all((Path(run_dir) / name).is_file() for name in CHECKPOINT_FILES)
 
 
 def load_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:

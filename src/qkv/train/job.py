@@ -10,10 +10,10 @@ from typing import Callable
 
 from qkv import presets
 from qkv.checks import check_run
-from qkv.config import RunConfig, read_json, section_from_dict
+from qkv.config import RunConfig, merge_file
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
-from qkv.run import CONFIG_FILE, TOKENIZER_FILE
+from qkv.files import CONFIG_FILE, TOKENIZER_FILE
 from qkv.train import finetune, objectives, parallel
 from qkv.train.loop import Trainer
 
@@ -49,20 +49,6 @@ def with_limits(cfg: RunConfig, max_steps: int | None, max_time: float | None) -
     if max_time is not None:
         train = dataclasses.replace(train, max_time=max_time)
     return dataclasses.replace(cfg, train=train)
-
-
-def merge_file(cfg: RunConfig, path: Path) -> RunConfig:
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise QkvError(f"{path}: expected a JSON object with sections model, train, data, parallel")
-    merged = cfg.to_dict()
-    for section, values in raw.items():
-        if section not in merged:
-            raise QkvError(f"{path}: unknown section {section!r}; choose from: {', '.join(merged)}")
-        if not isinstance(values, dict):
-            raise QkvError(f"{path}: section {section!r} must be a JSON object")
-        merged[section].update(values)
-    return RunConfig(**{name: section_from_dict(name, merged[name], str(path)) for name in merged})
 
 
 def default_out(preset: str) -> Path:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from qkv import files
 from qkv.analysis import flops
 from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
@@ -126,10 +127,10 @@ class Trainer:
         if self.layout.is_main:
             checkpoint.recover(self.run_dir)
         self.layout.barrier()  # every rank reads the same complete set
-        weights = self.run_dir / checkpoint.MODEL_FILE
+        weights = self.run_dir / files.MODEL_FILE
         if weights.is_file():  # also a run with weights only (imported, converted): fine-tuning starts there
-            checkpoint.load_model_tensors(self.model, checkpoint.read_tensors(weights), str(weights))
-        if not checkpoint.has_checkpoint(self.run_dir):
+            files.load_model_tensors(self.model, files.read_tensors(weights), str(weights))
+        if not files.has_checkpoint(self.run_dir):
             if weights.is_file():
                 self.log(f"{self.run_dir}: weights without training state; fine-tuning them from step 0")
             return False
@@ -171,7 +172,7 @@ class Trainer:
         weights = parallel.full_model_state(self.model, self.layout)
         if self.layout.is_main:
             self.model = self.wrapped = build_model(self.cfg.model).to(self.device)
-            checkpoint.load_model_tensors(self.model, weights, "the gathered weights")
+            files.load_model_tensors(self.model, weights, "the gathered weights")
         parallel.shutdown()
 
     # ---- one step ----------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 def full_model_state(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
     """The whole model's tensors on rank 0 (empty elsewhere), named as in a single process: parameters
     (a tied weight once, under its first name) and persistent buffers. Collective."""
-    from qkv.train.checkpoint import model_tensors
+    from qkv.files import model_tensors
 
     if not layout.distributed:
         return model_tensors(model)

@@ -1,0 +1,105 @@
+"""File formats below every layer that reads or writes them (train, hf, analysis, generate, the run loader).
+
+A run dir (DESIGN.md "Files"):
+
+    config.json                 the RunConfig (qkv.config), written once
+    tokenizer.json              the BPE tokenizer (qkv.data.tokenizer), written once
+    model.safetensors           weights                       } the checkpoint set, replaced atomically by
+    train_state.safetensors     optimizer moments, RNG bytes  } qkv.train.checkpoint (.staging, then .commit)
+    train_state.json            step, data position, schedule }
+    metrics.csv                 one row per logged step
+
+Tensors are read and written as safetensors and everything else as JSON: nothing is loaded with pickle, so
+loading a file never runs code. Every read error is a QkvError that names the file.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qkv.errors import QkvError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+MODEL_FILE = "model.safetensors"
+STATE_TENSORS = "train_state.safetensors"
+STATE_JSON = "train_state.json"
+CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS, STATE_JSON)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QkvError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QkvError(f"{path}: not valid JSON ({exc})") from None
+    except IsADirectoryError:
+        raise QkvError(f"{path}: is a directory, expected a JSON file") from None
+
+
+def read_tensors(path: Path) -> dict[str, "torch.Tensor"]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise QkvError(f"{path}: no such file") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QkvError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def model_tensors(model: "nn.Module") -> dict[str, "torch.Tensor"]:
+    """Parameters (a tied weight once, under its first name) and persistent buffers, on the CPU."""
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    tensors.update({name: b.detach() for name, b in model.named_buffers()
+                    if name.rpartition(".")[2] not in _non_persistent(model, name)})
+    return {name: t.to("cpu").contiguous() for name, t in tensors.items()}
+
+
+def _non_persistent(model: "nn.Module", buffer_name: str) -> set[str]:
+    owner = model.get_submodule(buffer_name.rpartition(".")[0]) if "." in buffer_name else model
+    return owner._non_persistent_buffers_set
+
+
+def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], origin: str) -> None:
+    """Copy `tensors` into `model`; every parameter must be present with its shape."""
+    import torch
+
+    expected = dict(model.named_parameters())
+    for name, param in expected.items():
+        if name not in tensors:
+            raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
+                           f"config.json needs {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(_like(tensors[name], param))
+
+
+def _like(value: "torch.Tensor", param: "torch.Tensor") -> "torch.Tensor":
+    """A full tensor laid out as `param`: its own shard of a sharded (DTensor) parameter under FSDP2 or
+    tensor parallel, cut locally (every rank read the same file: no communication)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no parameter is a DTensor
+    if dtensor is not None and isinstance(param, dtensor.DTensor):
+        return dtensor.distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                         src_data_rank=None)
+    return value
+
+
+def committed_file(run_dir: Path, name: str) -> Path:
+    """Where the newest complete copy of `name` is, without writing anything (a reader must not `recover`:
+    it would delete the `.staging` a running trainer is writing): in `.commit` until a save moves it out."""
+    pending = Path(run_dir) / ".commit" / name
+    return pending if pending.is_file() else Path(run_dir) / name
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return all((Path(run_dir) / name).is_file() for name in CHECKPOINT_FILES)
