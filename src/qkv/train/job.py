@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -125,13 +123,6 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None,
     return cfg
 
 
-def summary_line(summary: dict) -> str:
-    """The summary as strict JSON: a value that is not finite (a NaN loss) is null, never NaN or Infinity."""
-    clean = {key: None if isinstance(value, float) and not math.isfinite(value) else value
-             for key, value in summary.items()}
-    return json.dumps(clean, allow_nan=False)
-
-
 def check_engine(engine: str, *, resume: bool, max_time: float) -> None:
     """--engine ref trains from step 0 for a number of steps: refuse the rest before anything is written."""
     if engine != "ref":
@@ -155,40 +146,6 @@ def bits_per_char(trainer: Trainer) -> float | None:
     result = score_tokens(trainer.model, trainer.data.val, characters=trainer.data.val_chars,
                           seq_len=context, stride=max(1, context // 2), device=trainer.device)
     return round(result["bits_per_char"], 4)
-
-
-def describe(summary: dict) -> str:
-    bits, val = summary.get("val_bits_per_char"), summary.get("val_loss")
-    bits_text = "" if bits is None else f", {bits:.4f} bits/char"
-    val_text = "not finite" if val is None or not math.isfinite(val) else f"{val:.4f}"
-    counts = (("skipped_steps", "skipped steps"), ("spikes", "loss spikes"))
-    trouble = [f"{summary[key]} {name}" for key, name in counts if summary.get(key)]
-    trouble_text = f" ({', '.join(trouble)})" if trouble else ""
-    rate = f"{summary['tokens_per_s']:,} tokens/s"
-    if summary.get("flops_per_s"):
-        rate += f", {summary['flops_per_s'] / 1e9:.1f} GFLOP/s"
-    if summary.get("mfu"):
-        rate += f", MFU {summary['mfu']:.1%}"
-    accuracy = [f"{key.replace('_', ' ')} {value:.3f}" for key, value in summary.items()
-                if key.endswith(("accuracy", "chrf")) and value is not None]  # held-out figures: classifier, seq2seq
-    accuracy_text = "".join(f", {text}" for text in accuracy)
-    return (f"qkv: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s "
-            f"({rate}){trouble_text}; validation loss {val_text}"
-            f"{bits_text}{accuracy_text}; run saved in {summary['run']}")
-
-
-def sample(trainer: Trainer, cfg: RunConfig, max_new_tokens: int = 200) -> str:
-    """A short top-p sample from the trained model, starting from the start-of-text token."""
-    import torch
-
-    from qkv.generate import generate
-
-    tokenizer = trainer.data.tokenizer
-    start_ids = torch.tensor([[tokenizer.eos_id]], device=trainer.device)
-    new = min(max_new_tokens, cfg.model.max_seq_len - 1)
-    ids = generate(trainer.model, start_ids, max_new_tokens=new, strategy="top-p", top_p=0.9, temperature=0.8,
-                   seed=cfg.train.seed, stop_tokens=(tokenizer.eos_id,))
-    return "--- sample ---\n" + tokenizer.decode([i for i in ids[0, 1:].tolist() if i != tokenizer.eos_id])
 
 
 def run_reference(trainer: Trainer) -> dict:
