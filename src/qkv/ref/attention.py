@@ -7,6 +7,7 @@ those of qkv.nn.attention.Attention: q_proj, k_proj, v_proj, o_proj, each with w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,21 @@ class AttentionContext:
     n_heads: int
     params: dict = field(default_factory=dict)  # the positional encoding's parameters (shared by the layers)
     grads: dict = field(default_factory=dict)  # their gradients, accumulated (+=) by every layer's backward
+
+
+class AttentionCache(NamedTuple):
+    """What attention_forward keeps for attention_backward."""
+
+    q_proj: tuple  # linear_forward's cache of each projection
+    k_proj: tuple
+    v_proj: tuple
+    rotation: Any  # the positional encoding's rotate_forward cache
+    score_bias: Any  # its score_bias_forward cache
+    kernel: Any  # the kernel's forward cache
+    o_proj: tuple
+    ctx: AttentionContext
+    groups: int  # query heads per key/value head (H / Hkv)
+    cross: bool  # keys and values came from a memory (cross-attention)
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -72,34 +88,34 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=Dh ** -0.5,
                                       value_bias=value_bias)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
-    return y, (cq, ck, cv, crot, cbias, ckern, co, ctx, groups, memory is not None)
+    return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None)
 
 
-def attention_backward(dy: np.ndarray, cache):
+def attention_backward(dy: np.ndarray, cache: AttentionCache):
     """The forward's steps in reverse (000 LLM §3.3.3): o_proj, split, kernel (steps 1-4), the score bias,
     repeat_kv, rotation, merge, projections (step 5). Returns (dx, dmemory or None, grads); the positional
     encoding's parameter gradients go to ctx.grads."""
-    cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross = cache
+    ctx, groups = cache.ctx, cache.groups
     grads: dict = {}
-    dmerged, g = linear_backward(dy, co)  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
+    dmerged, g = linear_backward(dy, cache.o_proj)  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
     accumulate(grads, g, "o_proj")
-    dq, dk, dv, dbias, dvalue_table = ctx.kernel.backward(split_heads(dmerged, ctx.n_heads), ckern)
+    dq, dk, dv, dbias, dvalue_table = ctx.kernel.backward(split_heads(dmerged, ctx.n_heads), cache.kernel)
     if dbias is not None:  # a learnt / content-dependent bias: dS flows into q, k and the encoding's tables
-        dq_bias, dk_bias, g = ctx.positional.score_bias_backward(dbias, cbias)
+        dq_bias, dk_bias, g = ctx.positional.score_bias_backward(dbias, cache.score_bias)
         dq = dq if dq_bias is None else dq + dq_bias
         dk = dk if dk_bias is None else dk + dk_bias
         accumulate(ctx.grads, g)
     if dvalue_table is not None:
         accumulate(ctx.grads, {ctx.positional.value_param: dvalue_table})
     dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
-    dq, dk = ctx.positional.rotate_backward(dq, dk, crot)
-    dx, g = linear_backward(merge_heads(dq), cq)  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
+    dq, dk = ctx.positional.rotate_backward(dq, dk, cache.rotation)
+    dx, g = linear_backward(merge_heads(dq), cache.q_proj)  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
     accumulate(grads, g, "q_proj")
-    dsource_k, g = linear_backward(merge_heads(dk), ck)
+    dsource_k, g = linear_backward(merge_heads(dk), cache.k_proj)
     accumulate(grads, g, "k_proj")
-    dsource_v, g = linear_backward(merge_heads(dv), cv)
+    dsource_v, g = linear_backward(merge_heads(dv), cache.v_proj)
     accumulate(grads, g, "v_proj")
     dsource = dsource_k + dsource_v
-    if cross:
+    if cache.cross:
         return dx, dsource, grads
     return dx + dsource, None, grads  # dH = dQ W_Q^T + dK W_K^T + dV W_V^T (step 5)

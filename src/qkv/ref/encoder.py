@@ -133,7 +133,7 @@ def encoder_forward(params: dict, cfg, input_ids, token_type_ids=None, attention
     hidden, cenc = encoder_stack_forward(stack_params, cfg, input_ids, attention_mask, token_type_ids, aux_weight)
     head = HEADS.get(cfg.head)
     out, chead = head.forward(params, cfg, hidden, attention_mask)
-    return out, {"blocks": cenc[1][0], "tape": (prefix, cenc, head, chead)}
+    return out, {"blocks": cenc[1].blocks, "tape": (prefix, cenc, head, chead)}
 
 
 def encoder_backward(dout, cache) -> dict:
@@ -178,7 +178,7 @@ def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=
     out_name = output_name(params, "lm_head.weight", "tok_emb.weight")
     logits, chead = linear_forward(x, params[out_name])  # (B, T, V)
     tied_source = "encoder.tok_emb.weight" not in params
-    return logits, {"blocks": cenc[1][0] + cstack[0], "tape": (cenc, cemb, cstack, chead, out_name, tied_source)}
+    return logits, {"blocks": cenc[1].blocks + cstack.blocks, "tape": (cenc, cemb, cstack, chead, out_name, tied_source)}
 
 
 def encoder_decoder_backward(dlogits, cache) -> dict:

@@ -12,7 +12,7 @@ output projection). A family's cache is a dict whose "blocks" lists every block 
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -63,6 +63,27 @@ def make_context(cfg, input_ids, attention_mask, causal: bool, params: dict | No
                             n_heads=cfg.n_heads, params=scope(params or {}, "positional"))
 
 
+class EmbedCache(NamedTuple):
+    """What embed_forward keeps for embed_backward."""
+
+    tokens: tuple  # embedding_forward's cache of E[x]
+    types: tuple | None  # of T[type], or None without token types
+    positions: Any  # the positional encoding's embed_forward cache
+    norm: Any  # the embedding norm's cache, or None
+    scale: float  # s
+    positional: Any  # the encoding (its embed_backward)
+    norm_name: str  # model.norm (the embedding norm's backward)
+
+
+class StackCache(NamedTuple):
+    """What stack_forward keeps for stack_backward."""
+
+    blocks: list  # each block's cache, in forward order
+    final_norm: Any  # the final norm's cache, or None (Post-LN)
+    ctx: AttentionContext  # holds the positional encoding's accumulated gradients
+    norm_name: str
+
+
 def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type_ids=None, scale: float = 1.0):
     """H0 = Norm_emb(E[x] * s + T[type] + P): the type table and the norm only where params hold them
     (encoder families; qkv.models.encoder.Encoder.embed)."""
@@ -76,19 +97,18 @@ def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type
     x, cp = ctx.positional.embed_forward(ctx.params, x, ctx.positions)  # H0 = E + P
     if "embed_norm.weight" in params:
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "embed_norm"), x, cfg.norm_eps)
-    return x, (ce, ct, cp, cn, scale, ctx.positional, cfg)
+    return x, EmbedCache(ce, ct, cp, cn, scale, ctx.positional, cfg.norm if cfg is not None else "")
 
 
-def embed_backward(dx, cache, grads):
-    ce, ct, cp, cn, scale, positional, cfg = cache
-    if cn is not None:
-        dx, g = NORMS.get(cfg.norm).backward(dx, cn)
+def embed_backward(dx, cache: EmbedCache, grads):
+    if cache.norm is not None:
+        dx, g = NORMS.get(cache.norm_name).backward(dx, cache.norm)
         accumulate(grads, g, "embed_norm")
-    dx, g = positional.embed_backward(dx, cp)  # dP = dH0 (000 LLM §3.5), learned tables only
+    dx, g = cache.positional.embed_backward(dx, cache.positions)  # dP = dH0 (000 LLM §3.5), learned tables only
     accumulate(grads, g, "positional")
-    if ct is not None:
-        accumulate(grads, embedding_backward(dx, ct)[1], "type_emb")  # scatter-add onto the type rows
-    _, g = embedding_backward(dx * scale, ce)  # dW_E = onehot^T (s dH0): scatter-add (§3.5)
+    if cache.types is not None:
+        accumulate(grads, embedding_backward(dx, cache.types)[1], "type_emb")  # scatter-add onto the type rows
+    _, g = embedding_backward(dx * cache.scale, cache.tokens)  # dW_E = onehot^T (s dH0): scatter-add (§3.5)
     accumulate(grads, g, "tok_emb")
 
 
@@ -103,14 +123,14 @@ def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None
     cn = None
     if RESIDUALS.get(cfg.norm_placement).final_norm:
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "final_norm"), x, cfg.norm_eps)
-    return x, (cblocks, cn, ctx, cfg)
+    return x, StackCache(cblocks, cn, ctx, cfg.norm)
 
 
 def stack_backward(dx, cache, grads):
     """Returns (dH0, dmemory summed over the layers or None); the encoding's gradients join grads."""
-    cblocks, cn, ctx, cfg = cache
-    if cn is not None:
-        dx, g = NORMS.get(cfg.norm).backward(dx, cn)
+    cblocks, ctx = cache.blocks, cache.ctx
+    if cache.final_norm is not None:
+        dx, g = NORMS.get(cache.norm_name).backward(dx, cache.final_norm)
         accumulate(grads, g, "final_norm")
     dmemory = None
     for i in reversed(range(len(cblocks))):  # 000 LLM §3.4: layer by layer, l = L..1
@@ -136,7 +156,7 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, aux_weight=aux_weight)
     out_name = output_name(params, "lm_head.weight", "tok_emb.weight")  # tied: W_out is W_E itself
     logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)
-    return logits, {"blocks": cstack[0], "tape": (cemb, cstack, chead, out_name)}
+    return logits, {"blocks": cstack.blocks, "tape": (cemb, cstack, chead, out_name)}
 
 
 def decoder_backward(dlogits: np.ndarray, cache) -> dict:
