@@ -22,7 +22,7 @@ from typing import Any
 from qkv.errors import QkvError
 from qkv.files import read_json
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.train.loop.autocast)
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.train.precision.autocast)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,10 +138,10 @@ def pipeline_run(cfg: RunConfig, data) -> tuple[list[float], dict[str, torch.Ten
     opt = optimizer(runner.model.parameters())  # a whole-model optimizer: it skips parameters without gradients
     losses, grads = [], {}
     for step, (inputs, targets) in enumerate(data):
-        loss = runner.forward_backward(inputs, targets)
+        loss, _ = runner.forward_backward((inputs, targets))
         if step == 0:
             grads = {name: p.grad.clone() for name, p in runner.named_parameters()}
-        runner.clip_grad_norm(CLIP)
+        runner.clip(CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -14,7 +14,7 @@ from qkv import presets
 from qkv.data.dataset import Prepared
 from qkv.errors import QkvError
 from qkv.nn.linear_cross_entropy import cross_entropy
-from qkv.train.loop import Clock, Trainer
+from qkv.train.loop import Trainer
 from qkv.train.metrics import MetricsLog
 
 VOCAB = 64
@@ -221,26 +221,3 @@ def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
     assert rows[0]["val_loss"] == "" and float(rows[0]["tokens_per_s"]) == 100.0
     MetricsLog(path, resume_step=0)  # a resume without a checkpoint starts the log again
     assert MetricsLog.read(path) == []
-
-
-def test_progress_bar_length_is_unknown_until_a_time_budget_is_fitted(tmp_path):
-    timed = trainer(tmp_path, "timed", max_time=60.0, max_steps=100_000)
-    assert timed.bar_total() is None  # not the 100,000-step cap with its hours-long ETA
-    timed.state.step, timed.state.elapsed = 50, 10.0  # 0.2 s a step, past the first check (5% of 60 s)
-    clock = Clock(0.0)
-    timed.fit_horizon(clock)
-    assert timed.bar_total() == timed.state.horizon == 50 + int(50 / 0.2)
-    assert trainer(tmp_path, "counted", max_steps=7).bar_total() == 7
-
-
-def test_time_horizon_follows_the_speed_since_the_last_fit(tmp_path):
-    """A slow start (a busy machine) is forgotten at the next check: the horizon uses the recent speed."""
-    timed = trainer(tmp_path, max_time=100.0, max_steps=100_000)
-    clock = Clock(0.0)
-    timed.state.step, timed.state.elapsed = 10, 10.0  # 1 s a step at first
-    timed.fit_horizon(clock)
-    assert timed.state.horizon == 10 + 90 and clock.checks == [0.2, 0.5]
-    timed.state.step, timed.state.elapsed = 110, 20.0  # then 0.1 s a step
-    timed.fit_horizon(clock)
-    assert timed.state.horizon == 110 + int(80 / 0.1)  # the whole-run average (0.18 s) would give 554
-    assert clock.checks == [0.5] and clock.fitted == (20.0, 110)

@@ -7,6 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from qkv.config import TrainConfig
+from qkv.train import schedules
 from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
 
 LR, MIN_LR, D_MODEL = 3e-3, 3e-4, 512
@@ -120,3 +122,40 @@ def test_lr_scaling_rules():
     assert LR_SCALING.get("none")(4.0) == 1.0
     assert LR_SCALING.get("linear")(4.0) == 4.0  # batch x k -> lr x k (note 000 LLM §10.2)
     assert LR_SCALING.get("sqrt")(4.0) == 2.0
+
+
+# ------------------------------------------------------------------------------------------ time budget horizon
+
+
+def test_progress_bar_length_is_unknown_until_a_time_budget_is_fitted():
+    timed = TrainConfig(max_time=60.0, max_steps=100_000)
+    assert schedules.known_horizon(timed, timed.max_steps) is None  # not the 100,000-step cap's hours-long ETA
+    clock = schedules.Clock(0.0)
+    horizon = schedules.fit_horizon(timed, 50, 10.0, timed.max_steps, clock)  # 0.2 s a step, past 5% of 60 s
+    assert horizon == 50 + int(50 / 0.2) and schedules.known_horizon(timed, horizon) == horizon
+    assert schedules.known_horizon(TrainConfig(max_steps=7), 7) == 7
+
+
+def test_time_horizon_follows_the_speed_since_the_last_fit():
+    """A slow start (a busy machine) is forgotten at the next check: the horizon uses the recent speed."""
+    timed = TrainConfig(max_time=100.0, max_steps=100_000)
+    clock = schedules.Clock(0.0)
+    horizon = schedules.fit_horizon(timed, 10, 10.0, timed.max_steps, clock)  # 1 s a step at first
+    assert horizon == 10 + 90 and clock.checks == [0.2, 0.5]
+    horizon = schedules.fit_horizon(timed, 110, 20.0, horizon, clock)  # then 0.1 s a step
+    assert horizon == 110 + int(80 / 0.1)  # the whole-run average (0.18 s) would give 554
+    assert clock.checks == [0.5] and clock.fitted == (20.0, 110)
+    assert schedules.fit_horizon(timed, 120, 21.0, horizon, clock) == horizon  # no check due: unchanged
+    assert schedules.fit_horizon(TrainConfig(max_steps=9), 5, 1e9, 9, schedules.Clock(0.0)) == 9  # no budget
+
+
+def test_step_rows_ramp_and_split_evenly_over_the_data_parallel_ranks():
+    tc = TrainConfig(batch_size=16, batch_warmup_steps=4, batch_warmup_start=3)
+    assert [schedules.step_rows(tc, s) for s in range(6)] == [3, 6, 9, 12, 16, 16]
+    assert [schedules.step_rows(tc, s, dp=4) for s in range(6)] == [4, 4, 8, 12, 16, 16]
+
+
+def test_learning_rate_scales_with_the_rows():
+    tc = TrainConfig(schedule="constant", lr=1e-3, warmup_steps=0, lr_scaling="sqrt", batch_size=8, base_batch=2)
+    assert schedules.learning_rate(tc, 5, horizon=10, d_model=64) == pytest.approx(2e-3, rel=1e-12)
+    assert schedules.learning_rate(tc, 5, horizon=10, d_model=64, rows=2) == pytest.approx(1e-3, rel=1e-12)

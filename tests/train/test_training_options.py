@@ -115,19 +115,6 @@ def test_a_loss_spike_is_reported_and_counted(tmp_path):
     assert float(rows[1]["loss"]) > 3 * float(rows[0]["loss"])
 
 
-def test_spike_needs_history_and_respects_the_factor(tmp_path):
-    t = trainer(tmp_path, spike_factor=3.0, spike_window=12)
-    for loss in [1.0] * 9:
-        t.track_spike(loss)
-    t.track_spike(100.0)  # 9 losses of history: too few to judge
-    assert t.state.spikes == 0
-    t.track_spike(2.9)  # the median of 10 losses is 1.0
-    t.track_spike(3.01)
-    assert t.state.spikes == 1 and len(t.state.recent_losses) == 12
-    t.track_spike(math.nan)  # not finite: skipped steps are counted elsewhere
-    assert len(t.state.recent_losses) == 12
-
-
 def test_tensorboard_scalars_equal_metrics_csv(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -5,20 +5,45 @@ train_state.safetensors, train_state.json (rewritten at every checkpoint). A new
 `.staging/` and fsynced; renaming `.staging` to `.commit` marks it complete; its files then replace the
 old ones one by one and `.commit` is removed. A crash before the rename leaves the old set (the partial
 `.staging` is discarded); a crash after it is rolled forward by `recover`. Either way one complete set.
+
+The training state besides weights and moments (`State`: step, horizon, clock, data position, counters) is
+JSON; the random generators' states go to the tensors (torch, NumPy's keys) and the JSON (Python's, NumPy's
+position), so a resumed run draws exactly the numbers the uninterrupted one would have.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from qkv.errors import QkvError
 from qkv.files import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS, model_tensors, read_tensors
+
+
+@dataclass
+class State:
+    """Everything besides weights and moments that a resume needs, saved as JSON."""
+
+    step: int = 0
+    horizon: int = 0  # the step count the LR schedule is fitted to
+    elapsed: float = 0.0  # training seconds over all sessions
+    tokens: int = 0
+    best_val: float = math.inf
+    batches: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+    skipped: int = 0  # steps whose update was skipped (non-finite loss or gradients), all sessions
+    bad_steps: int = 0  # skipped steps in a row, up to now
+    spikes: int = 0
+    recent_losses: list = field(default_factory=list)  # the last train.spike_window finite losses
 
 
 def _fsync_file(path: Path) -> None:
@@ -104,3 +129,32 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise QkvError(f"optimizer state does not match the model ({exc})") from None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    json_state = {"python": [version, list(internal), gauss],
+                  "numpy": [name, pos, has_gauss, cached]}
+    tensors = {"rng.torch": torch.get_rng_state(), "rng.numpy_keys": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return json_state, tensors
+
+
+def restore_rng(json_state: dict, tensors: dict[str, torch.Tensor]) -> None:
+    if not json_state:
+        return
+    version, internal, gauss = json_state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, pos, has_gauss, cached = json_state["numpy"]
+    np.random.set_state((name, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])

@@ -101,6 +101,18 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def resolve_device(name: str) -> torch.device:
+    """train.device: auto (CUDA when there is one), cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QkvError(f"train.device={name!r} but no CUDA device is available; use cpu or auto")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise QkvError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+
+
 def env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

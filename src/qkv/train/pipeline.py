@@ -35,6 +35,7 @@ from qkv.nn.hooks import is_dtensor
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
 from qkv.registry import Registry
+from qkv.train.precision import autocast
 
 # parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
 # package takes over a second to import, and a config check only needs the names)
@@ -119,7 +120,7 @@ class Pipeline:
                  *, dp: int = 1, wrap=lambda module: module):
         validate(cfg, dp)
         pc, tc = cfg.parallel, cfg.train
-        self.model, self.group, self.device = model, pp_mesh.get_group(), device
+        self.model, self.group, self.device, self.precision = model, pp_mesh.get_group(), device, tc.precision
         self.stages, self.index = pp_mesh.size(), pp_mesh.get_local_rank()
         self.ranks = dist.get_process_group_ranks(self.group)  # global rank of each stage
         splits = stage_layers(len(model.blocks), self.stages)
@@ -156,7 +157,14 @@ class Pipeline:
         mine = {id(p) for p in self.stage_module.parameters()}
         return [(name, p) for name, p in self.model.named_parameters() if id(p) in mine]
 
-    def forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+    def forward_backward(self, batch: tuple[Tensor, Tensor], backward=None) -> tuple[Tensor, Tensor]:
+        """The step runner's method (qkv.train.steps): the schedule runs parallel.microbatches micro-batches
+        itself (`backward` is not used). Returns (the batch-mean loss on every stage, aux 0)."""
+        with autocast(self.device, self.precision):
+            loss = self.run_schedule(*batch)
+        return loss, torch.zeros((), device=self.device)
+
+    def run_schedule(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Run the schedule over one batch: gradients of the batch-mean loss on this stage's parameters
         (shared ones summed over the stages). Returns the batch-mean loss on every stage. Collective."""
         losses: list[Tensor] = []
@@ -178,7 +186,7 @@ class Pipeline:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(local(param.grad), group=self.group)
 
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
+    def clip(self, max_norm: float) -> Tensor:
         """Global-norm clipping (note 000 LLM §4.3) of the whole model's gradient: each stage's sum of squares
         (a shared parameter counted on its first stage only), summed over the stages."""
         counted = [p.grad for p, owners in zip(self.params, self.owners)

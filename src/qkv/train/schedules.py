@@ -11,6 +11,7 @@ Batch-size warmup (LLM §10.2 "开始时用小批次，逐渐增加") and the sc
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 from qkv.registry import Registry
@@ -87,3 +88,68 @@ LR_SCALING: Registry[Callable[[float], float]] = Registry("lr_scaling")
 LR_SCALING.register("none")(lambda ratio: 1.0)
 LR_SCALING.register("linear")(lambda ratio: ratio)  # Goyal et al. 2017; note 000 LLM §10.2
 LR_SCALING.register("sqrt")(math.sqrt)  # Krizhevsky 2014 / Hoffer et al. 2017, often used with Adam
+
+
+# ---------------------------------------------------------------------------------------- a step's LR and rows
+
+
+def learning_rate(tc, step: int, *, horizon: int, d_model: int, rows: int | None = None) -> float:
+    """schedule(step) * scale(rows / base_batch) (the linear scaling rule, note 000 LLM §10.2) for a
+    TrainConfig `tc` whose schedule is fitted to `horizon` steps."""
+    scheduled = SCHEDULES.get(tc.schedule)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps,
+                                           total=horizon, d_model=d_model)
+    ratio = (rows or tc.batch_size) / (tc.base_batch or tc.batch_size)
+    return scheduled * LR_SCALING.get(tc.lr_scaling)(ratio)
+
+
+def step_rows(tc, step: int, dp: int = 1) -> int:
+    """Rows of the batch used at `step` (batch-size warmup; batch_size once it is over), a multiple of the
+    dp ranks so that each reads an equal shard (docs/distributed.md)."""
+    rows = batch_rows(step, batch_size=tc.batch_size, start=tc.batch_warmup_start, warmup_steps=tc.batch_warmup_steps)
+    return max(dp, rows - rows % dp)
+
+
+# ---------------------------------------------------------------------------------------- the clock and the horizon
+
+HORIZON_CHECKS = (0.05, 0.2, 0.5)  # fractions of max_time at which the step horizon is re-estimated
+
+
+class Clock:
+    """Training seconds over all sessions, the throughput since the last logged row, and the time-budget
+    fits still to come."""
+
+    def __init__(self, elapsed_before: float):
+        self.elapsed_before, self.session_start = elapsed_before, time.perf_counter()
+        self.window_start, self.tokens = time.perf_counter(), 0
+        self.checks = list(HORIZON_CHECKS)  # fractions of max_time still to fit the step horizon at
+        self.fitted = (0.0, 0)  # (elapsed, step) of the last fit; the first fit averages the whole run
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.session_start
+
+    def rate(self) -> float:
+        """Tokens per second since the previous call; starts a new window."""
+        now = time.perf_counter()
+        rate = self.tokens / max(1e-9, now - self.window_start)
+        self.window_start, self.tokens = now, 0
+        return rate
+
+
+def fit_horizon(tc, step: int, elapsed: float, horizon: int, clock: Clock) -> int:
+    """The step horizon under a time budget (tc.max_time with tc.time_horizon): re-estimated at each check
+    from the speed since the previous one (the first: since the run began), so a slow start (a busy machine,
+    warm-up) does not cut the run short once the steps get faster; the LR schedule then ends there."""
+    if not (tc.max_time and tc.time_horizon) or not clock.checks or elapsed < clock.checks[0] * tc.max_time:
+        return horizon
+    since_elapsed, since_step = clock.fitted
+    seconds_per_step = (elapsed - since_elapsed) / max(1, step - since_step)
+    remaining = max(0.0, tc.max_time - elapsed)
+    clock.fitted = (elapsed, step)
+    clock.checks = [c for c in clock.checks if elapsed < c * tc.max_time]
+    return min(tc.max_steps, step + max(1, int(remaining / max(1e-9, seconds_per_step))))
+
+
+def known_horizon(tc, horizon: int) -> int | None:
+    """The run's length for a progress bar: unknown until a time budget's horizon is first fitted."""
+    unfitted = tc.max_time and tc.time_horizon and horizon == tc.max_steps
+    return None if unfitted else horizon

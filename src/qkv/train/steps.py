@@ -1,0 +1,64 @@
+"""One step's forward and backward, per layout: the Trainer asks its runner and never the layout.
+
+A runner has three methods:
+
+    forward_backward(batch, backward) -> (loss, aux)   the batch-mean loss and MoE aux loss, gradients in place
+    clip(max_norm) -> norm                             global-norm clipping over every rank's share
+    sync(optimizer=None)                               make each rank's whole model the trained one (a no-op
+                                                       but for the pipeline), before a save or an evaluation
+
+`MicroBatches` serves one process, data parallel (DDP, ZeRO via FSDP2) and tensor parallel: the batch (this
+rank's b / dp rows) in micro-batches of batch_size / accumulation / dp rows, each weighted by its share b_i / b
+(note 000 LLM §10.4: the accumulated gradient is the gradient of the whole batch), communicated once per step.
+The pipeline's runner is qkv.train.pipeline.Pipeline.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from qkv.config import RunConfig
+from qkv.train import parallel
+
+# backward(module, micro, share) -> (loss, aux), both detached: one micro-batch's forward and backward
+Backward = Callable[[nn.Module, tuple[Tensor, ...], float], tuple[Tensor, Tensor]]
+
+
+class MicroBatches:
+    def __init__(self, model: nn.Module, cfg: RunConfig, layout: parallel.Layout):
+        # from outside, in torchtitan's order: tensor parallel, activation checkpointing, DDP / FSDP2;
+        # model keeps the parameter names, wrapped is what the training forward calls
+        self.model, self.wrapped = model, parallel.parallelize(model, cfg, layout)
+        self.micro_rows = cfg.train.batch_size // cfg.train.accumulation // layout.dp
+        self.device = layout.device
+
+    def forward_backward(self, batch: tuple[Tensor, ...], backward: Backward) -> tuple[Tensor, Tensor]:
+        rows = len(batch[0])
+        micros = list(zip(*(tensor.split(self.micro_rows) for tensor in batch)))
+        total = torch.zeros((), device=self.device)
+        aux_total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micros):
+            share = len(micro[0]) / rows  # b_i / b: 1 / accumulation for a full batch
+            with parallel.grad_sync(self.wrapped, enabled=i == len(micros) - 1):  # communicate once per step
+                loss, aux = backward(self.wrapped, micro, share)
+            total += loss * share
+            aux_total += aux * share
+        return total, aux_total
+
+    def clip(self, max_norm: float) -> Tensor:
+        return parallel.clip_grad_norm(self.model.parameters(), max_norm)  # also over FSDP2 / TP shards
+
+    def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        pass  # every rank's model (or its shards) is already the trained one
+
+
+def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout):
+    """parallel.pp > 1: this rank's pipeline stage under its schedule; else micro-batches."""
+    if layout.pp > 1:
+        from qkv.train.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
+
+        return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp,
+                        wrap=lambda stage: parallel.parallelize(stage, cfg, layout))
+    return MicroBatches(model, cfg, layout)
