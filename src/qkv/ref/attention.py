@@ -1,7 +1,9 @@
 """Multi-head attention layer, forward and backward (000 LLM §2.2.1 forward, §3.3.3 backward).
 
 MHA, GQA and MQA are one layer chosen by the shapes of k_proj / v_proj (n_kv_heads); cross-attention
-(000 §8.4) takes keys and values from `memory` and returns their gradient as well. Parameter names are
+(000 §8.4) takes keys and values from `memory`; every decoder layer reads the same memory, so its gradient
+is accumulated, as a parameter's is, under the name MEMORY_GRAD (the encoder-decoder's backward takes it
+from there into the encoder). Parameter names are
 those of qkv.nn.attention.Attention: q_proj, k_proj, v_proj, o_proj, each with weight (out, in) and bias.
 """
 from __future__ import annotations
@@ -12,9 +14,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from qkv.ref import flash, linear_attention  # noqa: F401  (register the "flash" and "linear" kernels)
-from qkv.ref.functional import accumulate, linear_backward, linear_forward, scope
+from qkv.ref.functional import Grads, linear_backward, linear_forward, scope
 from qkv.ref.kernels import Kernel
 from qkv.ref.positional import Positional
+
+
+MEMORY_GRAD = "<memory>"  # dL/dMemory, summed over the cross-attention layers (not a parameter)
 
 
 @dataclass
@@ -29,7 +34,7 @@ class AttentionContext:
     kernel: Kernel
     n_heads: int
     params: dict = field(default_factory=dict)  # the positional encoding's parameters (shared by the layers)
-    grads: dict = field(default_factory=dict)  # their gradients, accumulated (+=) by every layer's backward
+    positional_prefix: str = "positional."  # their full names' prefix: where every layer adds their gradients
 
 
 class AttentionCache(NamedTuple):
@@ -91,31 +96,26 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None)
 
 
-def attention_backward(dy: np.ndarray, cache: AttentionCache):
+def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> np.ndarray:
     """The forward's steps in reverse (000 LLM §3.3.3): o_proj, split, kernel (steps 1-4), the score bias,
-    repeat_kv, rotation, merge, projections (step 5). Returns (dx, dmemory or None, grads); the positional
-    encoding's parameter gradients go to ctx.grads."""
+    repeat_kv, rotation, merge, projections (step 5). Returns dx; the positional encoding's tables get
+    their gradients under ctx.positional_prefix, a cross-attention's memory under MEMORY_GRAD."""
     ctx, groups = cache.ctx, cache.groups
-    grads: dict = {}
-    dmerged, g = linear_backward(dy, cache.o_proj)  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
-    accumulate(grads, g, "o_proj")
+    dmerged = linear_backward(dy, cache.o_proj, grads.scope("o_proj"))  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
     dq, dk, dv, dbias, dvalue_table = ctx.kernel.backward(split_heads(dmerged, ctx.n_heads), cache.kernel)
+    positional_grads = grads.at(ctx.positional_prefix)  # one table shared by every layer: each adds its share
     if dbias is not None:  # a learnt / content-dependent bias: dS flows into q, k and the encoding's tables
-        dq_bias, dk_bias, g = ctx.positional.score_bias_backward(dbias, cache.score_bias)
+        dq_bias, dk_bias = ctx.positional.score_bias_backward(dbias, cache.score_bias, positional_grads)
         dq = dq if dq_bias is None else dq + dq_bias
         dk = dk if dk_bias is None else dk + dk_bias
-        accumulate(ctx.grads, g)
     if dvalue_table is not None:
-        accumulate(ctx.grads, {ctx.positional.value_param: dvalue_table})
+        positional_grads.add(ctx.positional.value_param, dvalue_table)
     dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
     dq, dk = ctx.positional.rotate_backward(dq, dk, cache.rotation)
-    dx, g = linear_backward(merge_heads(dq), cache.q_proj)  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
-    accumulate(grads, g, "q_proj")
-    dsource_k, g = linear_backward(merge_heads(dk), cache.k_proj)
-    accumulate(grads, g, "k_proj")
-    dsource_v, g = linear_backward(merge_heads(dv), cache.v_proj)
-    accumulate(grads, g, "v_proj")
-    dsource = dsource_k + dsource_v
+    dx = linear_backward(merge_heads(dq), cache.q_proj, grads.scope("q_proj"))  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
+    dsource = (linear_backward(merge_heads(dk), cache.k_proj, grads.scope("k_proj"))
+               + linear_backward(merge_heads(dv), cache.v_proj, grads.scope("v_proj")))
     if cache.cross:
-        return dx, dsource, grads
-    return dx + dsource, None, grads  # dH = dQ W_Q^T + dK W_K^T + dV W_V^T (step 5)
+        grads.at("").add(MEMORY_GRAD, dsource)  # 000 §8.4: every decoder layer reads the same memory
+        return dx
+    return dx + dsource  # dH = dQ W_Q^T + dK W_K^T + dV W_V^T (step 5)

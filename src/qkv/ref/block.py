@@ -8,6 +8,7 @@ of functions over (x, norm, sublayer), as in qkv.nn.residual:
     Sandwich (CogView, NormFormer): y = x + LN_out(F(LN_in(x)))  ->  dx = dy + LN_in'^T F'^T LN_out'^T dy
                               (its `norm` is the pair (inner, outer); parameter names norm.inner.*, norm.outer.*)
 The block calls its residuals in order; its backward calls their backward twins in the reverse order.
+Every backward has the engine's one form (qkv.ref.functional): dx = backward(dy, cache, grads).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from qkv.ref.attention import attention_backward, attention_forward
 from qkv.ref.ffn import FFNS
-from qkv.ref.functional import accumulate, scope
+from qkv.ref.functional import Grads, scope
 from qkv.ref.moe import MoECache, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.registry import Registry
@@ -25,12 +26,12 @@ from qkv.registry import Registry
 
 class Sublayer(NamedTuple):
     forward: Callable  # x -> (y, cache)
-    backward: Callable  # (dy, cache) -> (dx, extra); for attention and FFN sublayers extra = (grads, dmemory)
+    backward: Callable  # (dy, cache, grads) -> dx
 
 
 class Residual(NamedTuple):
     forward: Callable  # (x, norm, sub) -> (y, cache)
-    backward: Callable  # (dy, cache, norm, sub) -> (dx, norm_extra, sub_extra)
+    backward: Callable  # (dy, cache, norm, sub, norm_grads, sub_grads) -> dx
     paired: bool = False  # the sublayer norm is an (inner, outer) pair (as qkv.nn.residual.Placement)
     final_norm: bool = True  # the stack ends with a norm
 
@@ -44,11 +45,10 @@ def pre_forward(x, norm: Sublayer, sub: Sublayer):
     return x + s, (cn, cs)
 
 
-def pre_backward(dy, cache, norm: Sublayer, sub: Sublayer):
+def pre_backward(dy, cache, norm: Sublayer, sub: Sublayer, norm_grads: Grads, sub_grads: Grads):
     cn, cs = cache
-    dh, sub_extra = sub.backward(dy, cs)
-    dx, norm_extra = norm.backward(dh, cn)
-    return dy + dx, norm_extra, sub_extra  # the residual path carries dy through unchanged
+    dh = sub.backward(dy, cs, sub_grads)
+    return dy + norm.backward(dh, cn, norm_grads)  # the residual path carries dy through unchanged
 
 
 def post_forward(x, norm: Sublayer, sub: Sublayer):
@@ -57,11 +57,10 @@ def post_forward(x, norm: Sublayer, sub: Sublayer):
     return y, (cn, cs)
 
 
-def post_backward(dy, cache, norm: Sublayer, sub: Sublayer):
+def post_backward(dy, cache, norm: Sublayer, sub: Sublayer, norm_grads: Grads, sub_grads: Grads):
     cn, cs = cache
-    dz, norm_extra = norm.backward(dy, cn)
-    dx, sub_extra = sub.backward(dz, cs)
-    return dz + dx, norm_extra, sub_extra
+    dz = norm.backward(dy, cn, norm_grads)
+    return dz + sub.backward(dz, cs, sub_grads)
 
 
 def sandwich_forward(x, norm: tuple[Sublayer, Sublayer], sub: Sublayer):
@@ -72,13 +71,12 @@ def sandwich_forward(x, norm: tuple[Sublayer, Sublayer], sub: Sublayer):
     return x + o, (ci, cs, co)
 
 
-def sandwich_backward(dy, cache, norm: tuple[Sublayer, Sublayer], sub: Sublayer):
+def sandwich_backward(dy, cache, norm: tuple[Sublayer, Sublayer], sub: Sublayer, norm_grads: Grads,
+                      sub_grads: Grads):
     (inner, outer), (ci, cs, co) = norm, cache
-    ds, outer_grads = outer.backward(dy, co)
-    dh, sub_extra = sub.backward(ds, cs)
-    dx, inner_grads = inner.backward(dh, ci)
-    norm_grads = accumulate(accumulate({}, inner_grads, "inner"), outer_grads, "outer")
-    return dy + dx, norm_grads, sub_extra
+    ds = outer.backward(dy, co, norm_grads.scope("outer"))
+    dh = sub.backward(ds, cs, sub_grads)
+    return dy + inner.backward(dh, ci, norm_grads.scope("inner"))
 
 
 RESIDUALS.register("pre")(Residual(pre_forward, pre_backward))
@@ -101,11 +99,7 @@ def sublayer_norm(params: dict, cfg):
 
 
 def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
-    def backward(dy, cache):
-        dx, dmemory, grads = attention_backward(dy, cache)
-        return dx, (grads, dmemory)
-
-    return Sublayer(lambda x: attention_forward(params, x, ctx, memory), backward)
+    return Sublayer(lambda x: attention_forward(params, x, ctx, memory), attention_backward)
 
 
 def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
@@ -118,12 +112,7 @@ def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
     else:
         ffn = FFNS.get(cfg.ffn)
         forward, backward = (lambda x: ffn.forward(params, x, cfg.activation)), ffn.backward
-
-    def backward_with_no_memory(dy, cache):
-        dx, grads = backward(dy, cache)
-        return dx, (grads, None)
-
-    return Sublayer(forward, backward_with_no_memory)
+    return Sublayer(forward, backward)
 
 
 def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
@@ -146,19 +135,12 @@ def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx
     return x, (parts, caches, residual)
 
 
-def block_backward(dy: np.ndarray, cache):
-    """The residuals' backward twins in reverse order. Returns (dx, dmemory or None, grads)."""
+def block_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
+    """The residuals' backward twins in reverse order. Returns dx."""
     parts, caches, residual = cache
-    grads: dict = {}
-    dmemory = None
     for (name, norm_name, norm, sub), part_cache in zip(reversed(parts), reversed(caches)):
-        dy, norm_grads, sub_extra = residual.backward(dy, part_cache, norm, sub)
-        accumulate(grads, norm_grads, norm_name)
-        sub_grads, dmem = sub_extra
-        accumulate(grads, sub_grads, name)
-        if dmem is not None:
-            dmemory = dmem
-    return dy, dmemory, grads
+        dy = residual.backward(dy, part_cache, norm, sub, grads.scope(norm_name), grads.scope(name))
+    return dy
 
 
 def aux_losses(cache) -> float:

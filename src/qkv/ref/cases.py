@@ -8,11 +8,11 @@ import numpy as np
 
 from qkv.ref import functional as fn
 from qkv.ref import kernels, positional
-from qkv.ref.attention import AttentionContext, attention_backward, attention_forward
+from qkv.ref.attention import MEMORY_GRAD, AttentionContext, attention_backward, attention_forward
 from qkv.ref.block import block_backward, block_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.flash import flash_backward, flash_forward
-from qkv.ref.gradcheck import CASES, Case
+from qkv.ref.gradcheck import CASES, Case, layer_grads
 from qkv.ref.moe import moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 
@@ -45,12 +45,12 @@ def linear_params(rng, prefix, n_out, n_in, bias=True):
 CASES.register("linear")(Case(
     lambda rng: {"x": _normal(rng, B, T, D), **linear_params(rng, "p", F, D)},
     lambda i: fn.linear_forward(i["x"], i["p.weight"], i["p.bias"]),
-    lambda dy, c: (lambda dx, g: {"x": dx, "p.weight": g["weight"], "p.bias": g["bias"]})(*fn.linear_backward(dy, c))))
+    lambda dy, c: layer_grads(fn.linear_backward, dy, c, prefix="p.")))
 
 CASES.register("embedding")(Case(
     lambda rng: {"ids": rng.integers(0, V, (B, T)), "weight": _normal(rng, V, D)},
     lambda i: fn.embedding_forward(i["ids"], i["weight"]),
-    lambda dy, c: fn.embedding_backward(dy, c)[1]))
+    lambda dy, c: layer_grads(fn.embedding_backward, dy, c)))
 
 
 def _ce_case(smoothing, ignore):
@@ -85,7 +85,7 @@ for _norm in NORMS.names():
         lambda rng: {"x": _normal(rng, B, T, D, scale=2.0) + 1.0, "weight": 1 + _normal(rng, D, scale=0.3),
                      "bias": _normal(rng, D, scale=0.3)},
         lambda i, _norm=_norm: NORMS.get(_norm).forward(i, i["x"], 1e-5),
-        lambda dy, c, _norm=_norm: (lambda dx, g: {"x": dx, **g})(*NORMS.get(_norm).backward(dy, c))))
+        lambda dy, c, _norm=_norm: layer_grads(NORMS.get(_norm).backward, dy, c)))
 
 
 def _ffn_inputs(rng, kind, prefix=""):
@@ -101,7 +101,7 @@ for _ffn, _act in (("mlp", "relu"), ("mlp", "gelu"), ("glu", "silu"), ("glu", "g
     CASES.register(f"ffn_{_ffn}_{_act}")(Case(
         lambda rng, _ffn=_ffn: {"x": _normal(rng, B, T, D), **_ffn_inputs(rng, _ffn)},
         lambda i, _ffn=_ffn, _act=_act: FFNS.get(_ffn).forward(i, i["x"], _act),
-        lambda dy, c, _ffn=_ffn: (lambda dx, g: {"x": dx, **g})(*FFNS.get(_ffn).backward(dy, c))))
+        lambda dy, c, _ffn=_ffn: layer_grads(FFNS.get(_ffn).backward, dy, c)))
 
 
 def _moe_inputs(rng, experts=3):
@@ -114,7 +114,7 @@ def _moe_inputs(rng, experts=3):
 CASES.register("moe_top2")(Case(
     _moe_inputs,
     lambda i: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=3, top_k=2, aux_weight=0.0),
-    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*moe_backward(dy, c))))
+    lambda dy, c: layer_grads(moe_backward, dy, c)))
 
 # ---- attention kernels -----------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ CASES.register("rope")(Case(
 CASES.register("learned_positions")(Case(
     lambda rng: {"x": _normal(rng, B, T, D), "weight": _normal(rng, T + 2, D)},
     lambda i: positional.Learned(cfg()).embed_forward(i, i["x"], np.array([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])),
-    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*positional.Learned(cfg()).embed_backward(dy, c))))
+    lambda dy, c: layer_grads(positional.Learned(cfg()).embed_backward, dy, c)))
 
 
 def attention_params(rng, prefix="", kv_heads=H, bias=True):
@@ -201,8 +201,10 @@ def _attention_case(kv_heads=H, positional_name="none", cross=False, mask=False)
         return attention_forward(i, i["x"], ctx, i.get("memory"))
 
     def backward(dy, cache):
-        dx, dmemory, grads = attention_backward(dy, cache)
-        return {"x": dx, **grads, **({"memory": dmemory} if cross else {})}
+        grads = layer_grads(attention_backward, dy, cache)
+        if cross:
+            grads["memory"] = grads.pop(MEMORY_GRAD)
+        return grads
 
     return Case(inputs, forward, backward)
 
@@ -234,8 +236,10 @@ def _block_case(placement, norm, cross=False):
         return block_forward(i, i["x"], c, context(), memory=i.get("memory"), memory_ctx=memory_ctx)
 
     def backward(dy, cache):
-        dx, dmemory, grads = block_backward(dy, cache)
-        return {"x": dx, **grads, **({"memory": dmemory} if cross else {})}
+        grads = layer_grads(block_backward, dy, cache)
+        if cross:
+            grads["memory"] = grads.pop(MEMORY_GRAD)
+        return grads
 
     return Case(inputs, forward, backward)
 

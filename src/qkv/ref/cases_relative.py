@@ -11,7 +11,7 @@ from qkv.ref.attention import AttentionContext, attention_backward, attention_fo
 from qkv.ref.cases import B, D, Dh, H, T, _block_case, _kernel_case, _normal, attention_params, cfg
 from qkv.ref.flash import flash_backward, flash_forward
 from qkv.ref.functional import scope
-from qkv.ref.gradcheck import CASES, Case
+from qkv.ref.gradcheck import CASES, Case, layer_grads
 from qkv.ref.positional import POSITIONALS
 
 MAX_DISTANCE = 2  # Shaw's clip k: smaller than T, so clipping is exercised
@@ -56,9 +56,8 @@ def relative_attention_case(name: str, kernel: str = "naive", *, causal: bool = 
         return y, (cache, ctx)
 
     def backward(dy, c):
-        cache, ctx = c
-        dx, _, grads = attention_backward(dy, cache)
-        return {"x": dx, **grads, **{f"positional.{p}": g for p, g in ctx.grads.items()}}
+        cache, _ = c  # the encoding's tables get their gradients under ctx.positional_prefix
+        return layer_grads(attention_backward, dy, cache)
 
     return Case(inputs, forward, backward)
 
@@ -90,4 +89,4 @@ from qkv.ref.moe import moe_backward, moe_forward  # noqa: E402
 CASES.register("moe_top2_capacity")(Case(
     _moe_inputs,
     lambda i: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=3, top_k=2, capacity_factor=0.5),
-    lambda dy, c: (lambda dx, g: {"x": dx, **g})(*moe_backward(dy, c))))
+    lambda dy, c: layer_grads(moe_backward, dy, c)))

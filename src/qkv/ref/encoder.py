@@ -10,8 +10,8 @@ encoder_decoder (docs/derivations/encoder.md):
                        logits = Y W_out (W_out = W_E, and the source embedding too, when tied)
 
 Backward runs the same steps in reverse; the memory's gradient is the sum over the decoder layers of each
-cross-attention's dMemory (000 §8.4) and flows into the encoder's backward; a tied matrix has one entry
-in params, and its gradient is the sum of every use.
+cross-attention's dMemory (000 §8.4), accumulated under MEMORY_GRAD, and flows into the encoder's backward;
+a tied matrix has one entry in params, and its gradient is the sum of every use.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from qkv.ref.attention import AttentionContext
-from qkv.ref.functional import (accumulate, activation_backward, activation_forward, linear_backward,
+from qkv.ref.attention import MEMORY_GRAD, AttentionContext
+from qkv.ref.functional import (Grads, activation_backward, activation_forward, linear_backward,
                                 linear_forward, scope)
 from qkv.ref.kernels import KERNELS
 from qkv.ref.model import (ARCHITECTURES, Family, check_supported, embed_backward, embed_forward, make_context,
-                           output_name, stack_backward, stack_forward)
+                           output_name, owner, stack_backward, stack_forward)
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
 from qkv.registry import Registry
@@ -36,21 +36,23 @@ def embed_scale(cfg) -> float:
     return math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0  # Vaswani et al. §3.4
 
 
-def encoder_stack_forward(params, cfg, input_ids, attention_mask=None, token_type_ids=None, aux_weight=0.0):
-    """(B, T) ids -> (B, T, D) hidden states: bidirectional self-attention (mask = padding only)."""
-    ctx = make_context(cfg, input_ids, attention_mask, causal=False, params=params)
+def encoder_stack_forward(params, cfg, input_ids, attention_mask=None, token_type_ids=None, aux_weight=0.0,
+                          prefix: str = ""):
+    """(B, T) ids -> (B, T, D) hidden states: bidirectional self-attention (mask = padding only). `params`
+    are the stack's, named `prefix`* in the model."""
+    ctx = make_context(cfg, input_ids, attention_mask, causal=False, params=params, prefix=prefix)
     x, cemb = embed_forward(params, ctx, input_ids, cfg, token_type_ids, scale=embed_scale(cfg))
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.encoder_layers, aux_weight=aux_weight)
     return x, (cemb, cstack)
 
 
-def encoder_stack_backward(dx, cache, grads) -> None:
+def encoder_stack_backward(dx, cache, grads: Grads) -> None:
     cemb, cstack = cache
-    dx, _ = stack_backward(dx, cstack, grads)
-    embed_backward(dx, cemb, grads)
+    embed_backward(stack_backward(dx, cstack, grads), cemb, grads)
 
 
-# ---- heads: forward(params, cfg, hidden, attention_mask) -> (out, cache), backward(dout, cache) -> (dhidden, grads)
+# ---- heads: forward(params, cfg, hidden, attention_mask) -> (out, cache), backward(dout, cache, grads) -> dhidden
+# (grads: the model's root view; a head's parameters are head.*)
 
 class Head(NamedTuple):
     forward: Callable
@@ -58,7 +60,7 @@ class Head(NamedTuple):
 
 
 HEADS: Registry[Head] = Registry("encoder head")
-HEADS.register("none")(Head(lambda params, cfg, hidden, mask: (hidden, None), lambda dout, cache: (dout, {})))
+HEADS.register("none")(Head(lambda params, cfg, hidden, mask: (hidden, None), lambda dout, cache, grads: dout))
 
 
 def mlm_forward(params, cfg, hidden, attention_mask):
@@ -71,15 +73,14 @@ def mlm_forward(params, cfg, hidden, attention_mask):
     return logits, (ct, ca, cn, cd, weight, cfg)
 
 
-def mlm_backward(dlogits, cache):
+def mlm_backward(dlogits, cache, grads: Grads):
     ct, ca, cn, cd, weight, cfg = cache
-    dn, g = linear_backward(dlogits, cd)
-    grads = {weight: g["weight"], "head.decoder.bias": g["bias"]}
-    da, g = NORMS.get(cfg.norm).backward(dn, cn)
-    accumulate(grads, g, "head.norm")
-    dx, g = linear_backward(activation_backward(da, ca), ct)
-    accumulate(grads, g, "head.transform")
-    return dx, grads
+    decoder = Grads()  # W_V may be W_E (tied): its gradient and b_V's land under different scopes
+    dn = linear_backward(dlogits, cd, decoder)
+    grads.add(weight, decoder.store["weight"])
+    grads.add("head.decoder.bias", decoder.store["bias"])
+    da = NORMS.get(cfg.norm).backward(dn, cn, grads.scope("head.norm"))
+    return linear_backward(activation_backward(da, ca), ct, grads.scope("head.transform"))
 
 
 HEADS.register("mlm")(Head(mlm_forward, mlm_backward))
@@ -109,15 +110,12 @@ def classifier_forward(params, cfg, hidden, attention_mask):
     return logits, (weights, cp, pooled, co)
 
 
-def classifier_backward(dlogits, cache):
+def classifier_backward(dlogits, cache, grads: Grads):
     weights, cp, pooled, co = cache
-    grads: dict = {}
-    dpooled, g = linear_backward(dlogits, co)
-    accumulate(grads, g, "head.out_proj")
+    dpooled = linear_backward(dlogits, co, grads.scope("head.out_proj"))
     dz = dpooled * (1.0 - pooled ** 2)  # tanh' = 1 - tanh^2
-    dpool, g = linear_backward(dz, cp)
-    accumulate(grads, g, "head.pooler")
-    return weights[:, :, None] * dpool[:, None, :], grads
+    dpool = linear_backward(dz, cp, grads.scope("head.pooler"))
+    return weights[:, :, None] * dpool[:, None, :]
 
 
 HEADS.register("classifier")(Head(classifier_forward, classifier_backward))
@@ -130,7 +128,8 @@ def encoder_forward(params: dict, cfg, input_ids, token_type_ids=None, attention
     check_supported(cfg)
     prefix = "" if cfg.head == "none" else "encoder"  # a head wraps the bare encoder as `encoder`
     stack_params = scope(params, prefix) if prefix else params
-    hidden, cenc = encoder_stack_forward(stack_params, cfg, input_ids, attention_mask, token_type_ids, aux_weight)
+    hidden, cenc = encoder_stack_forward(stack_params, cfg, input_ids, attention_mask, token_type_ids, aux_weight,
+                                         prefix=f"{prefix}." if prefix else "")
     head = HEADS.get(cfg.head)
     out, chead = head.forward(params, cfg, hidden, attention_mask)
     return out, {"blocks": cenc[1].blocks, "tape": (prefix, cenc, head, chead)}
@@ -138,10 +137,10 @@ def encoder_forward(params: dict, cfg, input_ids, token_type_ids=None, attention
 
 def encoder_backward(dout, cache) -> dict:
     prefix, cenc, head, chead = cache["tape"]
-    dhidden, grads = head.backward(dout, chead)
-    encoder_grads: dict = {}
-    encoder_stack_backward(dhidden, cenc, encoder_grads)
-    return accumulate(grads, encoder_grads, prefix)  # a tied MLM decoder already wrote encoder.tok_emb.weight
+    grads = Grads()
+    dhidden = head.backward(dout, chead, grads)  # a tied MLM decoder writes encoder.tok_emb.weight
+    encoder_stack_backward(dhidden, cenc, grads.scope(prefix) if prefix else grads)
+    return grads.store
 
 
 ARCHITECTURES.register("encoder")(Family(encoder_forward, encoder_backward))
@@ -168,7 +167,8 @@ def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=
     src_mask, tgt_mask = attention_mask if attention_mask is not None else (None, None)
     encoder_params = scope(params, "encoder")
     encoder_params.setdefault("tok_emb.weight", params["tok_emb.weight"])  # tied: one W_E for both sides
-    memory, cenc = encoder_stack_forward(encoder_params, cfg, src_ids, src_mask, aux_weight=aux_weight)  # (B, S, D)
+    memory, cenc = encoder_stack_forward(encoder_params, cfg, src_ids, src_mask, aux_weight=aux_weight,
+                                         prefix="encoder.")  # (B, S, D)
     ctx = make_context(cfg, tgt_ids, tgt_mask, causal=True, params=params,
                        positional=POSITIONALS.get(cfg.positional).decoder_twin)
     x, cemb = embed_forward(params, ctx, tgt_ids, cfg, scale=embed_scale(cfg))  # Y0   (B, T, D)
@@ -183,16 +183,14 @@ def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=
 
 def encoder_decoder_backward(dlogits, cache) -> dict:
     cenc, cemb, cstack, chead, out_name, tied_source = cache["tape"]
-    grads: dict = {}
-    dx, g = linear_backward(dlogits, chead)
-    accumulate(grads, {out_name: g["weight"]})
-    dx, dmemory = stack_backward(dx, cstack, grads)  # dmemory: summed over the decoder layers
-    embed_backward(dx, cemb, grads)
-    encoder_grads: dict = {}
-    encoder_stack_backward(dmemory, cenc, encoder_grads)
+    grads = Grads()
+    dx = linear_backward(dlogits, chead, grads.scope(owner(out_name)))
+    embed_backward(stack_backward(dx, cstack, grads), cemb, grads)
+    dmemory = grads.store.pop(MEMORY_GRAD)  # summed over the decoder layers' cross-attention
+    encoder_stack_backward(dmemory, cenc, grads.scope("encoder"))
     if tied_source:  # the source embedding is W_E as well: its scatter-add joins tok_emb.weight
-        accumulate(grads, {"tok_emb.weight": encoder_grads.pop("tok_emb.weight")})
-    return accumulate(grads, encoder_grads, "encoder")
+        grads.add("tok_emb.weight", grads.store.pop("encoder.tok_emb.weight"))
+    return grads.store
 
 
 ARCHITECTURES.register("encoder-decoder")(Family(encoder_decoder_forward, encoder_decoder_backward))

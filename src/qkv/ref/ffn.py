@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from qkv.ref.functional import (accumulate, activation_backward, activation_forward, linear_backward,
+from qkv.ref.functional import (Grads, activation_backward, activation_forward, linear_backward,
                                 linear_forward, scope)
 from qkv.registry import Registry
 
@@ -30,16 +30,12 @@ def mlp_forward(params: dict, x: np.ndarray, activation: str):
     return y, (c1, cact, c2)
 
 
-def mlp_backward(dy: np.ndarray, cache):
+def mlp_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     """000 LLM §3.3.2: dW2 = A2^T dC, db2 = sum_t dC_t, dA2 = dC W2^T; dA1 = dA2 * act'(A1)
     (the ReLU mask I(A1 > 0) for ReLU); dW1 = Z^T dA1, db1 = sum_t dA1_t, dZ = dA1 W1^T."""
     c1, cact, c2 = cache
-    grads: dict = {}
-    da2, g = linear_backward(dy, c2)
-    accumulate(grads, g, "down_proj")
-    dx, g = linear_backward(activation_backward(da2, cact), c1)
-    accumulate(grads, g, "up_proj")
-    return dx, grads
+    da2 = linear_backward(dy, c2, grads.scope("down_proj"))
+    return linear_backward(activation_backward(da2, cact), c1, grads.scope("up_proj"))
 
 
 def glu_forward(params: dict, x: np.ndarray, activation: str):
@@ -51,17 +47,13 @@ def glu_forward(params: dict, x: np.ndarray, activation: str):
     return y, (cg, cu, cact, cd, act, up)
 
 
-def glu_backward(dy: np.ndarray, cache):
+def glu_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     """Product rule on h = act(g) * u: du = dh * act(g), dg = dh * u * act'(g); both branches add into dx."""
     cg, cu, cact, cd, act, up = cache
-    grads: dict = {}
-    dh, g = linear_backward(dy, cd)
-    accumulate(grads, g, "down_proj")
-    dx_up, g = linear_backward(dh * act, cu)
-    accumulate(grads, g, "up_proj")
-    dx_gate, g = linear_backward(activation_backward(dh * up, cact), cg)
-    accumulate(grads, g, "gate_proj")
-    return dx_up + dx_gate, grads
+    dh = linear_backward(dy, cd, grads.scope("down_proj"))
+    dx_up = linear_backward(dh * act, cu, grads.scope("up_proj"))
+    dx_gate = linear_backward(activation_backward(dh * up, cact), cg, grads.scope("gate_proj"))
+    return dx_up + dx_gate
 
 
 FFNS.register("mlp")(FFN(mlp_forward, mlp_backward))

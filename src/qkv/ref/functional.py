@@ -1,9 +1,11 @@
 """Stateless reference layers, each a forward/backward pair (llm.c's discipline, STYLE.md 3).
 
-    y, cache = f_forward(x, ...)      dx, grads = f_backward(dy, cache)
+    y, cache = f_forward(x, ...)      dx = f_backward(dy, cache, grads)
 
-`grads` uses the same local names as the parameters the forward took ("weight", "bias"); the model
-prefixes them and accumulates with +=. Formulas cite note 000, "LLM part" §3 (the backward derivations),
+One convention for every backward of the engine, llm.c's: it returns the gradient of each input it was
+given (dx, or a tuple in the forward's order) and accumulates (+=) the gradients of its parameters into
+`grads`, a `Grads` view of the layer's own scope, under the local names the forward read ("weight",
+"bias"). A weight used twice (tied embeddings, a table shared by every layer) is simply added to twice. Formulas cite note 000, "LLM part" §3 (the backward derivations),
 written "000 LLM §3.x"; see docs/derivations/ for each page. NumPy only, float64 by default.
 """
 from __future__ import annotations
@@ -14,23 +16,37 @@ import numpy as np
 
 from qkv.registry import Registry
 
-Grads = dict[str, np.ndarray]
-
 
 # ---- parameter-name plumbing: a composite layer scopes its children's names --------------------
+
+class Grads:
+    """Parameter gradients by full name, accumulated in place; each view adds under its own prefix."""
+
+    def __init__(self, store: dict | None = None, prefix: str = ""):
+        self.store: dict[str, np.ndarray] = {} if store is None else store
+        self.prefix = prefix
+
+    def scope(self, name: str) -> "Grads":
+        """The view of a child layer: its "weight" is this layer's "name.weight"."""
+        return Grads(self.store, f"{self.prefix}{name}.")
+
+    def at(self, prefix: str) -> "Grads":
+        """The view of an absolute scope of the same store (a stack's shared positional tables)."""
+        return Grads(self.store, prefix)
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        key = self.prefix + name
+        self.store[key] = self.store[key] + value if key in self.store else np.array(value, copy=True)
+
+    def local(self) -> dict[str, np.ndarray]:
+        """This view's entries with the prefix stripped."""
+        return {key[len(self.prefix):]: value for key, value in self.store.items() if key.startswith(self.prefix)}
+
 
 def scope(params: dict, prefix: str) -> dict:
     """The entries of `params` under `prefix.`, with the prefix stripped."""
     start = prefix + "."
     return {name[len(start):]: value for name, value in params.items() if name.startswith(start)}
-
-
-def accumulate(total: Grads, grads: Grads, prefix: str = "") -> Grads:
-    """total[prefix.name] += grads[name]: residual fan-out and tied weights need no special case."""
-    for name, value in grads.items():
-        key = f"{prefix}.{name}" if prefix else name
-        total[key] = total[key] + value if key in total else value.copy()
-    return total
 
 
 # ---- linear: y = x W^T + b (torch layout, W is (out, in)); 000 LLM §3.2, §3.3.2, §3.3.3 step 5 -----
@@ -42,13 +58,13 @@ def linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = 
     return y, (x, weight, bias is not None)
 
 
-def linear_backward(dy: np.ndarray, cache) -> tuple[np.ndarray, Grads]:
+def linear_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     x, weight, has_bias = cache
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
-    grads = {"weight": dy2.T @ x2}  # 000 LLM §3.2: dW_o = (H^L)^T dL, transposed to the (out, in) layout
+    grads.add("weight", dy2.T @ x2)  # 000 LLM §3.2: dW_o = (H^L)^T dL, transposed to the (out, in) layout
     if has_bias:
-        grads["bias"] = dy2.sum(axis=0)  # 000 LLM §3.3.2: db = sum_t dC_t
-    return dy @ weight, grads  # 000 LLM §3.2: dH = dL W_o^T
+        grads.add("bias", dy2.sum(axis=0))  # 000 LLM §3.3.2: db = sum_t dC_t
+    return dy @ weight  # 000 LLM §3.2: dH = dL W_o^T
 
 
 # ---- embedding: E = onehot(X) W_E; 000 LLM §3.5 ---------------------------------------------------
@@ -57,12 +73,13 @@ def embedding_forward(ids: np.ndarray, weight: np.ndarray):
     return weight[ids], (ids, weight.shape)  # (B, T, D) == one_hot(ids) @ W_E
 
 
-def embedding_backward(dy: np.ndarray, cache) -> tuple[None, Grads]:
+def embedding_backward(dy: np.ndarray, cache, grads: Grads) -> None:
+    """The ids are not differentiable: nothing is returned."""
     ids, shape = cache
     dweight = np.zeros(shape, dtype=dy.dtype)
     # 000 LLM §3.5: dW_e = X_onehot^T dH^0, i.e. a scatter-add of each row of dH^0 onto its token's row
     np.add.at(dweight, ids.reshape(-1), dy.reshape(-1, shape[1]))
-    return None, {"weight": dweight}
+    grads.add("weight", dweight)
 
 
 # ---- softmax and cross-entropy; 000 LLM §3.1, §6.3 (label smoothing), 000 §13.3 -------------------

@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from qkv.ref.functional import Grads
 from qkv.registry import Registry
 
 
@@ -24,6 +25,14 @@ class Case(NamedTuple):
 
 
 CASES: Registry[Case] = Registry("gradient check")
+
+
+def layer_grads(backward: Callable, dy: np.ndarray, cache, prefix: str = "") -> dict:
+    """A backward in the engine's form (dx returned, parameter gradients accumulated) as a Case's dict:
+    "x" for the input gradient (none for an embedding's ids), the parameters under `prefix` + their names."""
+    grads = Grads(prefix=prefix)
+    dx = backward(dy, cache, grads)
+    return grads.store if dx is None else {"x": dx, **grads.store}
 
 
 @dataclass
@@ -132,7 +141,7 @@ def layernorm_jacobian(d: int = 8, seed: int = 0, eps: float = 1e-5) -> dict:
     params = {"weight": np.ones(d)}  # gamma = 1: the Jacobian of xhat itself
     xhat, cache = layernorm_forward(params, x, eps)
     sigma = float(np.sqrt(x.var() + eps))
-    backward_jac = jacobian_from_backward(lambda dy: layernorm_backward(dy, cache)[0], d)
+    backward_jac = jacobian_from_backward(lambda dy: layernorm_backward(dy, cache, Grads()), d)
     fd_jac = np.stack([numerical_grad(lambda: float(layernorm_forward(params, x, eps)[0][i]), x) for i in range(d)])
     eye, ones = np.eye(d), np.ones((d, d))
     corrected = (eye - 1.0 / d - np.outer(xhat, xhat) / d) / sigma
@@ -177,7 +186,7 @@ def embedding_scatter_add(seed: int = 0, v: int = 7, d: int = 5, n: int = 9) -> 
     onehot = np.eye(v)[ids]
     y, cache = embedding_forward(ids, weight)
     return {"lookup_vs_matmul": float(np.abs(y - onehot @ weight).max()),
-            "scatter_vs_matmul": float(np.abs(embedding_backward(dh, cache)[1]["weight"] - onehot.T @ dh).max())}
+            "scatter_vs_matmul": float(np.abs(layer_grads(embedding_backward, dh, cache)["weight"] - onehot.T @ dh).max())}
 
 
 def attention_peak_bytes(kernel: str, n: int, d: int = 64, block: int = 64, seed: int = 0) -> int:

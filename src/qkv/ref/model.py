@@ -19,7 +19,7 @@ import numpy as np
 from qkv.errors import QkvError
 from qkv.ref.attention import AttentionContext
 from qkv.ref.block import RESIDUALS, aux_losses, block_backward, block_forward
-from qkv.ref.functional import (accumulate, cross_entropy_backward, cross_entropy_forward, embedding_backward,
+from qkv.ref.functional import (Grads, cross_entropy_backward, cross_entropy_forward, embedding_backward,
                                 embedding_forward, linear_backward, linear_forward, scope)
 from qkv.ref.kernels import KERNELS
 from qkv.ref.norms import NORMS
@@ -54,13 +54,15 @@ def positions_and_mask(input_ids: np.ndarray, attention_mask: np.ndarray | None,
 
 
 def make_context(cfg, input_ids, attention_mask, causal: bool, params: dict | None = None,
-                 positional: str | None = None) -> AttentionContext:
-    """`params` are the stack's parameters (its `positional.*` are the encoding's); `positional` overrides
+                 positional: str | None = None, prefix: str = "") -> AttentionContext:
+    """`params` are the stack's parameters (its `positional.*` are the encoding's), named `prefix`* in the
+    model ("encoder." for an encoder under a head or in an encoder-decoder); `positional` overrides
     cfg.positional (the encoder-decoder's decoder takes T5's causal twin, as qkv.models.build)."""
     positions, mask = positions_and_mask(input_ids, attention_mask, causal)
     return AttentionContext(POSITIONALS.get(positional or cfg.positional)(cfg), positions, positions, mask,
                             causal=causal and mask is None, kernel=KERNELS.get(cfg.attention)(cfg),
-                            n_heads=cfg.n_heads, params=scope(params or {}, "positional"))
+                            n_heads=cfg.n_heads, params=scope(params or {}, "positional"),
+                            positional_prefix=f"{prefix}positional.")
 
 
 class EmbedCache(NamedTuple):
@@ -100,16 +102,14 @@ def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type
     return x, EmbedCache(ce, ct, cp, cn, scale, ctx.positional, cfg.norm if cfg is not None else "")
 
 
-def embed_backward(dx, cache: EmbedCache, grads):
+def embed_backward(dx, cache: EmbedCache, grads: Grads) -> None:
     if cache.norm is not None:
-        dx, g = NORMS.get(cache.norm_name).backward(dx, cache.norm)
-        accumulate(grads, g, "embed_norm")
-    dx, g = cache.positional.embed_backward(dx, cache.positions)  # dP = dH0 (000 LLM §3.5), learned tables only
-    accumulate(grads, g, "positional")
+        dx = NORMS.get(cache.norm_name).backward(dx, cache.norm, grads.scope("embed_norm"))
+    # dP = dH0 (000 LLM §3.5), learned tables only
+    dx = cache.positional.embed_backward(dx, cache.positions, grads.scope("positional"))
     if cache.types is not None:
-        accumulate(grads, embedding_backward(dx, cache.types)[1], "type_emb")  # scatter-add onto the type rows
-    _, g = embedding_backward(dx * cache.scale, cache.tokens)  # dW_E = onehot^T (s dH0): scatter-add (§3.5)
-    accumulate(grads, g, "tok_emb")
+        embedding_backward(dx, cache.types, grads.scope("type_emb"))  # scatter-add onto the type rows
+    embedding_backward(dx * cache.scale, cache.tokens, grads.scope("tok_emb"))  # dW_E = onehot^T (s dH0) (§3.5)
 
 
 def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None, aux_weight: float = 0.0):
@@ -126,26 +126,24 @@ def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None
     return x, StackCache(cblocks, cn, ctx, cfg.norm)
 
 
-def stack_backward(dx, cache, grads):
-    """Returns (dH0, dmemory summed over the layers or None); the encoding's gradients join grads."""
-    cblocks, ctx = cache.blocks, cache.ctx
+def stack_backward(dx, cache: StackCache, grads: Grads) -> np.ndarray:
+    """Returns dH0. The layers add their shares of the shared relative tables under the stack's
+    positional.* (and a decoder's cross-attention its memory gradient) as they go."""
     if cache.final_norm is not None:
-        dx, g = NORMS.get(cache.norm_name).backward(dx, cache.final_norm)
-        accumulate(grads, g, "final_norm")
-    dmemory = None
-    for i in reversed(range(len(cblocks))):  # 000 LLM §3.4: layer by layer, l = L..1
-        dx, dmem, g = block_backward(dx, cblocks[i])
-        accumulate(grads, g, f"blocks.{i}")
-        if dmem is not None:  # 000 §8.4: every decoder layer reads the same memory, so dMemory sums
-            dmemory = dmem if dmemory is None else dmemory + dmem
-    accumulate(grads, ctx.grads, "positional")  # the shared relative tables, summed over the layers
-    ctx.grads.clear()
-    return dx, dmemory
+        dx = NORMS.get(cache.norm_name).backward(dx, cache.final_norm, grads.scope("final_norm"))
+    for i in reversed(range(len(cache.blocks))):  # 000 LLM §3.4: layer by layer, l = L..1
+        dx = block_backward(dx, cache.blocks[i], grads.scope(f"blocks.{i}"))
+    return dx
 
 
 def output_name(params, name: str, tied_to: str) -> str:
     """A tied projection has no entry of its own (named_parameters dedupes it): it is the matrix it shares."""
     return name if name in params else tied_to
+
+
+def owner(name: str) -> str:
+    """The layer scope of a parameter name: "tok_emb.weight" -> "tok_emb"."""
+    return name.rpartition(".")[0]
 
 
 def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=None, aux_weight: float = 0.0):
@@ -161,12 +159,12 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
 
 def decoder_backward(dlogits: np.ndarray, cache) -> dict:
     cemb, cstack, chead, out_name = cache["tape"]
-    grads: dict = {}
-    dx, g = linear_backward(dlogits, chead)  # dW_o = (H^L)^T dL, dH^L = dL W_o^T (000 LLM §3.2)
-    accumulate(grads, {out_name: g["weight"]})  # tied: this += lands on tok_emb.weight, the embedding adds the rest
-    dx, _ = stack_backward(dx, cstack, grads)
+    grads = Grads()
+    # dW_o = (H^L)^T dL, dH^L = dL W_o^T (000 LLM §3.2); tied: it lands on tok_emb.weight, the embedding adds the rest
+    dx = linear_backward(dlogits, chead, grads.scope(owner(out_name)))
+    dx = stack_backward(dx, cstack, grads)
     embed_backward(dx, cemb, grads)
-    return grads
+    return grads.store
 
 
 ARCHITECTURES.register("decoder")(Family(decoder_forward, decoder_backward))

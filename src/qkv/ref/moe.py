@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from qkv.ref.ffn import FFNS
-from qkv.ref.functional import accumulate, linear_backward, linear_forward, scope, softmax, softmax_backward
+from qkv.ref.functional import Grads, linear_backward, linear_forward, scope, softmax, softmax_backward
 
 
 class MoECache(NamedTuple):
@@ -77,23 +77,21 @@ def moe_forward(params: dict, x: np.ndarray, *, ffn: str, activation: str, exper
     return y.reshape(shape), MoECache(shape, crouter, probs, top, gates, expert_caches, routed, ffn, aux, aux_weight)
 
 
-def moe_backward(dy: np.ndarray, cache):
+def moe_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     shape, crouter, probs, top, gates, expert_caches, routed, ffn, _, aux_weight = cache
     experts = len(expert_caches)
     dy = dy.reshape(-1, shape[-1])  # (N, D)
     dtokens = np.zeros_like(dy)
     dgates = np.zeros_like(gates)  # (N, k)
-    grads: dict = {}
     for e, (rows, slot, out, ecache) in enumerate(expert_caches):
         dgates[rows, slot] = (dy[rows] * out).sum(axis=-1)  # dg_e = dy . FFN_e(x)
-        dx, g = FFNS.get(ffn).backward(gates[rows, slot, None] * dy[rows], ecache)  # dFFN_e = g_e dy
+        dx = FFNS.get(ffn).backward(gates[rows, slot, None] * dy[rows], ecache,
+                                    grads.scope(f"experts.{e}"))  # dFFN_e = g_e dy
         np.add.at(dtokens, rows, dx)
-        accumulate(grads, g, f"experts.{e}")
     dlogits = np.zeros_like(probs)
     np.put_along_axis(dlogits, top, softmax_backward(dgates, gates), axis=-1)  # the gate softmax's row rule
     n = probs.shape[0]
     daux_probs = np.broadcast_to(aux_weight * experts * routed / n, probs.shape)  # d(aux)/dp_ne = E f_e / N
     dlogits += softmax_backward(daux_probs, probs)
-    dx, g = linear_backward(dlogits, crouter)
-    accumulate(grads, g, "router")
-    return (dtokens + dx).reshape(shape), grads
+    dx = linear_backward(dlogits, crouter, grads.scope("router"))
+    return (dtokens + dx).reshape(shape)

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from qkv.ref.functional import Grads
 from qkv.registry import Registry
 
 
@@ -33,7 +34,7 @@ def layernorm_forward(params: dict, x: np.ndarray, eps: float):
     return y, (centered, var, rstd, xhat, params["weight"], "bias" in params, eps)
 
 
-def layernorm_backward(dy: np.ndarray, cache):
+def layernorm_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     """The dmu / dsigma^2 form of 000 LLM §3.3.1, line by line:
         dxhat    = dy * gamma
         dsigma^2 = sum_i dxhat_i (x_i - mu) * (-1/2) (sigma^2 + eps)^(-3/2)
@@ -48,10 +49,10 @@ def layernorm_backward(dy: np.ndarray, cache):
     dmu = (dxhat * -rstd).sum(axis=-1, keepdims=True) + dvar * (-2.0 / d) * centered.sum(axis=-1, keepdims=True)
     dx = dxhat * rstd + dvar * 2.0 * centered / d + dmu / d
     rows = dy.reshape(-1, d)
-    grads = {"weight": (rows * xhat.reshape(-1, d)).sum(axis=0)}  # dgamma = sum_t dy_t * xhat_t
+    grads.add("weight", (rows * xhat.reshape(-1, d)).sum(axis=0))  # dgamma = sum_t dy_t * xhat_t
     if has_bias:
-        grads["bias"] = rows.sum(axis=0)  # dbeta = sum_t dy_t
-    return dx, grads
+        grads.add("bias", rows.sum(axis=0))  # dbeta = sum_t dy_t
+    return dx
 
 
 def rmsnorm_forward(params: dict, x: np.ndarray, eps: float):
@@ -60,14 +61,15 @@ def rmsnorm_forward(params: dict, x: np.ndarray, eps: float):
     return params["weight"] * x * r, (x, r, params["weight"])
 
 
-def rmsnorm_backward(dy: np.ndarray, cache):
+def rmsnorm_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     """dr/dx_j = -r^3 x_j / d, so dx_j = r dxhat_j - r^3 x_j / d * sum_i dxhat_i x_i, dxhat = dy * gamma
     (derived in docs/derivations/rmsnorm.md; the note gives no RMSNorm backward)."""
     x, r, gamma = cache
     d = x.shape[-1]
     dxhat = dy * gamma
     dx = r * dxhat - (r ** 3) * x / d * (dxhat * x).sum(axis=-1, keepdims=True)
-    return dx, {"weight": (dy * x * r).reshape(-1, d).sum(axis=0)}
+    grads.add("weight", (dy * x * r).reshape(-1, d).sum(axis=0))
+    return dx
 
 
 NORMS.register("layernorm")(Norm(layernorm_forward, layernorm_backward))

@@ -1,17 +1,18 @@
 """Positional encodings through three hooks with identity defaults, each with its backward.
 
-- `embed_forward(params, x, positions) -> (y, cache)` / `embed_backward(dy, cache) -> (dx, grads)`
+- `embed_forward(params, x, positions) -> (y, cache)` / `embed_backward(dy, cache, grads) -> dx`
 - `rotate_forward(q, k, positions) -> (q, k, cache)` / `rotate_backward(dq, dk, cache) -> (dq, dk)`
 - `score_bias(q_positions, k_positions)`: a constant (B, H, T, S) score bias, or None
 - `score_bias_forward(params, q, k, q_positions, k_positions) -> (bias, cache)` /
-  `score_bias_backward(dbias, cache) -> (dq, dk, grads)`: a learnt or content-dependent bias (qkv.ref.relative;
+  `score_bias_backward(dbias, cache, grads) -> (dq, dk)`: a learnt or content-dependent bias (qkv.ref.relative;
   q (B, H, T, Dh) after `rotate`, k (B, H, S, Dh) after the K/V head repeat, as in qkv.nn.positional); the
   default wraps `score_bias`, a constant, whose backward is nothing
 - `value_bias(params, q_positions, k_positions)`: a `RelativeValues` term for the kernel, or None; its table's
   gradient is stored under `value_param`
 
 `params` are the encoding's own parameters (the model's `positional.*`, prefix stripped), shared by every
-layer; their gradients accumulate in the AttentionContext across layers (qkv.ref.attention).
+layer; every layer adds its share of their gradients under the stack's `positional.*`
+(AttentionContext.positional_prefix, qkv.ref.attention).
 
 Positions are (B, T) integer arrays, as in qkv.nn.positional. Tables are float64 here.
 """
@@ -21,6 +22,7 @@ import math
 
 import numpy as np
 
+from qkv.ref.functional import Grads
 from qkv.registry import Registry
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
@@ -37,8 +39,8 @@ class Positional:
     def embed_forward(self, params: dict, x: np.ndarray, positions: np.ndarray):
         return x, None
 
-    def embed_backward(self, dy: np.ndarray, cache):
-        return dy, {}
+    def embed_backward(self, dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
+        return dy
 
     def rotate_forward(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray):
         return q, k, None
@@ -52,8 +54,9 @@ class Positional:
     def score_bias_forward(self, params: dict, q, k, q_positions, k_positions):
         return self.score_bias(q_positions, k_positions), None
 
-    def score_bias_backward(self, dbias: np.ndarray, cache):
-        return None, None, {}  # a constant bias: nothing to differentiate
+    def score_bias_backward(self, dbias: np.ndarray, cache, grads: Grads):
+        """(dq, dk) through the bias (None where it does not read them); its tables' gradients go to grads."""
+        return None, None  # a constant bias: nothing to differentiate
 
     value_param = ""
 
@@ -89,11 +92,12 @@ class Learned(Positional):
     def embed_forward(self, params, x, positions):
         return x + params["weight"][positions], (positions, params["weight"].shape)
 
-    def embed_backward(self, dy, cache):
+    def embed_backward(self, dy, cache, grads):
         positions, shape = cache
         dweight = np.zeros(shape, dtype=dy.dtype)
         np.add.at(dweight, positions.reshape(-1), dy.reshape(-1, shape[1]))  # scatter-add, as for W_E
-        return dy, {"weight": dweight}
+        grads.add("weight", dweight)
+        return dy
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:

@@ -54,10 +54,11 @@ class ShawRelative(Positional):
         scale = q.shape[-1] ** -0.5
         return gather_relative(q @ table.T, index) * scale, (q, table, index, scale)
 
-    def score_bias_backward(self, dbias, cache):
+    def score_bias_backward(self, dbias, cache, grads):
         q, table, index, scale = cache
         dper_offset = scatter_relative(dbias, index, table.shape[0]) * scale  # (B, H, T, 2k+1)
-        return dper_offset @ table, None, {"key_table.weight": np.einsum("bhtr,bhtd->rd", dper_offset, q)}
+        grads.add("key_table.weight", np.einsum("bhtr,bhtd->rd", dper_offset, q))
+        return dper_offset @ table, None
 
     def value_bias(self, params, q_positions, k_positions):
         return RelativeValues(self.relative_index(q_positions, k_positions), params["value_table.weight"])
@@ -83,7 +84,7 @@ class TransformerXL(Positional):
         bias = (gather_relative(shifted @ r, distance - low) + np.swapaxes(content, -1, -2)) * scale
         return bias, (k, shifted, r, table, distance - low, params["content_bias"], scale)
 
-    def score_bias_backward(self, dbias, cache):
+    def score_bias_backward(self, dbias, cache, grads):
         k, shifted, r, table, index, u, scale = cache
         dposition = scatter_relative(dbias, index, r.shape[-1]) * scale  # (B, H, T, R)
         dshifted = dposition @ np.swapaxes(r, -1, -2)  # (B, H, T, Dh): dq, and dv summed
@@ -91,9 +92,10 @@ class TransformerXL(Positional):
         dr_flat = dr.transpose(2, 0, 1).reshape(r.shape[-1], -1)  # (R, H*Dh)
         dcontent = dbias.sum(axis=-2) * scale  # (B, H, S)
         dk = dcontent[..., None] * u[None, :, None, :]  # (B, H, S, Dh)
-        grads = {"r_proj.weight": dr_flat.T @ table, "position_bias": dshifted.sum(axis=(0, 2)),
-                 "content_bias": np.einsum("bhs,bhsd->hd", dcontent, k)}
-        return dshifted, dk, grads
+        grads.add("r_proj.weight", dr_flat.T @ table)
+        grads.add("position_bias", dshifted.sum(axis=(0, 2)))
+        grads.add("content_bias", np.einsum("bhs,bhsd->hd", dcontent, k))
+        return dshifted, dk
 
 
 def t5_bucket(relative_position: np.ndarray, *, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -128,11 +130,12 @@ class T5Bias(Positional):
                             num_buckets=T5_BUCKETS, max_distance=self.cfg.max_distance)  # (B, T, S)
         return table[buckets].transpose(0, 3, 1, 2), (buckets, table.shape)  # (B, H, T, S)
 
-    def score_bias_backward(self, dbias, cache):
+    def score_bias_backward(self, dbias, cache, grads):
         buckets, shape = cache
         dtable = np.zeros(shape, dtype=dbias.dtype)
         np.add.at(dtable, buckets.reshape(-1), dbias.transpose(0, 2, 3, 1).reshape(-1, shape[1]))
-        return None, None, {"relative_attention_bias.weight": dtable}
+        grads.add("relative_attention_bias.weight", dtable)
+        return None, None
 
 
 @POSITIONALS.register("t5_causal")
