@@ -8,6 +8,7 @@ from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.nn import registries
+from tests.models.derivative import assert_gradient_is_the_derivative
 
 # Every variant axis that shapes the network, with its values from the registries, so a new variant is
 # covered here with no new test code. The full product (thousands of builds) is replaced by: each axis
@@ -37,17 +38,23 @@ def combination_id(values: dict) -> str:
 
 
 @pytest.mark.parametrize("values", COMBINATIONS, ids=[combination_id(v) for v in COMBINATIONS])
-def test_every_variant_combination_builds_and_trains_one_step(values):
+def test_every_variant_combination_is_causal_and_its_gradient_is_the_derivative(values):
+    """Each built decoder: no position's logits depend on a later token (the causal mask, whatever the
+    kernel and positions), every parameter gets a gradient, and that gradient is the loss's derivative
+    (a central difference along it, float64)."""
     cfg = ModelConfig(vocab_size=16, d_model=8, n_heads=2, n_kv_heads=1, n_layers=1, d_ff=12, max_seq_len=8,
                       window=2, moe_top_k=2, **values)
-    model = build_model(cfg)
+    model = build_model(cfg).double()
     ids = torch.randint(0, 16, (2, 5))
     logits = model(ids)
-    assert logits.shape == (2, 5, 16) and torch.isfinite(logits).all()
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
-    for name, param in model.named_parameters():
-        assert param.grad is not None, name
-        assert torch.isfinite(param.grad).all(), name
+    later = ids.clone()
+    later[:, -1] = (later[:, -1] + 1) % 16
+    torch.testing.assert_close(model(later)[:, :-1], logits[:, :-1], rtol=0, atol=1e-12)
+    assert not torch.allclose(model(later)[:, -1], logits[:, -1])
+    loss_of = lambda m: torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.roll(-1, 1).flatten())  # noqa: E731
+    loss_of(model).backward()
+    assert all(param.grad is not None for param in model.parameters())
+    assert_gradient_is_the_derivative(model, loss_of)
 
 
 def test_the_combinations_cover_every_value_and_every_pair_of_the_paired_axes():

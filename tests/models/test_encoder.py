@@ -13,6 +13,7 @@ from qkv.models.build import check_model
 from qkv.models.encoder import Encoder
 from qkv.models.heads import EncoderClassifier, EncoderMLM
 from qkv.nn import registries
+from tests.models.derivative import assert_gradient_is_the_derivative
 
 V = 40
 
@@ -69,9 +70,17 @@ def test_token_types_add_a_learned_embedding_and_default_to_type_zero():
     assert m.type_emb.weight.shape == (2, 16) and model().type_emb is None
 
 
-def test_bare_encoder_returns_hidden_states():
-    m = model()
-    assert isinstance(m, Encoder) and m(ids(3, 5)).shape == (3, 5, 16)
+def test_bare_encoder_returns_the_hidden_states_a_head_reads():
+    """model.head='none' is the encoder itself: with the same weights, its output is the hidden state the
+    MLM head of an EncoderMLM receives."""
+    bare, mlm, x = model(), model(head="mlm"), ids(3, 5)
+    assert isinstance(bare, Encoder)
+    mlm.encoder.load_state_dict(bare.state_dict())
+    torch.testing.assert_close(bare(x), mlm.encoder(x), rtol=0, atol=0)
+    hidden = []
+    mlm.head.register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
+    mlm(x)
+    torch.testing.assert_close(hidden[0], bare(x), rtol=0, atol=0)
 
 
 def test_mlm_head_is_the_hand_computation_with_the_tied_decoder():
@@ -110,11 +119,13 @@ def test_classifier_pooling_is_the_hand_computation(pooling):
 
 
 @pytest.mark.parametrize("head", ["mlm", "classifier"])
-def test_every_encoder_parameter_gets_a_gradient_through_the_head(head):
-    m = build_model(config(head=head, n_classes=2, type_vocab_size=2, embed_norm=True))
-    m(ids(2, 5), torch.ones(2, 5, dtype=torch.long)).square().sum().backward()
+def test_every_encoder_parameter_gets_the_derivative_through_the_head(head):
+    m = build_model(config(head=head, n_classes=2, type_vocab_size=2, embed_norm=True)).double()
+    x, mask = ids(2, 5), torch.tensor([[1] * 5, [1] * 3 + [0] * 2])
+    m(x, mask).square().sum().backward()
     for name, param in m.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    assert_gradient_is_the_derivative(m, lambda model: model(x, mask).square().sum())
 
 
 @pytest.mark.parametrize("fields, message", [
