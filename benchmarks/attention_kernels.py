@@ -8,6 +8,12 @@ median of --repeats calls after one warm-up call, one intra-op thread. A kernel 
 intermediates exceed --max-gib is skipped and its estimate reported.
 
     PYTHONPATH=src python benchmarks/attention_kernels.py [--sizes 512 2048 8192] [--repeats 3] [--max-gib 2]
+
+With --backward: training instead: the bytes autograd saves for the backward of one call (counted exactly by
+torch.autograd.graph.saved_tensors_hooks, inputs q, k, v included) and the time of forward + backward, at
+n = 512 ... 4096 by default, with the growth per doubling of n (2 linear, 4 quadratic).
+
+    PYTHONPATH=src python benchmarks/attention_kernels.py --backward [--sizes 512 1024 2048 4096]
 """
 from __future__ import annotations
 
@@ -60,6 +66,58 @@ def worker(name: str, n: int, repeats: int) -> dict:
     return {"peak_mib": max(peak - before, 0) / 2**20, "seconds": statistics.median(times)}
 
 
+def training(name: str, n: int, repeats: int) -> dict:
+    """Saved-for-backward bytes and forward + backward seconds of one causal call, one thread."""
+    import torch
+
+    from qkv.nn.kernels import kernel_for
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=True) for _ in range(3))
+    kernel = kernel_for(name, window=WINDOW)
+    saved: list[int] = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def step():
+        out = kernel(q, k, v, mask=None, causal=True, bias=None, scale=HEAD_DIM ** -0.5)
+        out.backward(torch.ones_like(out))
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        kernel(q, k, v, mask=None, causal=True, bias=None, scale=HEAD_DIM ** -0.5)
+    step()  # warm-up
+    times = []
+    while len(times) < repeats and not (times and sum(times) > 20):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"saved_mib": sum(saved) / 2**20, "seconds": statistics.median(times)}
+
+
+def training_table(names: list[str], sizes: list[int], repeats: int, max_gib: float) -> None:
+    print(f"causal attention forward + backward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
+          "MiB saved for the backward and seconds; x = growth per doubling of n (2 linear, 4 quadratic)")
+    print("| kernel | " + " | ".join(f"n={n} MiB | n={n} s" for n in sizes) + " | MiB x | s x |")
+    print("|" + "---|" * (2 * len(sizes) + 3))
+    for name in names:
+        cells, rows = [], []
+        for n in sizes:
+            if name in ("naive", "sdpa") and quadratic_gib(n) > max_gib:
+                cells += [f"skipped (~{quadratic_gib(n) * 1024:.0f})", "-"]
+                continue
+            row = training(name, n, repeats)
+            rows.append(row)
+            cells += [f"{row['saved_mib']:.1f}", f"{row['seconds']:.3f}"]
+        growth = ("-", "-")
+        if len(rows) >= 2:
+            growth = (f"{rows[-1]['saved_mib'] / rows[-2]['saved_mib']:.2f}",
+                      f"{rows[-1]['seconds'] / rows[-2]['seconds']:.1f}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {growth[0]} | {growth[1]} |", flush=True)
+
+
 def measure(name: str, n: int, repeats: int) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     result = subprocess.run([sys.executable, __file__, "--worker", name, str(n), str(repeats)], env=env,
@@ -73,6 +131,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-gib", type=float, default=2.0)
+    parser.add_argument("--backward", action="store_true", help="training: saved bytes, forward + backward time")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -82,6 +141,10 @@ def main() -> None:
     from qkv.nn.kernels import KERNELS
 
     names = args.kernels or KERNELS.names()
+    if args.backward:
+        sizes = args.sizes if args.sizes != [512, 2048, 8192] else [512, 1024, 2048, 4096]
+        training_table(names, sizes, args.repeats, args.max_gib)
+        return
     print(f"causal attention forward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
           "peak extra MiB (RSS) and seconds; x = growth per 4x n (16 quadratic, 4 linear)")
     header = "| kernel | " + " | ".join(f"n={n} MiB | n={n} s" for n in args.sizes) + " | MiB x | s x |"

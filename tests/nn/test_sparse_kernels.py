@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qkv.nn import kernels as kernels_module
+from qkv.nn import flash as flash_module
 from qkv.nn.kernels import KERNELS, RelativeValues, attention_weights, kernel_for, naive, weights_for
 from qkv.nn.linear_attention import linear_weights
 from qkv.nn.masks import causal_mask
@@ -20,7 +20,7 @@ WINDOW = 2
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """Tiles of 3 keys: a 10-key sequence crosses several tiles, partial last tile included."""
-    monkeypatch.setattr(kernels_module, "BLOCK", 3)
+    monkeypatch.setattr(flash_module, "BLOCK", 3)
 
 
 def qkv(T, S, B=2, H=2, Dh=4, dtype=torch.float64):

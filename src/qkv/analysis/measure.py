@@ -79,3 +79,17 @@ def count_flops(fn: Callable[[], object]) -> tuple[int, dict[str, int]]:
         fn()
     per_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     return counter.get_total_flops(), per_op
+
+
+def saved_for_backward_bytes(run: Callable[[], object]) -> int:
+    """Bytes of the tensors autograd saves for the backward while `run()` builds its graph (each saved
+    tensor counted once per save, inputs included), via torch.autograd.graph.saved_tensors_hooks."""
+    saved: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(saved)

@@ -34,7 +34,6 @@ from qkv.nn.masks import causal_mask
 from qkv.registry import Registry
 
 Kernel = Callable[..., Tensor]
-BLOCK = 128  # key tile of the tiled kernels: extra memory O(T * BLOCK), O(n) for a fixed tile
 
 
 @dataclass(frozen=True)
@@ -130,90 +129,6 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, 
                                           is_causal=is_causal, scale=scale)
 
 
-# ---------------------------------------------------------------------------------------- tiled (flash)
-
-Pattern = Callable[[Tensor, Tensor], Tensor]  # (query columns (r,), key columns (c,)) -> allowed (r, c)
-
-
-def tile(x: Tensor, T: int, S: int, rows: slice, cols: slice) -> Tensor:
-    """The (rows, cols) tile of a tensor broadcastable to (.., T, S), without expanding it in memory."""
-    return x.expand(*x.shape[:-2], T, S)[..., rows, cols]
-
-
-def tiled(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
-          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None,
-          pattern: Pattern | None = None, block: int | None = None) -> Tensor:
-    """Softmax attention swept over key tiles with an online softmax (note 002 "Flash Attention"; Dao et al.
-    2022, Algorithm 1): per query row a running max m, running sum l = sum exp(s - m) and an unnormalised
-    output acc = sum exp(s - m) v; a tile that raises the max rescales both by exp(m_old - m_new).
-    out = acc / l. Only (B, H, T, block) scores exist at a time. `pattern` restricts the keys further
-    (the sparse kernels); tiles that nothing may see are skipped. Gradients come from autograd through
-    the tiles (exact; the max is detached, which changes nothing since out does not depend on it)."""
-    B, H, T, _ = q.shape
-    S = k.shape[-2]
-    block = block or BLOCK  # read at call time: tests shrink it to exercise many tiles
-    wide = wide_dtype(q.dtype)
-    query_cols = torch.arange(S - T, S, device=q.device)  # (T,)
-    m = q.new_full((B, H, T, 1), float("-inf"), dtype=wide)
-    l = q.new_zeros((B, H, T, 1), dtype=wide)
-    acc = q.new_zeros((B, H, T, v.shape[-1]), dtype=wide)
-    buckets = None if value_bias is None else q.new_zeros((B, H, T, value_bias.table.shape[0]), dtype=wide)
-    for start in range(0, S, block):
-        cols = slice(start, min(start + block, S))
-        first = max(0, start - (S - T)) if causal and mask is None else 0  # earlier queries see none of it
-        if first >= T:
-            break
-        rows = slice(first, T)
-        allowed = tile_allowed(query_cols[rows], torch.arange(cols.start, cols.stop, device=q.device),
-                               mask=None if mask is None else tile(mask, T, S, rows, cols), causal=causal,
-                               pattern=pattern)
-        if allowed is not None and not bool(allowed.any()):
-            continue
-        scores = (q[:, :, rows] @ k[:, :, cols].transpose(-2, -1)).to(wide) * scale  # (B, H, r, c)
-        if bias is not None:
-            scores = scores + tile(bias, T, S, rows, cols)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        m_new = torch.maximum(m[:, :, rows], scores.amax(-1, keepdim=True)).detach()
-        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that have seen nothing yet
-        p = torch.exp(scores - m_safe)  # (B, H, r, c)
-        correction = torch.exp(m[:, :, rows] - m_safe)  # (B, H, r, 1)
-        kept = F.dropout(p, p=dropout) if dropout else p  # dropout of A = dropout of p; l keeps every p
-        l = update(l, first, l[:, :, rows] * correction + p.sum(-1, keepdim=True))
-        acc = update(acc, first, acc[:, :, rows] * correction + kept.to(v.dtype) @ v[:, :, cols])
-        if value_bias is not None:
-            index = tile(value_bias.index, T, S, rows, cols)[:, None]  # (B, 1, r, c)
-            buckets = update(buckets, first, buckets[:, :, rows] * correction + value_bias.buckets(kept, index))
-        m = update(m, first, m_new)
-    if buckets is not None:
-        acc = acc + buckets @ value_bias.table.to(wide)
-    return (acc / l).to(v.dtype)  # (B, H, T, Dh)
-
-
-def update(old: Tensor, first: int, new_rows: Tensor) -> Tensor:
-    """old with rows first.. replaced, out of place (autograd keeps every version it needs)."""
-    return new_rows if first == 0 else torch.cat((old[:, :, :first], new_rows), dim=2)
-
-
-def tile_allowed(query_cols: Tensor, key_cols: Tensor, *, mask: Tensor | None, causal: bool,
-                 pattern: Pattern | None) -> Tensor | None:
-    """Mask, causal triangle and pattern of one tile combined, or None when everything is allowed."""
-    allowed = mask
-    if mask is None and causal:
-        allowed = key_cols[None, :] <= query_cols[:, None]  # (r, c)
-    if pattern is not None:
-        seen = pattern(query_cols, key_cols)
-        allowed = seen if allowed is None else allowed & seen
-    return allowed
-
-
-def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
-          scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
-    """Exact softmax attention, tiled: O(n) extra memory for a fixed tile (note 002; SPEC claim 18)."""
-    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
-                 value_bias=value_bias)
-
-
 # ---------------------------------------------------------------------------------------- binding, recording
 
 
@@ -266,8 +181,3 @@ def record_attention(model: torch.nn.Module) -> Iterator[list]:
 
 KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights))
 KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False))
-# the calculator's model of flash: the tiles' probabilities are not counted
-KERNELS.register("flash")(KernelSpec(fn=flash, weights=attention_weights, keeps_probabilities=False))
-
-# the kernels defined in their own files register themselves here
-from qkv.nn import linear_attention, sparse  # noqa: E402,F401

@@ -20,7 +20,8 @@ import math
 import torch
 from torch import Tensor
 
-from qkv.nn.kernels import KERNELS, KernelSpec, RelativeValues, attention_weights, tiled, weighted_values
+from qkv.nn.flash import tiled
+from qkv.nn.kernels import KERNELS, KernelSpec, RelativeValues, attention_weights, weighted_values
 
 GLOBAL_KEYS = 2  # BigBird's global tokens: the first keys every query attends to
 RANDOM_KEYS = 3  # BigBird's r random keys (3 random blocks in the paper)
