@@ -26,7 +26,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qkv.errors import QkvError
-from qkv.files import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS, model_tensors, read_tensors
+from qkv.files import (CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS, has_checkpoint, load_model_tensors,
+                       model_tensors, read_tensors)
+from qkv.train import parallel
 
 
 @dataclass
@@ -44,6 +46,53 @@ class State:
     bad_steps: int = 0  # skipped steps in a row, up to now
     spikes: int = 0
     recent_losses: list = field(default_factory=list)  # the last train.spike_window finite losses
+
+
+class Checkpoints:
+    """A run dir's checkpoint set as a training run in any layout sees it: every rank reads the same
+    complete set on resume; rank 0 writes the single-process files, the full tensors gathered
+    (docs/distributed.md). `sync` makes every rank's model the trained one first (the pipeline's)."""
+
+    def __init__(self, model: nn.Module, optimizer, scaler, batches, layout, sync, log):
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.batches, self.layout, self.sync, self.log = batches, layout, sync, log
+
+    def resume(self, run_dir: Path, tc) -> "State | None":
+        """The saved State, with the weights, moments, loss scale, data position and RNG restored; None when
+        the run has no training state (weights alone, if any, are loaded: fine-tuning starts from them)."""
+        if self.layout.is_main:
+            recover(run_dir)
+        self.layout.barrier()  # every rank reads the same complete set
+        weights = run_dir / MODEL_FILE
+        if weights.is_file():  # also a run with weights only (imported, converted)
+            load_model_tensors(self.model, read_tensors(weights), str(weights))
+        if not has_checkpoint(run_dir):
+            if weights.is_file():
+                self.log(f"{run_dir}: weights without training state; fine-tuning them from step 0")
+            return None
+        state_tensors, raw = load_state(run_dir)
+        parallel.load_full_optimizer(self.model, self.optimizer, state_tensors, raw["optimizer"], self.layout)
+        if "scaler" in raw:
+            self.scaler.load_state_dict(raw["scaler"])
+        state = State(**raw["trainer"])
+        if not (tc.max_time and tc.time_horizon):  # --max-steps is the total, also after a resume
+            state.horizon = tc.max_steps
+        state.horizon = min(state.horizon, tc.max_steps)
+        self.batches.load_state(state.batches)
+        restore_rng(state.rng, state_tensors)
+        return state
+
+    def save(self, run_dir: Path, state: "State") -> None:
+        """Write `state` with the weights, moments, loss scale, data position and RNG (collective)."""
+        state.batches = self.batches.state()
+        rng_json, rng_tensors = capture_rng()
+        state.rng = rng_json
+        self.sync(self.optimizer)  # pipeline: each stage's weights and moments onto every rank
+        weights = parallel.full_model_state(self.model, self.layout)
+        optim_tensors, groups = parallel.full_optimizer_state(self.model, self.optimizer, self.layout)
+        raw = {"step": state.step, "trainer": vars(state), "optimizer": groups, "scaler": self.scaler.state_dict()}
+        if self.layout.is_main:
+            write(run_dir, weights, {**optim_tensors, **rng_tensors}, raw)
 
 
 def _fsync_file(path: Path) -> None:

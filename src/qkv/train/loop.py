@@ -12,8 +12,8 @@ a row double it. The weights and the optimizer stay fp32 (master weights); autoc
 the low precision while softmax, norms and the loss compute in fp32 inside the model.
 
 The Trainer holds the run together; each concern lives beside its kind: the layout's forward and backward
-in its step runner (qkv.train.steps, qkv.train.pipeline), the state, RNG and checkpoint files in
-qkv.train.checkpoint, the skip / stop / spike checks in qkv.train.guards, the learning rate, the batch rows,
+in its step runner (qkv.train.steps, qkv.train.pipeline), the state, RNG and the resume / save of the
+checkpoint set in qkv.train.checkpoint, the skip / stop / spike checks in qkv.train.guards, the learning rate, the batch rows,
 the clock and the time-budget horizon in qkv.train.schedules, the report in qkv.cli.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from qkv.data.dataset import Prepared
 from qkv.models import build_model
 from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives, parallel, schedules
-from qkv.train.checkpoint import State, capture_rng, restore_rng, seed_everything
+from qkv.train.checkpoint import State, seed_everything
 from qkv.train.guards import DeferredInterrupt, StepGuards
 from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
@@ -76,46 +76,21 @@ class Trainer:
         self.objective.batches(data.val, data.tokenizer, cfg, batch_size=1, seed=0)  # fail now, not at eval
         self.state = State(horizon=self.tc.max_steps)
         self.guards = StepGuards(self.tc, lambda message: self.log(message))  # self.log as it is then
+        self.checkpoints = checkpoint.Checkpoints(self.model, self.optimizer, self.scaler, self.batches, self.layout,
+                                                  self.runner.sync, lambda message: self.log(message))
         self.saved_step: int | None = None  # the step of the last complete checkpoint, None before one
 
     # ---- state -------------------------------------------------------------------------------
     def resume(self) -> bool:
         """Load the last complete checkpoint; False when the run has none yet."""
-        if self.layout.is_main:
-            checkpoint.recover(self.run_dir)
-        self.layout.barrier()  # every rank reads the same complete set
-        weights = self.run_dir / files.MODEL_FILE
-        if weights.is_file():  # also a run with weights only (imported, converted): fine-tuning starts there
-            files.load_model_tensors(self.model, files.read_tensors(weights), str(weights))
-        if not files.has_checkpoint(self.run_dir):
-            if weights.is_file():
-                self.log(f"{self.run_dir}: weights without training state; fine-tuning them from step 0")
+        state = self.checkpoints.resume(self.run_dir, self.tc)
+        if state is None:
             return False
-        state_tensors, raw = checkpoint.load_state(self.run_dir)
-        parallel.load_full_optimizer(self.model, self.optimizer, state_tensors, raw["optimizer"], self.layout)
-        if "scaler" in raw:
-            self.scaler.load_state_dict(raw["scaler"])
-        self.state = State(**raw["trainer"])
-        if not (self.tc.max_time and self.tc.time_horizon):  # --max-steps is the total, also after a resume
-            self.state.horizon = self.tc.max_steps
-        self.state.horizon = min(self.state.horizon, self.tc.max_steps)
-        self.batches.load_state(self.state.batches)
-        restore_rng(self.state.rng, state_tensors)
-        self.saved_step = self.state.step
+        self.state, self.saved_step = state, state.step
         return True
 
     def save(self) -> None:
-        self.state.batches = self.batches.state()
-        rng_json, rng_tensors = capture_rng()
-        self.state.rng = rng_json
-        # any layout writes the single-process files: full tensors gathered to rank 0 (docs/distributed.md)
-        self.runner.sync(self.optimizer)  # pipeline: each stage's weights and moments onto every rank
-        weights = parallel.full_model_state(self.model, self.layout)
-        optim_tensors, groups = parallel.full_optimizer_state(self.model, self.optimizer, self.layout)
-        raw = {"step": self.state.step, "trainer": vars(self.state), "optimizer": groups,
-               "scaler": self.scaler.state_dict()}
-        if self.layout.is_main:
-            checkpoint.write(self.run_dir, weights, {**optim_tensors, **rng_tensors}, raw)
+        self.checkpoints.save(self.run_dir, self.state)
         self.saved_step = self.state.step
 
     def gather(self) -> None:
