@@ -92,8 +92,14 @@ def adam_first_step() -> Result:
     g = torch.randn(1000, generator=gen, dtype=F64) * 10 ** torch.empty(1000, dtype=F64).uniform_(
         -3, 3, generator=gen)  # gradients spanning six decades, the same at each of the first steps
     grads = [g, g, g]
-    theta = torch.zeros(1000, dtype=F64, requires_grad=True)
-    opt = torch.optim.Adam([theta], lr=lr, betas=(b1, b2), eps=eps)
+    from qkv.config import TrainConfig
+    from qkv.train.optim import OPTIMIZERS
+
+    theta = torch.nn.Parameter(torch.zeros(1000, dtype=F64))
+    holder = torch.nn.Module()
+    holder.theta = theta
+    tc = TrainConfig(optimizer="adam", lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=0.0)
+    opt = OPTIMIZERS.get("adam")(holder, tc)  # what train.optimizer="adam" builds
     ratios = []
     for g in grads:
         before = theta.detach().clone()
@@ -104,7 +110,7 @@ def adam_first_step() -> Result:
     uncorrected = (lr * (1 - b1) * g / (((1 - b2) * g * g).sqrt() + eps)).abs().mean().item() / lr
     measured = {"mean |update| / lr, steps 1-3": ratios, "step 1 without bias correction": uncorrected}
     ok = all(abs(r - 1) < 0.01 for r in ratios) and abs(uncorrected - 0.1 / 0.001 ** 0.5) < 0.05
-    return Result(status(ok), measured, "torch.optim.Adam (what qkv trains with), one gradient repeated for 3 steps: "
+    return Result(status(ok), measured, "qkv.train.optim's adam (train.optimizer='adam'), one gradient repeated for 3 steps: "
                   "m^_t = g and v^_t = g^2, so |update| = lr |g| / (|g| + eps) = lr whatever the gradient's scale; "
                   "uncorrected, step 1 would be (1 - b1) / sqrt(1 - b2) = 3.16 lr.")
 
