@@ -124,6 +124,12 @@ def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
     return [(name, norm_name, sublayer_norm(scope(params, norm_name), cfg), sub) for name, norm_name, sub in parts]
 
 
+class BlockCache(NamedTuple):
+    parts: list  # (name, norm name, norm, sublayer) in forward order
+    caches: list  # each part's residual cache
+    residual: Residual  # the placement
+
+
 def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx=None, aux_weight: float = 0.0):
     """x (B, T, D) -> (B, T, D): self-attention, cross-attention (with `memory`), FFN, each in a residual."""
     residual = RESIDUALS.get(cfg.norm_placement)
@@ -132,7 +138,7 @@ def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx
     for _, _, norm, sub in parts:
         x, cache = residual.forward(x, norm, sub)
         caches.append(cache)
-    return x, (parts, caches, residual)
+    return x, BlockCache(parts, caches, residual)
 
 
 def block_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:

@@ -36,6 +36,11 @@ def embed_scale(cfg) -> float:
     return math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0  # Vaswani et al. §3.4
 
 
+class EncoderStackCache(NamedTuple):
+    embedding: tuple  # qkv.ref.model.EmbedCache
+    stack: tuple  # qkv.ref.model.StackCache
+
+
 def encoder_stack_forward(params, cfg, input_ids, attention_mask=None, token_type_ids=None, aux_weight=0.0,
                           prefix: str = ""):
     """(B, T) ids -> (B, T, D) hidden states: bidirectional self-attention (mask = padding only). `params`
@@ -43,10 +48,10 @@ def encoder_stack_forward(params, cfg, input_ids, attention_mask=None, token_typ
     ctx = make_context(cfg, input_ids, attention_mask, causal=False, params=params, prefix=prefix)
     x, cemb = embed_forward(params, ctx, input_ids, cfg, token_type_ids, scale=embed_scale(cfg))
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.encoder_layers, aux_weight=aux_weight)
-    return x, (cemb, cstack)
+    return x, EncoderStackCache(cemb, cstack)
 
 
-def encoder_stack_backward(dx, cache, grads: Grads) -> None:
+def encoder_stack_backward(dx, cache: EncoderStackCache, grads: Grads) -> None:
     cemb, cstack = cache
     embed_backward(stack_backward(dx, cstack, grads), cemb, grads)
 
@@ -63,6 +68,15 @@ HEADS: Registry[Head] = Registry("encoder head")
 HEADS.register("none")(Head(lambda params, cfg, hidden, mask: (hidden, None), lambda dout, cache, grads: dout))
 
 
+class MLMCache(NamedTuple):
+    transform: tuple  # linear_forward's cache of H W_t + b_t
+    activation: tuple
+    norm: tuple
+    decoder: tuple  # of the vocabulary projection
+    weight: str  # the projection's parameter name: head.decoder.weight, or encoder.tok_emb.weight when tied
+    norm_name: str  # model.norm
+
+
 def mlm_forward(params, cfg, hidden, attention_mask):
     head = scope(params, "head")
     h, ct = linear_forward(hidden, **scope(head, "transform"))  # H W_t + b_t   (B, T, D)
@@ -70,16 +84,16 @@ def mlm_forward(params, cfg, hidden, attention_mask):
     n, cn = NORMS.get(cfg.norm).forward(scope(head, "norm"), a, cfg.norm_eps)
     weight = output_name(params, "head.decoder.weight", "encoder.tok_emb.weight")  # tied: W_V = W_E
     logits, cd = linear_forward(n, params[weight], head["decoder.bias"])  # (B, T, V)
-    return logits, (ct, ca, cn, cd, weight, cfg)
+    return logits, MLMCache(ct, ca, cn, cd, weight, cfg.norm)
 
 
-def mlm_backward(dlogits, cache, grads: Grads):
-    ct, ca, cn, cd, weight, cfg = cache
+def mlm_backward(dlogits, cache: MLMCache, grads: Grads):
+    ct, ca, cn, cd, weight, norm_name = cache
     decoder = Grads()  # W_V may be W_E (tied): its gradient and b_V's land under different scopes
     dn = linear_backward(dlogits, cd, decoder)
     grads.add(weight, decoder.store["weight"])
     grads.add("head.decoder.bias", decoder.store["bias"])
-    da = NORMS.get(cfg.norm).backward(dn, cn, grads.scope("head.norm"))
+    da = NORMS.get(norm_name).backward(dn, cn, grads.scope("head.norm"))
     return linear_backward(activation_backward(da, ca), ct, grads.scope("head.transform"))
 
 
@@ -101,13 +115,20 @@ def pool_forward(hidden, attention_mask, pooling: str):
     return np.einsum("bt,btd->bd", weights, hidden), weights
 
 
+class ClassifierCache(NamedTuple):
+    weights: np.ndarray  # the pooling weights w (B, T): pooled = sum_t w_t h_t
+    pooler: tuple  # linear_forward's cache of pool(H) W_p + b_p
+    pooled: np.ndarray  # tanh of it (B, D)
+    out_proj: tuple
+
+
 def classifier_forward(params, cfg, hidden, attention_mask):
     head = scope(params, "head")
     pooled, weights = pool_forward(hidden, attention_mask, cfg.pooling)
     z, cp = linear_forward(pooled, **scope(head, "pooler"))
     pooled = np.tanh(z)  # BERT's pooler   (B, D)
     logits, co = linear_forward(pooled, **scope(head, "out_proj"))  # (B, C)
-    return logits, (weights, cp, pooled, co)
+    return logits, ClassifierCache(weights, cp, pooled, co)
 
 
 def classifier_backward(dlogits, cache, grads: Grads):

@@ -38,13 +38,22 @@ def mlp_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
     return linear_backward(activation_backward(da2, cact), c1, grads.scope("up_proj"))
 
 
+class GLUCache(NamedTuple):
+    gate_proj: tuple  # linear_forward's caches
+    up_proj: tuple
+    activation: tuple
+    down_proj: tuple
+    act: np.ndarray  # act(x W_gate)   (B, T, F)
+    up: np.ndarray  # x W_up   (B, T, F)
+
+
 def glu_forward(params: dict, x: np.ndarray, activation: str):
     """FFN(x) = (act(x W_gate) * (x W_up)) W_down (note 003: SwiGLU for act = SiLU)."""
     gate, cg = linear_forward(x, **scope(params, "gate_proj"))  # (B, T, F)
     up, cu = linear_forward(x, **scope(params, "up_proj"))  # (B, T, F)
     act, cact = activation_forward(gate, activation)
     y, cd = linear_forward(act * up, **scope(params, "down_proj"))
-    return y, (cg, cu, cact, cd, act, up)
+    return y, GLUCache(cg, cu, cact, cd, act, up)
 
 
 def glu_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:

@@ -12,11 +12,27 @@ to the unnormalised output, and its gather joins dP in the backward.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from qkv.ref.kernels import KERNELS, Kernel, KernelGrads, RelativeValues
 
 BLOCK = 64  # tile edge (Br = Bc); small tiles keep the working set in cache
+
+
+class FlashCache(NamedTuple):
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    out: np.ndarray  # O (B, H, T, Dh)
+    lse: np.ndarray  # L = logsumexp of each row (B, H, T): all the backward keeps of A
+    mask: np.ndarray | None
+    causal: bool
+    bias: np.ndarray | None
+    scale: float
+    block: int
+    value_bias: RelativeValues | None
 
 
 def _tile_scores(q_tile, k_tile, scale, bias, mask, causal, rows, cols, T, S):
@@ -58,7 +74,7 @@ def flash_forward(q, k, v, *, mask, causal, bias, scale, value_bias=None, block:
             m = m_new
         out[..., rows, :] = acc / l
         lse[..., rows] = (m + np.log(l))[..., 0]
-    return out, (q, k, v, out, lse, mask, causal, bias, scale, block, value_bias)
+    return out, FlashCache(q, k, v, out, lse, mask, causal, bias, scale, block, value_bias)
 
 
 def _value_tile(value_bias: RelativeValues, rows: slice, cols: slice) -> RelativeValues:

@@ -11,6 +11,7 @@ written "000 LLM §3.x"; see docs/derivations/ for each page. NumPy only, float6
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,6 +101,14 @@ def softmax_backward(da: np.ndarray, a: np.ndarray, axis: int = -1) -> np.ndarra
     return a * (da - (a * da).sum(axis=axis, keepdims=True))
 
 
+class CrossEntropyCache(NamedTuple):
+    probs: np.ndarray  # P (N, V)
+    target: np.ndarray  # y' (N, V): (1 - eps) onehot + eps / V on the counted rows
+    keep: np.ndarray  # (N,) the rows not ignored
+    count: int  # how many
+    shape: tuple  # the logits' shape
+
+
 def cross_entropy_forward(logits: np.ndarray, targets: np.ndarray, *, label_smoothing: float = 0.0,
                           ignore_index: int = -100):
     """Mean over non-ignored tokens of -sum_k y'_k log P_k, y' = (1 - eps) onehot + eps / V
@@ -113,7 +122,7 @@ def cross_entropy_forward(logits: np.ndarray, targets: np.ndarray, *, label_smoo
     target[keep] += label_smoothing / V
     count = max(int(keep.sum()), 1)
     loss = -(target * logp).sum() / count
-    return loss, (np.exp(logp), target, keep, count, logits.shape)
+    return loss, CrossEntropyCache(np.exp(logp), target, keep, count, logits.shape)
 
 
 def cross_entropy_backward(dloss: float, cache) -> np.ndarray:

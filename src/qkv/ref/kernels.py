@@ -71,6 +71,16 @@ def allowed_mask(T: int, S: int, mask, causal: bool, pattern=None):
     return mask
 
 
+class NaiveCache(NamedTuple):
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    weights: np.ndarray  # A (B, H, T, S)
+    scale: float
+    has_bias: bool  # a score bias was added: its gradient dS is returned
+    value_bias: RelativeValues | None
+
+
 def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bias=None):
     """A = softmax(Q K^T * scale + bias + M), O = A V (+ the value term) (000 LLM §2.2.1 step 3; M = -inf
     where masked)."""
@@ -85,7 +95,7 @@ def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bia
     out = weights @ v  # (B, H, T, Dh)
     if value_bias is not None:
         out = out + value_bias.buckets(weights) @ value_bias.table  # + sum_j A_ij a^V_ij
-    return out, (q, k, v, weights, scale, bias is not None, value_bias)
+    return out, NaiveCache(q, k, v, weights, scale, bias is not None, value_bias)
 
 
 def naive_backward(dout, cache):

@@ -21,6 +21,16 @@ class Norm(NamedTuple):
 NORMS: Registry[Norm] = Registry("norm")
 
 
+class LayerNormCache(NamedTuple):
+    centered: np.ndarray  # x - mu
+    var: np.ndarray  # sigma^2 (biased)
+    rstd: np.ndarray  # 1 / sqrt(sigma^2 + eps)
+    xhat: np.ndarray
+    gamma: np.ndarray
+    has_bias: bool
+    eps: float
+
+
 def layernorm_forward(params: dict, x: np.ndarray, eps: float):
     """y = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta (000 LLM §3.3.1; 000 §5.1). x (..., D)."""
     mu = x.mean(axis=-1, keepdims=True)  # (..., 1)
@@ -31,7 +41,7 @@ def layernorm_forward(params: dict, x: np.ndarray, eps: float):
     y = xhat * params["weight"]
     if "bias" in params:
         y = y + params["bias"]
-    return y, (centered, var, rstd, xhat, params["weight"], "bias" in params, eps)
+    return y, LayerNormCache(centered, var, rstd, xhat, params["weight"], "bias" in params, eps)
 
 
 def layernorm_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:

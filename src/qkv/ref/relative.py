@@ -13,6 +13,7 @@ a scatter-add over the pairs that share a table row (as the embedding's, 000 LLM
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +65,16 @@ class ShawRelative(Positional):
         return RelativeValues(self.relative_index(q_positions, k_positions), params["value_table.weight"])
 
 
+class XLCache(NamedTuple):
+    k: np.ndarray
+    shifted: np.ndarray  # q + v (the position bias)   (B, H, T, Dh)
+    r: np.ndarray  # W_R R of the distances present   (H, Dh, R)
+    table: np.ndarray  # R, the sinusoidal rows   (R, D)
+    index: np.ndarray  # (i - j) - low   (B, T, S)
+    u: np.ndarray  # the content bias   (H, Dh)
+    scale: float
+
+
 @POSITIONALS.register("xl")
 class TransformerXL(Positional):
     """position_ir = (q_i + v) . r_r with r = W_R R (R the sinusoidal table of the distances i - j present),
@@ -82,7 +93,7 @@ class TransformerXL(Positional):
         content = k @ params["content_bias"][..., None]  # u . k_j   (B, H, S, 1)
         scale = Dh ** -0.5
         bias = (gather_relative(shifted @ r, distance - low) + np.swapaxes(content, -1, -2)) * scale
-        return bias, (k, shifted, r, table, distance - low, params["content_bias"], scale)
+        return bias, XLCache(k, shifted, r, table, distance - low, params["content_bias"], scale)
 
     def score_bias_backward(self, dbias, cache, grads):
         k, shifted, r, table, index, u, scale = cache
