@@ -97,24 +97,25 @@ def training(name: str, n: int, repeats: int) -> dict:
     return {"saved_mib": sum(saved) / 2**20, "seconds": statistics.median(times)}
 
 
-def training_table(names: list[str], sizes: list[int], repeats: int, max_gib: float) -> None:
-    print(f"causal attention forward + backward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
-          "MiB saved for the backward and seconds; x = growth per doubling of n (2 linear, 4 quadratic)")
+def table(title: str, names: list[str], sizes: list[int], run, mib: str, quadratic: tuple[str, ...],
+          max_gib: float) -> None:
+    """One markdown row per kernel: MiB (`mib` of each `run(name, n)` result) and seconds at each n, and the
+    growth between the last two sizes. Kernels in `quadratic` are skipped past `max_gib` of n x n arrays."""
+    print(title)
     print("| kernel | " + " | ".join(f"n={n} MiB | n={n} s" for n in sizes) + " | MiB x | s x |")
     print("|" + "---|" * (2 * len(sizes) + 3))
     for name in names:
         cells, rows = [], []
         for n in sizes:
-            if name in ("naive", "sdpa") and quadratic_gib(n) > max_gib:
+            if name in quadratic and quadratic_gib(n) > max_gib:
                 cells += [f"skipped (~{quadratic_gib(n) * 1024:.0f})", "-"]
                 continue
-            row = training(name, n, repeats)
+            row = run(name, n)
             rows.append(row)
-            cells += [f"{row['saved_mib']:.1f}", f"{row['seconds']:.3f}"]
+            cells += [f"{row[mib]:.1f}", f"{row['seconds']:.3f}"]
         growth = ("-", "-")
         if len(rows) >= 2:
-            growth = (f"{rows[-1]['saved_mib'] / rows[-2]['saved_mib']:.2f}",
-                      f"{rows[-1]['seconds'] / rows[-2]['seconds']:.1f}")
+            growth = (f"{rows[-1][mib] / max(rows[-2][mib], 1e-9):.2f}", f"{rows[-1]['seconds'] / rows[-2]['seconds']:.1f}")
         print(f"| {name} | " + " | ".join(cells) + f" | {growth[0]} | {growth[1]} |", flush=True)
 
 
@@ -143,27 +144,14 @@ def main() -> None:
     names = args.kernels or KERNELS.names()
     if args.backward:
         sizes = args.sizes if args.sizes != [512, 2048, 8192] else [512, 1024, 2048, 4096]
-        training_table(names, sizes, args.repeats, args.max_gib)
+        table(f"causal attention forward + backward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
+              "MiB saved for the backward and seconds; x = growth per doubling of n (2 linear, 4 quadratic)",
+              names, sizes, lambda name, n: training(name, n, args.repeats), "saved_mib", ("naive", "sdpa"),
+              args.max_gib)
         return
-    print(f"causal attention forward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; "
-          "peak extra MiB (RSS) and seconds; x = growth per 4x n (16 quadratic, 4 linear)")
-    header = "| kernel | " + " | ".join(f"n={n} MiB | n={n} s" for n in args.sizes) + " | MiB x | s x |"
-    print(header)
-    print("|" + "---|" * (2 * len(args.sizes) + 3))
-    for name in names:
-        cells, rows = [], []
-        for n in args.sizes:
-            if name == "naive" and quadratic_gib(n) > args.max_gib:
-                cells += [f"skipped (~{quadratic_gib(n) * 1024:.0f})", "-"]
-                continue
-            row = measure(name, n, args.repeats)
-            rows.append(row)
-            cells += [f"{row['peak_mib']:.1f}", f"{row['seconds']:.3f}"]
-        growth = ("-", "-")
-        if len(rows) >= 2:
-            growth = (f"{rows[-1]['peak_mib'] / max(rows[-2]['peak_mib'], 1e-9):.1f}",
-                      f"{rows[-1]['seconds'] / rows[-2]['seconds']:.1f}")
-        print(f"| {name} | " + " | ".join(cells) + f" | {growth[0]} | {growth[1]} |", flush=True)
+    table(f"causal attention forward, B=1 H={HEADS} Dh={HEAD_DIM} fp32, window={WINDOW}, 1 thread; peak extra MiB "
+          "(RSS) and seconds; x = growth per 4x n (16 quadratic, 4 linear)", names, args.sizes,
+          lambda name, n: measure(name, n, args.repeats), "peak_mib", ("naive",), args.max_gib)
 
 
 if __name__ == "__main__":
