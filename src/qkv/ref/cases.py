@@ -188,6 +188,13 @@ def context(positional_name="none", kernel="naive", t=T, s=T, causal=True, mask=
                             mask, causal, kernels.KERNELS.get(kernel)(cfg()), H)
 
 
+def with_memory(grads: dict) -> dict:
+    """A cross-attention's memory gradient (accumulated under MEMORY_GRAD) as the case's "memory" input."""
+    if MEMORY_GRAD in grads:
+        grads["memory"] = grads.pop(MEMORY_GRAD)
+    return grads
+
+
 def _attention_case(kv_heads=H, positional_name="none", cross=False, mask=False):
     def inputs(rng):
         values = {"x": _normal(rng, B, T, D), **attention_params(rng, kv_heads=kv_heads)}
@@ -200,13 +207,7 @@ def _attention_case(kv_heads=H, positional_name="none", cross=False, mask=False)
                context(positional_name, mask=_padding_mask(T, T) if mask else None))
         return attention_forward(i, i["x"], ctx, i.get("memory"))
 
-    def backward(dy, cache):
-        grads = layer_grads(attention_backward, dy, cache)
-        if cross:
-            grads["memory"] = grads.pop(MEMORY_GRAD)
-        return grads
-
-    return Case(inputs, forward, backward)
+    return Case(inputs, forward, lambda dy, cache: with_memory(layer_grads(attention_backward, dy, cache)))
 
 
 CASES.register("attention_mha")(_attention_case())
@@ -235,13 +236,7 @@ def _block_case(placement, norm, cross=False):
         memory_ctx = context(s=S, causal=False) if cross else None
         return block_forward(i, i["x"], c, context(), memory=i.get("memory"), memory_ctx=memory_ctx)
 
-    def backward(dy, cache):
-        grads = layer_grads(block_backward, dy, cache)
-        if cross:
-            grads["memory"] = grads.pop(MEMORY_GRAD)
-        return grads
-
-    return Case(inputs, forward, backward)
+    return Case(inputs, forward, lambda dy, cache: with_memory(layer_grads(block_backward, dy, cache)))
 
 
 CASES.register("block_pre_layernorm")(_block_case("pre", "layernorm"))
