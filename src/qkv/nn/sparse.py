@@ -4,7 +4,8 @@ a function of (query column i, key column j) only, so a KV-cache step sees the s
 - `local`   |i - j| <= w (§15.1.1), computed per query block against its band of keys: O(T (b + 2w))
             scores and time, b = the block (w), never a (T, S) array (SPEC claim 16).
 - `dilated` (i - j) mod d = 0 (§15.1.2: "j = i + k d, k in Z"), d = w; every key of the query's residue
-            class, as the note writes it (no window). Tiled: O(n) memory; time O(n^2) (it is n^2 / d work).
+            class, as the note writes it (no window). Each class attends densely within itself (tiled):
+            O(n) memory, n^2 / d scores and time.
 - `random`  BigBird-style (Zaheer et al. 2020; §15.1.3 "r random positions per query"): the window
             |i - j| <= w, plus the first GLOBAL_KEYS keys the query may see (global tokens), plus keys at
             RANDOM_KEYS seeded random distances in (w, w + RANDOM_SPAN]. Distances, not absolute
@@ -128,8 +129,45 @@ def local(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
 
 def dilated(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
             scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
-    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
-                 value_bias=value_bias, pattern=functools.partial(dilated_pattern, window=window))
+    """(i - j) mod d = 0 holds exactly when columns i and j are in the same residue class mod d, so each
+    class attends densely within itself (tiled): sum_r T_r S_r ~ T S / d scores instead of T S, O(n) memory.
+    The queries of a class are the last of its key columns, so the causal triangle stays bottom-right."""
+    d = max(window, 1)
+    T, S = q.shape[-2], k.shape[-2]
+    if T == S and S % d == 0 and mask is None and bias is None and value_bias is None:
+        return classes_as_heads(q, k, v, d, causal=causal, scale=scale, dropout=dropout)
+    query_cols = torch.arange(S - T, S, device=q.device)
+    outs, order = [], []
+    for r in range(min(d, S)):
+        rows = torch.nonzero(query_cols.remainder(d) == r).flatten()  # (T_r,) this class's queries
+        if rows.numel() == 0:
+            continue
+        cols = torch.arange(r, S, d, device=q.device)  # (S_r,) and keys
+        outs.append(tiled(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask=class_of(mask, T, S, rows, cols),
+                          causal=causal, bias=class_of(bias, T, S, rows, cols), scale=scale, dropout=dropout,
+                          value_bias=None if value_bias is None else
+                          RelativeValues(value_bias.index[:, rows][:, :, cols], value_bias.table)))
+        order.append(rows)
+    inverse = torch.argsort(torch.cat(order))  # each query's place among the classes' outputs
+    return torch.cat(outs, dim=2)[:, :, inverse]  # (B, H, T, Dh)
+
+
+def classes_as_heads(q: Tensor, k: Tensor, v: Tensor, d: int, *, causal: bool, scale: float,
+                     dropout: float) -> Tensor:
+    """The d residue classes of n = S columns, all of size n / d, as d times the heads of one tiled call:
+    column a d + r is entry a of class r. (B, H, n, Dh) -> (B, H d, n / d, Dh) and back."""
+    B, H, n, _ = q.shape
+
+    def split(x: Tensor) -> Tensor:
+        return x.unflatten(2, (n // d, d)).transpose(2, 3).flatten(1, 2)  # (B, H d, n / d, Dh)
+
+    out = tiled(split(q), split(k), split(v), mask=None, causal=causal, bias=None, scale=scale, dropout=dropout)
+    return out.unflatten(1, (H, d)).transpose(2, 3).flatten(2, 3)  # (B, H, n, Dh)
+
+
+def class_of(x: Tensor | None, T: int, S: int, rows: Tensor, cols: Tensor) -> Tensor | None:
+    """The (rows, cols) entries of a tensor broadcastable to (.., T, S) (a mask or a score bias)."""
+    return None if x is None else x.expand(*x.shape[:-2], T, S)[..., rows, :][..., cols]
 
 
 def random(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
