@@ -42,6 +42,27 @@ def test_forward_and_backward_within_5_percent_of_flop_counter(arch, variant):
     assert both == pytest.approx(3 * predicted, rel=0.05)  # backward = 2 x forward
 
 
+@pytest.mark.parametrize("kernel", ["local", "dilated"])
+@pytest.mark.parametrize("T, S, window", [(256, 256, 4), (300, 300, 7), (512, 512, 16), (3, 64, 5), (512, 512, 256)])
+def test_sparse_kernels_scores_are_the_ones_computed(kernel, T, S, window):
+    """calc's score FLOPs of the local and dilated kernels (their registry entry's score_pairs) against the FLOP
+    counter on the kernels themselves, also with cached keys (T < S) and a window larger than the blocks."""
+    from qkv.nn.kernels import kernel_for
+
+    q, k = torch.randn(1, 1, T, 8), torch.randn(1, 1, S, 8)
+    fn = kernel_for(kernel, window=window)
+    counted, _ = count_flops(lambda: fn(q, k, k, mask=None, causal=True, bias=None, scale=0.3))
+    cfg = ModelConfig(**{**BASE, "attention": kernel, "window": window, "n_heads": 1, "d_model": 8})
+    assert counted == flops.attention_scores(cfg, 1, T, S)  # (local with w = T/2 computes more than T x S)
+
+
+def test_sparse_kernel_model_flops_match_the_counter():
+    cfg = ModelConfig(**{**BASE, "attention": "dilated", "window": 4})
+    model = qkv.build_model(cfg)
+    counted, _ = count_flops(forward_call(model, cfg, batch=2, seq=24))
+    assert counted == sum(flops.forward(cfg, batch=2, seq=24).values())
+
+
 def test_note_layer_costs_in_flops():
     """Note 000 §10: 2n^2 d + 4 n d^2 multiply-adds per attention layer; §9.3: 8 n d^2 for the FFN."""
     n, d = 100, 64

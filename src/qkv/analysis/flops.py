@@ -4,8 +4,9 @@ Unit: one FLOP per multiply and one per add, so a multiply-add is 2 FLOPs, as to
 counts. The notes count multiply-adds ("complexity"): note 000 §10.1.4's attention cost
 2n^2 d + 4 n d^2 per layer is (4 n^2 d + 8 n d^2) FLOPs here, and §9.3's FFN 8 n d^2 is 16 n d^2 FLOPs.
 Only matrix products are counted (as the FLOP counter does): softmax, norms, activations and residual
-additions are O(n d) and left out. A kernel that skips masked blocks would do about half the score
-FLOPs of a causal layer; the full T x S is counted, as the naive and sdpa kernels compute it.
+additions are O(n d) and left out. The scores counted are those the kernel computes (its registry entry's
+`score_pairs`: local's band, dilated's residue classes); for the others the full T x S, as the naive and
+sdpa kernels compute it (a kernel that skips masked blocks does about half of that in a causal layer).
 
 Per layer, B sequences of T queries over S keys (S = T for self-attention), FLOPs forward:
     projections   2 B T D (H Dh) + 2 B S D (2 Hkv Dh) + 2 B T (H Dh) D       (W^Q; W^K, W^V; W^O)
@@ -37,7 +38,15 @@ def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int) -> int:
     H, Dh = cfg.n_heads, cfg.head_dim
     if cfg.attention == "linear":
         return MAC * batch * H * (2 * S * Dh * Dh + T * Dh * Dh + T * Dh)
-    return MAC * 2 * batch * H * T * S * Dh
+    return MAC * 2 * batch * H * score_pairs(cfg.attention, T, S, cfg.window) * Dh
+
+
+def score_pairs(kernel: str, T: int, S: int, window: int) -> int:
+    """(query, key) scores per head that `kernel` computes for T queries over S keys."""
+    from qkv.nn.kernels import KERNELS  # torch: the kernel's registry entry says it
+
+    counted = KERNELS.get(kernel).score_pairs
+    return T * S if counted is None else counted(T, S, window)
 
 
 def ffn(cfg: ModelConfig, tokens: int) -> int:

@@ -52,6 +52,9 @@ class KernelSpec:
     full: bool = True  # softmax over every allowed key; cross-attention always uses a full kernel
     exact: bool = True  # the exact softmax of its pattern (False: an approximation, linear attention)
     keeps_probabilities: bool = True  # stores the (B, H, T, S) probabilities for the backward (qkv calc)
+    # score_pairs(T, S, window) -> how many (query, key) scores the kernel computes per head (qkv calc's
+    # FLOPs); None: all T x S
+    score_pairs: Callable[[int, int, int], int] | None = None
 
 
 KERNELS: Registry[KernelSpec] = Registry("attention kernel")

@@ -191,10 +191,25 @@ def sparse_weights(pattern_fn, global_keys: bool = False):
     return weights
 
 
+def band_pairs(T: int, S: int, window: int) -> int:
+    """Scores `local` computes: ceil(T / b) blocks of b rows against b + 2w keys, b = min(w, T)."""
+    b = min(max(window, 1), T)
+    return math.ceil(T / b) * b * (b + 2 * window)
+
+
+def class_pairs(T: int, S: int, window: int) -> int:
+    """Scores `dilated` computes: sum over the residue classes r of T_r queries x S_r keys (each class's
+    tiles all computed: exact while a class fits one tile of keys, an upper bound beyond under causality)."""
+    d = max(window, 1)
+    keys = [len(range(r, S, d)) for r in range(d)]
+    queries = [len(range(S - T + (r - (S - T)) % d, S, d)) for r in range(d)]
+    return sum(t * s for t, s in zip(queries, keys))
+
+
 # causal local attention reads the w keys before each query: a rolling cache of w columns serves it
 KERNELS.register("local")(KernelSpec(fn=local, weights=sparse_weights(local_pattern), windowed=True,
-                                     reach=lambda window: window, full=False))
+                                     reach=lambda window: window, full=False, score_pairs=band_pairs))
 KERNELS.register("dilated")(KernelSpec(fn=dilated, weights=sparse_weights(dilated_pattern), windowed=True,
-                                       full=False))
+                                       full=False, score_pairs=class_pairs))
 KERNELS.register("random")(KernelSpec(fn=random, weights=sparse_weights(random_pattern, global_keys=True),
                                       windowed=True, full=False))
