@@ -42,11 +42,11 @@ def test_forward_and_backward_within_5_percent_of_flop_counter(arch, variant):
     assert both == pytest.approx(3 * predicted, rel=0.05)  # backward = 2 x forward
 
 
-@pytest.mark.parametrize("kernel", ["local", "dilated"])
+@pytest.mark.parametrize("kernel", ["local", "dilated", "random"])
 @pytest.mark.parametrize("T, S, window", [(256, 256, 4), (300, 300, 7), (512, 512, 16), (3, 64, 5), (512, 512, 256)])
 def test_sparse_kernels_scores_are_the_ones_computed(kernel, T, S, window):
-    """calc's score FLOPs of the local and dilated kernels (their registry entry's score_pairs) against the FLOP
-    counter on the kernels themselves, also with cached keys (T < S) and a window larger than the blocks."""
+    """calc's score FLOPs of the sparse kernels (their registry entry's score_pairs) against the FLOP counter on
+    the kernels themselves, also with cached keys (T < S) and a window larger than the blocks."""
     from qkv.nn.kernels import kernel_for
 
     q, k = torch.randn(1, 1, T, 8), torch.randn(1, 1, S, 8)

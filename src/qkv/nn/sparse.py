@@ -9,7 +9,9 @@ a function of (query column i, key column j) only, so a KV-cache step sees the s
 - `random`  BigBird-style (Zaheer et al. 2020; §15.1.3 "r random positions per query"): the window
             |i - j| <= w, plus the first GLOBAL_KEYS keys the query may see (global tokens), plus keys at
             RANDOM_KEYS seeded random distances in (w, w + RANDOM_SPAN]. Distances, not absolute
-            blocks, so left padding and cached decoding see the same keys (docs/DEVIATIONS.md). Tiled.
+            blocks, so left padding and cached decoding see the same keys (docs/DEVIATIONS.md). Without a
+            padding mask, banded like local (reach w + RANDOM_SPAN) plus the global columns: O(n (w +
+            RANDOM_SPAN)); with one (each row's own first keys are global), the tiled sweep.
 
 w is `model.window`, bound by `kernel_for`. Combined with causality and padding masks as every kernel is.
 """
@@ -53,9 +55,7 @@ def random_distances(window: int) -> tuple[int, ...]:
 
 def random_pattern(query_cols: Tensor, key_cols: Tensor, *, window: int) -> Tensor:
     """Window and random distances (both directions); the global keys come from `with_global_keys`."""
-    distance = offsets(query_cols, key_cols).abs()
-    chosen = torch.tensor(random_distances(window), device=distance.device)
-    return (distance <= window) | torch.isin(distance, chosen)
+    return random_pattern_cols(query_cols[:, None], key_cols[None, :], window)
 
 
 def with_global_keys(pattern, mask: Tensor | None, T: int, S: int):
@@ -84,14 +84,16 @@ def pattern_mask(pattern, T: int, S: int, mask: Tensor | None, causal: bool, dev
 # ---------------------------------------------------------------------------------------- local (banded)
 
 
-def band(T: int, S: int, window: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Query blocks of b rows and the key columns each block may reach: (nb, b) query rows, (nb, b + 2w)
-    key columns (out-of-range ones clamped, flagged by `valid`)."""
+def band(T: int, S: int, window: int, device, reach: int | None = None) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Query blocks of b = min(w, T) rows and the key columns each block may reach, `reach` (default w) on
+    either side: (nb, b) query rows, (nb, b + 2 reach) key columns (out-of-range ones clamped, flagged by
+    `valid`)."""
+    reach = window if reach is None else reach
     b = min(max(window, 1), T)
     nb = math.ceil(T / b)
     rows = torch.arange(nb * b, device=device).view(nb, b)  # (nb, b) query rows, some past T (padding)
-    start = (S - T) + rows[:, :1] - window  # (nb, 1) the first key column of each block's band
-    cols = start + torch.arange(b + 2 * window, device=device)  # (nb, W)
+    start = (S - T) + rows[:, :1] - reach  # (nb, 1) the first key column of each block's band
+    cols = start + torch.arange(b + 2 * reach, device=device)  # (nb, W)
     valid = (cols >= 0) & (cols < S)
     return rows, cols, valid, b
 
@@ -172,10 +174,51 @@ def class_of(x: Tensor | None, T: int, S: int, rows: Tensor, cols: Tensor) -> Te
 
 def random(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
            scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None, window: int) -> Tensor:
+    """Without a padding mask: the window and the random distances lie within w + RANDOM_SPAN of the query,
+    so each block of queries scores its band of that reach plus the GLOBAL_KEYS first columns: O(n (w +
+    RANDOM_SPAN)). With one, each row's global keys are its own first allowed columns: the tiled sweep."""
+    if mask is None:
+        return banded_random(q, k, v, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                             value_bias=value_bias, window=window)
     pattern, mask = with_global_keys(functools.partial(random_pattern, window=window), mask,
                                      q.shape[-2], k.shape[-2])
     return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
                  value_bias=value_bias, pattern=pattern)
+
+
+def banded_random(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None, scale: float,
+                  dropout: float, value_bias: RelativeValues | None, window: int) -> Tensor:
+    """Per query block: its band (reach w + RANDOM_SPAN) with the pattern, and the global columns 0..G-1
+    (left out of the band, so no key counts twice), under one softmax. (B, H, T, Dh)"""
+    T, S = q.shape[-2], k.shape[-2]
+    rows, cols, valid, b = band(T, S, window, q.device, reach=window + RANDOM_SPAN)
+    glob = torch.arange(min(GLOBAL_KEYS, S), device=q.device)  # (G,)
+    nb = rows.shape[0]
+    keys = torch.cat((cols, glob.expand(nb, -1)), dim=1)  # (nb, W + G) every block's key columns
+    r, c = rows.clamp(max=T - 1)[:, :, None], keys.clamp(0, S - 1)[:, None, :]  # (nb, b, 1), (nb, 1, W + G)
+    i = (S - T) + rows[:, :, None]  # (nb, b, 1) query columns
+    in_band = valid[:, None, :] & random_pattern_cols(i, cols[:, None, :], window) & (cols[:, None, :] >= len(glob))
+    allowed = torch.cat((in_band, torch.ones_like(in_band[..., :len(glob)])), dim=-1)  # (nb, b, W + G)
+    if causal:
+        allowed = allowed & (keys[:, None, :] <= i)
+    allowed = allowed | (rows >= T)[:, :, None]  # padding rows see anything: finite, then dropped
+    q_blocks = q[:, :, rows.clamp(max=T - 1)]  # (B, H, nb, b, Dh)
+    k_keys, v_keys = k[:, :, keys.clamp(0, S - 1)], v[:, :, keys.clamp(0, S - 1)]  # (B, H, nb, W + G, Dh)
+    scores = (q_blocks @ k_keys.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    if bias is not None:
+        scores = scores + bias.expand(*bias.shape[:-2], T, S)[..., r, c]  # (B, H, nb, b, W + G)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    if value_bias is not None:
+        value_bias = RelativeValues(value_bias.index[:, r, c], value_bias.table)  # index (B, nb, b, W + G)
+    out = weighted_values(weights, v_keys, value_bias, dropout)  # (B, H, nb, b, Dh)
+    return out.flatten(2, 3)[:, :, :T]
+
+
+def random_pattern_cols(i: Tensor, j: Tensor, window: int) -> Tensor:
+    """random_pattern on broadcast columns: |i - j| <= w or |i - j| one of the random distances."""
+    distance = (i - j).abs()
+    chosen = torch.tensor(random_distances(window), device=distance.device)
+    return (distance <= window) | torch.isin(distance, chosen)
 
 
 def sparse_weights(pattern_fn, global_keys: bool = False):
@@ -211,5 +254,12 @@ KERNELS.register("local")(KernelSpec(fn=local, weights=sparse_weights(local_patt
                                      reach=lambda window: window, full=False, score_pairs=band_pairs))
 KERNELS.register("dilated")(KernelSpec(fn=dilated, weights=sparse_weights(dilated_pattern), windowed=True,
                                        full=False, score_pairs=class_pairs))
+def random_pairs(T: int, S: int, window: int) -> int:
+    """Scores `random` computes without a padding mask: each block's band of reach w + RANDOM_SPAN and the
+    global columns (band_pairs for local, with the wider reach)."""
+    b = min(max(window, 1), T)
+    return math.ceil(T / b) * b * (b + 2 * (window + RANDOM_SPAN) + min(GLOBAL_KEYS, S))
+
+
 KERNELS.register("random")(KernelSpec(fn=random, weights=sparse_weights(random_pattern, global_keys=True),
-                                      windowed=True, full=False))
+                                      windowed=True, full=False, score_pairs=random_pairs))
