@@ -41,11 +41,21 @@ def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool) -
     ({}, False), ({}, True), ({"attention": "naive"}, False), ({"attention": "naive"}, True),
     ({"n_kv_heads": 2, "ffn": "glu", "activation": "silu", "norm": "rmsnorm", "positional": "rope", "bias": False}, False),
     ({"tie_embeddings": False, "norm_placement": "post"}, False),
+    ({"attention": "flash"}, False), ({"attention": "local", "window": 8}, False),
+    ({"attention": "dilated", "window": 4}, False), ({"attention": "random", "window": 8}, False),
 ])
 def test_estimate_within_20_percent_of_measured_peak(variant, checkpointing):
     cfg = ModelConfig(**BASE, **variant)
     estimate = memory.training(cfg, memory.Setup(batch=4, seq=96, checkpointing=checkpointing))["total"]
     assert estimate == pytest.approx(measured_peak(cfg, 4, 96, checkpointing), rel=0.20)
+
+
+@pytest.mark.parametrize("kernel, window", [("local", 8), ("random", 8), ("dilated", 4)])
+def test_sparse_kernels_memory_is_their_band_not_t_by_s(kernel, window):
+    """At T = 384 the bands (or residue classes) are a fraction of T x S: the estimate follows what is saved."""
+    cfg = ModelConfig(**{**BASE, "max_seq_len": 384, "attention": kernel, "window": window})
+    estimate = memory.training(cfg, memory.Setup(batch=2, seq=384))["total"]
+    assert estimate == pytest.approx(measured_peak(cfg, 2, 384, False), rel=0.15)
 
 
 def test_live_bytes_counts_allocations_and_frees():

@@ -73,11 +73,16 @@ def model_states(n_params: int, setup: Setup) -> dict[str, float]:
             "optimizer_states": n_params * OPTIMIZER_BYTES[setup.optimizer] / shard(1)}
 
 
-def keeps_probabilities(kernel: str) -> bool:
-    """Whether the kernel stores the (B, H, T, S) probabilities for its backward (its registry entry)."""
+def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
+    """(probabilities, copied Dh-wide rows) the attention kernel saves per head for its backward (its registry
+    entry): the scores it computes when it keeps them (else none: a flash-style kernel keeps one log-sum-exp
+    per row), and its gathered or regrouped copies of q, k, v."""
+    from qkv.analysis.flops import score_pairs
     from qkv.nn.kernels import KERNELS  # torch: only when a memory estimate is asked for
 
-    return KERNELS.get(kernel).keeps_probabilities
+    spec = KERNELS.get(cfg.attention)
+    probabilities = score_pairs(cfg.attention, T, S, cfg.window) if spec.keeps_probabilities else 0
+    return probabilities, 0 if spec.copied_rows is None else spec.copied_rows(T, S, cfg.window)
 
 
 def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
@@ -85,13 +90,13 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
     D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
     elements = 2 * B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # x, LN(x), Q, K+V, concat(heads)
-    keeps = keeps_probabilities(cfg.attention)
-    if not keeps:
+    probabilities, copied = kernel_saves(cfg, T, S)
+    if not probabilities:
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
     else:
-        kernel = FP32 * B * H * T * S  # A = softmax(Q K^T / sqrt(Dh)), fp32
-    masks = (B * T * D + (B * H * T * S if keeps else 0)) if cfg.dropout else 0
-    return a * elements + kernel + masks
+        kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
+    masks = (B * T * D + B * H * probabilities) if cfg.dropout else 0
+    return a * (elements + B * H * Dh * copied) + kernel + masks
 
 
 def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int) -> float:

@@ -240,6 +240,13 @@ def band_pairs(T: int, S: int, window: int) -> int:
     return math.ceil(T / b) * b * (b + 2 * window)
 
 
+def band_rows(T: int, S: int, window: int, width: int) -> int:
+    """The gathered copies a banded kernel saves: the blocks' queries and each block's `width` keys and values."""
+    b = min(max(window, 1), T)
+    blocks = math.ceil(T / b)
+    return blocks * b + 2 * blocks * width
+
+
 def class_pairs(T: int, S: int, window: int) -> int:
     """Scores `dilated` computes: sum over the residue classes r of T_r queries x S_r keys (each class's
     tiles all computed: exact while a class fits one tile of keys, an upper bound beyond under causality)."""
@@ -249,17 +256,30 @@ def class_pairs(T: int, S: int, window: int) -> int:
     return sum(t * s for t, s in zip(queries, keys))
 
 
+def class_rows(T: int, S: int, window: int) -> int:
+    """dilated regroups q, k and v by class before its tiled call, which saves those copies."""
+    return T + 2 * S
+
+
 # causal local attention reads the w keys before each query: a rolling cache of w columns serves it
 KERNELS.register("local")(KernelSpec(fn=local, weights=sparse_weights(local_pattern), windowed=True,
-                                     reach=lambda window: window, full=False, score_pairs=band_pairs))
+                                     reach=lambda window: window, full=False, score_pairs=band_pairs,
+                                     copied_rows=lambda T, S, w: band_rows(T, S, w, min(max(w, 1), T) + 2 * w)))
+# dilated tiles each class with the flash kernel: out and L saved, no probabilities
 KERNELS.register("dilated")(KernelSpec(fn=dilated, weights=sparse_weights(dilated_pattern), windowed=True,
-                                       full=False, score_pairs=class_pairs))
+                                       full=False, keeps_probabilities=False, score_pairs=class_pairs,
+                                       copied_rows=class_rows))
 def random_pairs(T: int, S: int, window: int) -> int:
     """Scores `random` computes without a padding mask: each block's band of reach w + RANDOM_SPAN and the
     global columns (band_pairs for local, with the wider reach)."""
     b = min(max(window, 1), T)
-    return math.ceil(T / b) * b * (b + 2 * (window + RANDOM_SPAN) + min(GLOBAL_KEYS, S))
+    return math.ceil(T / b) * b * random_width(T, S, window)
+
+
+def random_width(T: int, S: int, window: int) -> int:
+    return min(max(window, 1), T) + 2 * (window + RANDOM_SPAN) + min(GLOBAL_KEYS, S)
 
 
 KERNELS.register("random")(KernelSpec(fn=random, weights=sparse_weights(random_pattern, global_keys=True),
-                                      windowed=True, full=False, score_pairs=random_pairs))
+                                      windowed=True, full=False, score_pairs=random_pairs,
+                                      copied_rows=lambda T, S, w: band_rows(T, S, w, random_width(T, S, w))))
