@@ -33,18 +33,32 @@ def _flat_grads(model) -> torch.Tensor:
 
 @claim(21, "gradient accumulation of k micro-batches equals one batch k times the size", "000 LLM §10.4")
 def accumulation() -> Result:
+    from qkv.config import RunConfig, TrainConfig
+    from qkv.nn.linear_cross_entropy import cross_entropy
+    from qkv.train.parallel import Layout
+    from qkv.train.steps import MicroBatches
+
     model, cfg = _tiny_model()
     ids = torch.randint(0, cfg.vocab_size, (8, 13), generator=torch.Generator().manual_seed(1))
-    _grads(model, ids)
-    full = _flat_grads(model)
-    model.zero_grad()
-    for micro in ids.chunk(4):  # k = 4 micro-batches of 2, each loss divided by k
-        _grads(model, micro, scale=1 / 4)
-    diff = (full - _flat_grads(model)).abs().max().item()
-    return Result(status(diff < 1e-14), {"max|accumulated - full batch| gradient": diff},
-                  "float64, batch 8 = 4 x 2, loss / k per micro-batch (as qkv.train.loop does). Exact because every "
-                  "micro-batch has the same token count; with padding, equal per-token weighting needs the "
-                  "token counts, not k.")
+
+    def backward(module, micro, share):  # as qkv.train.loop.Trainer.backward: the loss weighted by its share
+        inputs, targets = micro
+        loss = cross_entropy(module(inputs).double(), targets)
+        (loss * share).backward()
+        return loss.detach(), torch.zeros((), dtype=F64)
+
+    grads, losses = [], []
+    for k in (1, 4):  # one batch of 8, then k = 4 micro-batches of 2 through qkv's step runner
+        runner = MicroBatches(model, RunConfig(model=cfg, train=TrainConfig(batch_size=8, accumulation=k)), Layout())
+        model.zero_grad()
+        losses.append(runner.forward_backward((ids[:, :-1], ids[:, 1:]), backward)[0].item())
+        grads.append(_flat_grads(model))
+    diff = (grads[0] - grads[1]).abs().max().item()
+    return Result(status(diff < 1e-14 and abs(losses[0] - losses[1]) < 1e-14),
+                  {"max|accumulated - full batch| gradient": diff, "loss (full, accumulated)": losses},
+                  "qkv.train.steps.MicroBatches (the Trainer's step runner), float64, batch 8 = 4 x 2, each "
+                  "micro-batch's loss weighted by its share of the rows. Exact because every micro-batch has the "
+                  "same token count; with padding, equal per-token weighting needs the token counts.")
 
 
 @claim(22, "data-parallel gradient averaging equals the full-batch gradient", "000 LLM §7.1")
