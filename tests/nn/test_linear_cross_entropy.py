@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.nn import linear_cross_entropy as lce
-from qkv.nn.linear_cross_entropy import head_cross_entropy, linear_cross_entropy
+from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, linear_cross_entropy
 
 
 def reference(hidden, weight, bias, targets, eps):
@@ -149,3 +149,17 @@ def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss(hooked):
     assert_same_loss_and_gradients(model, lambda: model(src, tgt, src_mask, tgt_mask, targets=labels),
                                    lambda: model(src, tgt, src_mask, tgt_mask), labels)
     assert seen == ([(2, 7, 30)] * 2 if hooked else [])
+
+
+def test_cross_entropy_is_mean_negative_log_softmax_and_smoothing():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    targets[1, 3] = -100  # padding is ignored
+    logp = logits.log_softmax(-1)
+    keep = targets != -100
+    nll = -logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0][keep]
+    assert cross_entropy(logits, targets).item() == pytest.approx(nll.mean().item(), rel=1e-6)
+    eps = 0.1  # target (1 - eps) onehot + eps / V (note 000 §13.3; SPEC claim 14)
+    smoothed = (1 - eps) * nll - eps * logp[keep].mean(-1)
+    assert cross_entropy(logits, targets, eps).item() == pytest.approx(smoothed.mean().item(), rel=1e-6)
