@@ -96,3 +96,22 @@ def test_dropout_masks_follow_the_global_seed_and_average_out():
     assert torch.equal(first, again)
     exact = tiled(q[:1], k[:1], v[:1], mask=None, causal=True, bias=None, scale=0.5)
     torch.testing.assert_close(first.mean(0, keepdim=True), exact, atol=0.08, rtol=0)  # E[dropout(A)] = A
+
+
+def test_tiles_are_computed_in_the_wide_dtype_under_autocast():
+    """Under bf16 autocast the tiles' products still run in fp32, forward and backward alike, so the log-sum-exp
+    saved by the forward matches the backward's recomputed scores: the same values and gradients as in fp32."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 8, requires_grad=True) for _ in range(3))
+    upstream = torch.randn(1, 2, 9, 8)
+
+    def run():
+        out = tiled(q, k, v, mask=None, causal=True, bias=None, scale=0.35, block=4)
+        return out, torch.autograd.grad(out, (q, k, v), upstream)
+
+    plain, plain_grads = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, mixed_grads = run()
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+    for got, want in zip(mixed_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

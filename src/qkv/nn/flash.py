@@ -139,6 +139,12 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, table, index, mask, causal, scale, pattern, block, dropout, seed):
+        with torch.autocast(q.device.type, enabled=False):  # the tiles in the wide dtype, as the backward
+            return FlashAttention.run_forward(ctx, q, k, v, bias, table, index, mask, causal, scale, pattern,
+                                              block, dropout, seed)
+
+    @staticmethod
+    def run_forward(ctx, q, k, v, bias, table, index, mask, causal, scale, pattern, block, dropout, seed):
         wide = wide_dtype(q.dtype)
         qw, kw, vw = q.to(wide), k.to(wide), v.to(wide)
         bw = None if bias is None else bias.to(wide)
@@ -152,6 +158,11 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):  # recompute the tiles as the forward formed them
+            return FlashAttention.run_backward(ctx, dout)
+
+    @staticmethod
+    def run_backward(ctx, dout):
         q, k, v, bias, table, index, mask, out, lse = ctx.saved_tensors
         causal, scale, pattern, block, dropout, seed = ctx.options
         wide = out.dtype
