@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -89,7 +90,7 @@ def band(T: int, S: int, window: int, device, reach: int | None = None) -> tuple
     either side: (nb, b) query rows, (nb, b + 2 reach) key columns (out-of-range ones clamped, flagged by
     `valid`)."""
     reach = window if reach is None else reach
-    b = min(max(window, 1), T)
+    b = block_size(T, window)
     nb = math.ceil(T / b)
     rows = torch.arange(nb * b, device=device).view(nb, b)  # (nb, b) query rows, some past T (padding)
     start = (S - T) + rows[:, :1] - reach  # (nb, 1) the first key column of each block's band
@@ -234,17 +235,34 @@ def sparse_weights(pattern_fn, global_keys: bool = False):
     return weights
 
 
-def band_pairs(T: int, S: int, window: int) -> int:
-    """Scores `local` computes: ceil(T / b) blocks of b rows against b + 2w keys, b = min(w, T)."""
-    b = min(max(window, 1), T)
-    return math.ceil(T / b) * b * (b + 2 * window)
+def block_size(T: int, window: int) -> int:
+    """Rows per query block of the banded kernels (local, random): b = min(w, T)."""
+    return min(max(window, 1), T)
 
 
-def band_rows(T: int, S: int, window: int, width: int) -> int:
-    """The gathered copies a banded kernel saves: the blocks' queries and each block's `width` keys and values."""
-    b = min(max(window, 1), T)
-    blocks = math.ceil(T / b)
-    return blocks * b + 2 * blocks * width
+def local_width(T: int, S: int, window: int) -> int:
+    """Keys each block of `local` scores: its b rows and w on either side."""
+    return block_size(T, window) + 2 * window
+
+
+def random_width(T: int, S: int, window: int) -> int:
+    """Keys each block of `random` (no padding mask) scores: reach w + RANDOM_SPAN and the global columns."""
+    return block_size(T, window) + 2 * (window + RANDOM_SPAN) + min(GLOBAL_KEYS, S)
+
+
+def banded_costs(width: Callable[[int, int, int], int]):
+    """(score_pairs, copied_rows) of a banded kernel whose ceil(T / b) blocks of b rows each score width(T, S, w)
+    keys and keep gathered copies of their queries, keys and values (KernelSpec's cost model for qkv calc)."""
+    def pairs(T: int, S: int, window: int) -> int:
+        b = block_size(T, window)
+        return math.ceil(T / b) * b * width(T, S, window)
+
+    def rows(T: int, S: int, window: int) -> int:
+        b = block_size(T, window)
+        blocks = math.ceil(T / b)
+        return blocks * b + 2 * blocks * width(T, S, window)
+
+    return pairs, rows
 
 
 def class_pairs(T: int, S: int, window: int) -> int:
@@ -261,25 +279,15 @@ def class_rows(T: int, S: int, window: int) -> int:
     return T + 2 * S
 
 
+LOCAL_PAIRS, LOCAL_ROWS = banded_costs(local_width)
+RANDOM_PAIRS, RANDOM_ROWS = banded_costs(random_width)
 # causal local attention reads the w keys before each query: a rolling cache of w columns serves it
 KERNELS.register("local")(KernelSpec(fn=local, weights=sparse_weights(local_pattern), windowed=True,
-                                     reach=lambda window: window, full=False, score_pairs=band_pairs,
-                                     copied_rows=lambda T, S, w: band_rows(T, S, w, min(max(w, 1), T) + 2 * w)))
+                                     reach=lambda window: window, full=False, score_pairs=LOCAL_PAIRS,
+                                     copied_rows=LOCAL_ROWS))
 # dilated tiles each class with the flash kernel: out and L saved, no probabilities
 KERNELS.register("dilated")(KernelSpec(fn=dilated, weights=sparse_weights(dilated_pattern), windowed=True,
                                        full=False, keeps_probabilities=False, score_pairs=class_pairs,
                                        copied_rows=class_rows))
-def random_pairs(T: int, S: int, window: int) -> int:
-    """Scores `random` computes without a padding mask: each block's band of reach w + RANDOM_SPAN and the
-    global columns (band_pairs for local, with the wider reach)."""
-    b = min(max(window, 1), T)
-    return math.ceil(T / b) * b * random_width(T, S, window)
-
-
-def random_width(T: int, S: int, window: int) -> int:
-    return min(max(window, 1), T) + 2 * (window + RANDOM_SPAN) + min(GLOBAL_KEYS, S)
-
-
 KERNELS.register("random")(KernelSpec(fn=random, weights=sparse_weights(random_pattern, global_keys=True),
-                                      windowed=True, full=False, score_pairs=random_pairs,
-                                      copied_rows=lambda T, S, w: band_rows(T, S, w, random_width(T, S, w))))
+                                      windowed=True, full=False, score_pairs=RANDOM_PAIRS, copied_rows=RANDOM_ROWS))
