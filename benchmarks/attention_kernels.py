@@ -70,31 +70,27 @@ def training(name: str, n: int, repeats: int) -> dict:
     """Saved-for-backward bytes and forward + backward seconds of one causal call, one thread."""
     import torch
 
+    from qkv.analysis.measure import saved_for_backward_bytes
     from qkv.nn.kernels import kernel_for
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=True) for _ in range(3))
     kernel = kernel_for(name, window=WINDOW)
-    saved: list[int] = []
-
-    def pack(tensor):
-        saved.append(tensor.numel() * tensor.element_size())
-        return tensor
 
     def step():
         out = kernel(q, k, v, mask=None, causal=True, bias=None, scale=HEAD_DIM ** -0.5)
         out.backward(torch.ones_like(out))
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        kernel(q, k, v, mask=None, causal=True, bias=None, scale=HEAD_DIM ** -0.5)
+    saved = saved_for_backward_bytes(lambda: kernel(q, k, v, mask=None, causal=True, bias=None,
+                                                    scale=HEAD_DIM ** -0.5))
     step()  # warm-up
     times = []
     while len(times) < repeats and not (times and sum(times) > 20):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"saved_mib": sum(saved) / 2**20, "seconds": statistics.median(times)}
+    return {"saved_mib": saved / 2**20, "seconds": statistics.median(times)}
 
 
 def table(title: str, names: list[str], sizes: list[int], run, mib: str, quadratic: tuple[str, ...],
