@@ -20,9 +20,5 @@ AXES: dict[str, Registry] = {
 }
 
 
-def model_axes(cfg) -> dict[str, str]:
-    return {axis: getattr(cfg, axis) for axis in AXES}
-
-
 def get(axis: str) -> Registry:
     return AXES[axis]
