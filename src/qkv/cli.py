@@ -31,6 +31,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text}")
+    return value
+
+
 def parser() -> Parser:
     root = Parser(prog="qkv", description="A complete Transformer system built straight from the math.")
     sub = root.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -83,6 +90,21 @@ def parser() -> Parser:
     classify.add_argument("run", help="run directory of a classifier (qkv train --task classify)")
     classify.add_argument("--text", required=True, help="the text to label")
     classify.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, embeddings) with "
+                                         "continuous batching and a playground page (docs/serve.md)")
+    serve.add_argument("run", help="a qkv run directory or a Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
+                                                            "machine only)")
+    serve.add_argument("--port", type=port_number, default=8000, help="0: any free port (printed)")
+    serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
+    serve.add_argument("--max-tokens", type=positive_int, help="the most new tokens one request may ask for "
+                                                               "(default: the model's context)")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: the "
+                                         "QKV_API_KEY environment variable, else none)")
+    serve.add_argument("--name", help="the model's id in the API (default: the directory's name)")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
     hf_commands.add_parsers(sub)
     analysis_commands.add_parsers(sub)
@@ -256,6 +278,20 @@ def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
     return objective
 
 
+def cmd_serve(args) -> int:
+    from qkv.serve.app import serve
+
+    if args.max_queue < 0:
+        raise QkvError(f"--max-queue={args.max_queue} must be >= 0")
+    key = args.api_key if args.api_key is not None else os.environ.get("QKV_API_KEY") or None
+    if key is not None and not key.strip():
+        raise QkvError("--api-key is empty")
+    serve(args.run, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device,
+          log=lambda message: print(message, file=sys.stderr, flush=True))
+    return 0
+
+
 def cmd_presets(args) -> int:
     from qkv import presets
 
@@ -268,5 +304,5 @@ def cmd_presets(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "presets": cmd_presets,
-            "classify": cmd_classify,
+            "classify": cmd_classify, "serve": cmd_serve,
             "convert": hf_commands.cmd_convert, **analysis_commands.COMMANDS}

@@ -90,6 +90,15 @@ class Tokenizer:
         _check_text(text)
         return self._hf.encode(text, add_special_tokens=False).ids
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Like `encode`, but the text of an added token (a chat template's "<|im_start|>") is that token."""
+        _check_text(text)
+        self._hf.encode_special_tokens = False
+        try:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        finally:
+            self._hf.encode_special_tokens = True
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encodes in parallel (Rust threads); same ids as `encode` on each text."""
         texts = list(texts)

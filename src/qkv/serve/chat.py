@@ -1,0 +1,81 @@
+"""Chat messages -> the prompt a model continues: the model's own chat template, or qkv's plain default.
+
+A Hugging Face model dir's tokenizer_config.json may carry `chat_template` (a Jinja template, or a list of
+named ones: "default" is used). It is rendered as transformers renders it (messages, add_generation_prompt,
+bos_token, eos_token, raise_exception) in Jinja's immutable sandbox, so a template can compute a string and
+nothing else; its special tokens ("<|im_start|>", "<s>") are then read as the tokens they name (as in
+transformers, a message that spells one gets that token).
+
+qkv's own runs have no template; they get DEFAULT_TEMPLATE, plain text a small model can learn to follow:
+
+    [end-of-text] System: ...\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:
+
+(the start token by id, the text encoded as plain text: a message cannot spell a special token), and the
+reply stops at the model's end-of-text token or before the next "\\nUser:" (DEFAULT_STOP).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qkv.data.tokenizer import EOS, Tokenizer
+from qkv.errors import QkvError
+from qkv.files import read_json
+
+DEFAULT_TEMPLATE = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}Assistant:{% endif %}")
+DEFAULT_STOP = ("\nUser:",)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, tokenizer: Tokenizer, *, bos: str = EOS, specials: bool = False,
+                 stop: tuple[str, ...] = (), prefix: tuple[int, ...] = ()):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:
+            raise QkvError(f"chat_template does not parse: {exc}") from None
+        self.tokenizer, self.bos, self.specials, self.stop = tokenizer, bos, specials, stop
+        self.prefix = list(prefix)  # ids before the rendered text
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
+                                        eos_token=EOS)
+        except TemplateError as exc:
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from None
+
+    def __call__(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+        """messages -> (prompt ids, the stop strings the template implies)."""
+        text = self.render(messages)
+        ids = self.tokenizer.encode_with_specials(text) if self.specials else self.tokenizer.encode(text)
+        return self.prefix + ids, self.stop
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def template_for(path: Path, tokenizer: Tokenizer) -> ChatTemplate:
+    """The model dir's chat_template (tokenizer_config.json), else qkv's default."""
+    config_file = Path(path) / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.is_file() else {}
+    source = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(source, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if source is None:
+        return ChatTemplate(DEFAULT_TEMPLATE, tokenizer, stop=DEFAULT_STOP, prefix=(tokenizer.eos_id,))
+    if not isinstance(source, str):
+        raise QkvError(f"{config_file}: chat_template must be a string, got {json.dumps(source)[:60]}")
+    bos = config.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    return ChatTemplate(source, tokenizer, bos=bos if isinstance(bos, str) else "", specials=True)

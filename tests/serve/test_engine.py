@@ -1,0 +1,215 @@
+"""Continuous batching: a request's tokens do not depend on the requests around it.
+
+Oracle: `qkv.generate.generate` on the request alone (no batch, no padding). The engine runs 16 requests of
+different prompt lengths and lengths of output, which join the batch one by one while it runs and leave at
+different steps, and must give every one of them exactly the tokens `generate` gives it alone, greedy and
+sampled, for every kernel and positional encoding a decoder may use."""
+import threading
+
+import pytest
+import torch
+
+import qkv
+from qkv.generate import SamplingParams, generate
+from qkv.nn.kernels import KERNELS
+from qkv.nn.positional import POSITIONALS
+from qkv.serve.engine import Engine, Job, gather_rows
+
+V = 64
+SAMPLED = ("temperature", "top_k", "top_p")
+
+
+def model_for(**overrides):
+    torch.manual_seed(0)
+    fields = dict(vocab_size=V, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64, init_std=0.3)
+    return qkv.build_model(qkv.ModelConfig(**{**fields, **overrides})).eval()
+
+
+def prompts(count=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+class Recorder:
+    def __init__(self):
+        self.tokens, self.reason, self.prompt, self.done = [], None, None, threading.Event()
+
+    def job(self, prompt, max_new, **kwargs) -> Job:
+        def on_token(choice):
+            self.tokens.append(choice.token)
+            return False
+
+        def on_done(reason, error):
+            assert error is None, error
+            self.reason = reason
+            self.done.set()
+
+        return Job(prompt=list(prompt), max_new=max_new, on_token=on_token, on_done=on_done,
+                   on_prompt=lambda entries: setattr(self, "prompt", entries), **kwargs)
+
+
+def run_all(engine: Engine, jobs_of, count: int):
+    """Submit `count` jobs from another thread while the engine runs (they join one by one); wait for all."""
+    recorders = [Recorder() for _ in range(count)]
+
+    def submit():
+        for i, recorder in enumerate(recorders):
+            engine.submit(jobs_of(i, recorder))
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    thread.join()
+    for recorder in recorders:
+        assert recorder.done.wait(60)
+    return recorders
+
+
+def alone(model, prompt, max_new, **kwargs):
+    return generate(model, torch.tensor(prompt), max_new_tokens=max_new, **kwargs)[len(prompt):].tolist()
+
+
+LENGTHS = [3 + 2 * i for i in range(16)]  # rows leave at different steps
+
+
+def check_batched_equals_alone(model, sampled=False):
+    engine = Engine(model, max_batch=16).start()
+    try:
+        texts = prompts()
+        params = SamplingParams(temperature=0.9, top_k=2 ** 31, top_p=0.8)
+        options = (lambda i: dict(processors=SAMPLED, params=params, seed=100 + i)) if sampled else (lambda i: {})
+        got = run_all(engine, lambda i, r: r.job(texts[i], LENGTHS[i], **options(i)), len(texts))
+    finally:
+        engine.stop()
+    for i, prompt in enumerate(texts):
+        kwargs = dict(strategy="top-p", temperature=0.9, top_p=0.8, seed=100 + i) if sampled else {}
+        assert got[i].tokens == alone(model, prompt, LENGTHS[i], **kwargs), f"request {i}"
+        assert got[i].reason == "length"
+
+
+@pytest.mark.parametrize("kernel", KERNELS.names())
+def test_greedy_batched_equals_alone_for_every_kernel(kernel):
+    spec = KERNELS.get(kernel)
+    window = {"window": 6} if spec.windowed else {}
+    check_batched_equals_alone(model_for(attention=kernel, **window))
+
+
+@pytest.mark.parametrize("positional", POSITIONALS.names())
+def test_greedy_batched_equals_alone_for_every_positional_encoding(positional):
+    check_batched_equals_alone(model_for(positional=positional))
+
+
+def test_sampled_batched_equals_alone_with_each_requests_own_seed():
+    check_batched_equals_alone(model_for(positional="rope", n_kv_heads=2), sampled=True)
+
+
+def test_stop_tokens_end_a_row_and_the_others_go_on():
+    model = model_for()
+    texts = prompts(8)
+    free = [alone(model, p, 12) for p in texts]
+    stops = [tokens[4] for tokens in free]  # each row stops at its own 5th token (or earlier: first occurrence)
+    engine = Engine(model, max_batch=4).start()  # fewer rows than requests: the rest wait for a free row
+    try:
+        got = run_all(engine, lambda i, r: r.job(texts[i], 12, stop_tokens=(stops[i],)), len(texts))
+    finally:
+        engine.stop()
+    for i in range(len(texts)):
+        cut = free[i].index(stops[i]) + 1
+        assert got[i].tokens == free[i][:cut] and got[i].reason == "stop"
+
+
+def test_a_cancelled_row_leaves_at_once_and_the_rest_are_unchanged():
+    model = model_for()
+    texts = prompts(4)
+    engine = Engine(model, max_batch=4)
+    recorders = [Recorder() for _ in texts]
+    jobs = [r.job(p, 40) for r, p in zip(recorders, texts)]
+    long_job = jobs[0]
+    original = long_job.on_token
+
+    def cancel_after_three(choice):  # the client goes away after 3 tokens
+        if len(recorders[0].tokens) == 2:
+            long_job.cancel()
+        return original(choice)
+
+    long_job.on_token = cancel_after_three
+    engine.start()
+    try:
+        engine.submit(*jobs)
+        for r in recorders:
+            assert r.done.wait(60)
+    finally:
+        engine.stop()
+    assert recorders[0].reason == "cancelled" and len(recorders[0].tokens) <= 4
+    for r, p in zip(recorders[1:], texts[1:]):
+        assert r.tokens == alone(model, p, 40) and r.reason == "length"
+
+
+def test_encoder_decoder_requests_equal_generate_alone():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=V, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64, init_std=0.3,
+                          arch="encoder-decoder")
+    model = qkv.build_model(cfg).eval()
+    texts = prompts(6)
+    engine = Engine(model, max_batch=6).start()
+    try:
+        got = run_all(engine, lambda i, r: r.job(texts[i], LENGTHS[i], decoder_start=0), len(texts))
+    finally:
+        engine.stop()
+    for i, src in enumerate(texts):
+        expected = generate(model, torch.tensor(src), max_new_tokens=LENGTHS[i], decoder_start=0)[1:].tolist()
+        assert got[i].tokens == expected
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_position():
+    """Oracle: one forward over prompt + output without a cache; log_softmax of its logits."""
+    model = model_for(positional="alibi")
+    prompt = prompts(1)[0]
+    recorder = Recorder()
+    choices = []
+    job = recorder.job(prompt, 10, top_logprobs=3, echo=True, processors=SAMPLED, seed=3,
+                       params=SamplingParams(temperature=1.3, top_k=2 ** 31, top_p=1.0))
+    job.on_token = lambda choice: choices.append(choice) or False
+    engine = Engine(model).start()
+    try:
+        engine.submit(job)
+        assert recorder.done.wait(60)
+    finally:
+        engine.stop()
+    ids = prompt + [c.token for c in choices]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)  # (T, V)
+    for t, choice in enumerate(choices):
+        row = logprobs[len(prompt) - 1 + t]
+        assert choice.logprob == pytest.approx(float(row[choice.token]), abs=1e-5)
+        top = torch.topk(row, 3)
+        assert [i for i, _ in choice.top] == top.indices.tolist()
+        assert [lp for _, lp in choice.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    echoed = recorder.prompt
+    assert [c.token for c in echoed] == prompt[1:]
+    for t, c in enumerate(echoed):
+        assert c.logprob == pytest.approx(float(logprobs[t, prompt[t + 1]]), abs=1e-5)
+
+
+def test_gather_rows_right_aligns_each_rows_columns_with_padding_before():
+    model = model_for()
+    a, b = model.new_cache(1, 10), model.new_cache(1, 10)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=a)
+        model(torch.tensor([[7, 8]]), cache=b)
+    out = gather_rows(model, [(a, 0, 5), (b, 0, 2)], room=3)
+    assert out.length == 5 and out.max_len == 8 and out.padded
+    assert out.padding[:, :5].tolist() == [[True] * 5, [False] * 3 + [True] * 2]
+    assert out.positions[1, 3:5].tolist() == [0, 1] and out.next_position.tolist() == [5, 2]
+    assert torch.equal(out.layers[1].k[1, :, 3:5], b.layers[1].k[0, :, :2])
+    assert torch.equal(out.layers[0].v[0, :, :5], a.layers[0].v[0, :, :5])
+
+
+def test_a_full_queue_is_refused_and_nothing_is_lost():
+    from qkv.serve.engine import Busy
+
+    engine = Engine(model_for(), max_batch=1, max_queue=1)  # not started: nothing leaves the queue
+    engine.submit(Recorder().job([1, 2], 3), Recorder().job([1, 2], 3))  # one row free + one queued
+    with pytest.raises(Busy):
+        engine.submit(Recorder().job([1], 3))
+    assert len(engine.waiting) == 2
