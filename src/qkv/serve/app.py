@@ -230,8 +230,17 @@ def usage(request: Completion, results) -> dict:
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     """OpenAI's completions logprobs object from token entries."""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{token: lp for _, token, lp in e["top"]} for e in entries],
+            "top_logprobs": [first_of_each(e["top"]) for e in entries],
             "text_offset": [offset + e["offset"] for e in entries]}
+
+
+def first_of_each(top: list) -> dict:
+    """{token text: logprob}, most likely first; tokens that decode alike (bytes of one character: U+FFFD)
+    keep the likeliest one's logprob, as a dict can hold one."""
+    out: dict = {}
+    for _, token, logprob in top:
+        out.setdefault(token, logprob)
+    return out
 
 
 def chat_logprobs(entries: list[dict]) -> dict:
@@ -506,11 +515,18 @@ def serve(path: str, *, host: str, port: int, log=print, **options) -> None:
     log(f"qkv: serving {served.name} ({sum(p.numel() for p in served.run.model.parameters()):,} parameters, "
         f"context {served.limits.context}) on http://{shown}:{sock.getsockname()[1]} (max batch "
         f"{served.engine.max_batch}{', API key required' if served.api_key else ''})")
+    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it found:
+    # a stop asked for is the normal end of a server (exit 0), so that handler does nothing
+    import signal
+
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
         served.engine.stop()
         sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     log("qkv: server stopped")
 
 

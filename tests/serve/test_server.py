@@ -1,0 +1,377 @@
+"""`qkv serve` against the real `openai` client on 127.0.0.1.
+
+Oracles: `qkv generate`'s text (qkv.generate.text.generate_text) for the same prompt and settings, alone;
+`qkv eval`'s per-token log-likelihoods (qkv.train.evaluate.score_tokens) for echo; one uncached forward for
+logprobs; the classifier head for embeddings; OpenAI's error body and statuses for bad requests."""
+import base64
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+import qkv
+from qkv.generate.text import generate_text
+from qkv.serve.chat import DEFAULT_STOP
+from qkv.train.evaluate import score_tokens
+from qkv.train.scoring import text_tokens
+from tests.serve.live import TEXT, Live, write_run
+
+PROMPTS = ["the cat", "the dog ran", "where", "on the mat, said", "the", "said the dog.\n", "cat? on", "mat"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def live(run_dir):
+    with Live(run_dir, max_batch=16) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def run(run_dir):
+    return qkv.load(run_dir)
+
+
+def expected(run, prompt, max_tokens, strategy="greedy", temperature=1.0, top_p=1.0, seed=0, stop=()):
+    """The continuation `qkv generate` prints for these settings."""
+    text = generate_text(run, prompt, max_new_tokens=max_tokens, strategy=strategy, temperature=temperature,
+                         top_k=50, top_p=top_p, num_beams=1, seed=seed, stop_strings=stop)
+    return text[len(prompt):]
+
+
+def test_models_health_and_the_page(live):
+    client = live.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(live.url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+    page = httpx.get(live.url + "/")
+    assert page.status_code == 200 and "qkv playground" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN: works offline
+
+
+def test_greedy_completion_equals_qkv_generate(live, run):
+    result = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=20, temperature=0)
+    assert result.choices[0].text == expected(run, "the cat", 20)
+    ids = [run.tokenizer.eos_id] + run.tokenizer.encode("the cat")
+    assert result.usage.prompt_tokens == len(ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    assert result.object == "text_completion" and result.model == "tiny"
+
+
+def test_sampled_completion_with_a_seed_equals_qkv_generate(live, run):
+    client = live.client()
+    result = client.completions.create(model="tiny", prompt="the dog", max_tokens=24, temperature=0.8, top_p=0.9,
+                                       seed=7, n=3)
+    for j, choice in enumerate(result.choices):  # choice j draws with seed + j
+        assert choice.index == j
+        assert choice.text == expected(run, "the dog", 24, "top-p", 0.8, 0.9, seed=7 + j)
+    assert len({c.text for c in result.choices}) > 1
+
+
+def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, run):
+    client = live.client()
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + 3 * i) for i in range(16)]
+    steps_before = live.served.engine.steps
+
+    def ask(job):
+        prompt, n = job
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, jobs))
+    for (prompt, n), text in zip(jobs, got):
+        assert text == expected(run, prompt, n)
+    # batched: far fewer decoding steps than the tokens made (each step serves every running request)
+    tokens = sum(n for _, n in jobs)
+    assert live.served.engine.steps - steps_before < tokens / 2
+
+
+def sse(url, body, headers=None):
+    """The data lines of a server-sent event stream."""
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_streamed_completion_and_chat_equal_the_whole_reply(live, run):
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 30, "temperature": 0}
+    data = sse(live.url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == expected(run, "the cat", 30)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("stop", "length")
+
+    client = live.client()
+    messages = [{"role": "user", "content": "where is the cat?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0)
+    parts = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_renders_the_default_template_and_equals_generate_on_it(live, run):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]
+    result = live.client().chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    rendered = "System: Be brief.\nUser: the cat\nAssistant:"
+    assert result.usage.prompt_tokens == 1 + len(run.tokenizer.encode(rendered))
+    assert result.choices[0].message.content == expected(run, rendered, 20, stop=DEFAULT_STOP)
+    assert result.choices[0].message.role == "assistant" and result.object == "chat.completion"
+
+
+def test_echo_logprobs_are_qkv_evals_log_likelihoods(live, run):
+    """lm-eval's loglikelihood request: echo the prompt, generate nothing, read each token's logprob."""
+    text = "where is the cat? on the mat."
+    result = live.client().completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=1)
+    choice = result.choices[0]
+    assert choice.text == text
+    logprobs = choice.logprobs.token_logprobs
+    assert len(logprobs) == len(run.tokenizer.encode(text))
+    scored = score_tokens(run.model, text_tokens(run, text), characters=len(text), seq_len=64, stride=32,
+                          device="cpu")
+    assert -sum(logprobs) == pytest.approx(scored["loss"] * scored["tokens"], rel=1e-5)
+    assert "".join(choice.logprobs.tokens) == text
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset[-1] < len(text)
+
+
+def test_logprobs_of_new_tokens_and_their_alternatives(live, run):
+    result = live.client().completions.create(model="tiny", prompt="the dog", max_tokens=8, temperature=0,
+                                              logprobs=3, echo=True)
+    lp = result.choices[0].logprobs
+    n_prompt = len(run.tokenizer.encode("the dog"))
+    prompt = [run.tokenizer.eos_id] + run.tokenizer.encode("the dog")
+    ids = qkv.generate(run.model, torch.tensor(prompt), max_new_tokens=8).tolist()  # greedy, as asked
+    ids = ids[:len(prompt) + result.usage.completion_tokens]
+    assert len(lp.token_logprobs) == len(ids) - 1
+    with torch.no_grad():
+        oracle = torch.log_softmax(run.model(torch.tensor([ids]))[0].double(), -1)
+    for t in range(len(lp.token_logprobs)):
+        assert lp.token_logprobs[t] == pytest.approx(float(oracle[t, ids[t + 1]]), abs=1e-5)
+        best = max(lp.top_logprobs[t].values())
+        assert best == pytest.approx(float(oracle[t].max()), abs=1e-5)
+        if t >= n_prompt:  # greedy: each new token is the most likely one
+            assert lp.token_logprobs[t] == pytest.approx(best, abs=1e-6)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_a_stop_string_cuts_the_text_before_it(live, run):
+    free = expected(run, "the cat", 40)
+    stop = free[6:9]
+    assert stop and stop in free
+    result = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=40, temperature=0,
+                                              stop=[stop, "never there"])
+    assert result.choices[0].text == free[:free.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+def error_of(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, None),  # not JSON: refused as the body
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "cat " * 80}, "prompt"),  # longer than the context of 64 tokens
+    ({"prompt": "x", "max_tokens": 63}, "max_tokens"),  # prompt + new > context
+    ({"prompt": [5, 999999]}, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "surprise": 1}, "surprise"),
+    ({"prompt": "x", "temperature": 0, "top_p": 0.5}, "top_p"),  # no effect under greedy: refused
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_invalid_fields_get_400_with_the_param_named(live, body, param):
+    raw = json.dumps({"model": "tiny", **body}).replace("NaN", "NaN")
+    response = httpx.post(live.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    err = error_of(response)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_malformed_and_oversized_bodies_unknown_models_and_paths(live):
+    bad = httpx.post(live.url + "/v1/completions", content=b"{not json")
+    assert bad.status_code == 400 and error_of(bad)["code"] == "invalid_json"
+    assert httpx.post(live.url + "/v1/completions", json=[1, 2]).status_code == 400
+    deep = httpx.post(live.url + "/v1/completions", content=b"[" * 100000 + b"]" * 100000)
+    assert deep.status_code in (400, 413)
+    huge = httpx.post(live.url + "/v1/completions", content=b'{"prompt": "' + b"a" * (5 * 2 ** 20) + b'"}')
+    assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
+    with pytest.raises(openai.NotFoundError) as exc:
+        live.client().completions.create(model="gpt-4", prompt="x")
+    assert exc.value.status_code == 404 and exc.value.body["code"] == "model_not_found"
+    assert httpx.get(live.url + "/v1/nothing").status_code == 404
+    assert httpx.get(live.url + "/v1/completions").status_code == 405
+    with pytest.raises(openai.BadRequestError):  # a decoder has no embeddings
+        live.client().embeddings.create(model="tiny", input="x")
+    # the server still answers correctly after every refusal
+    assert live.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text is not None
+
+
+def test_an_api_key_is_required_when_set(run_dir):
+    with Live(run_dir, api_key="s3cret") as server:
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+        missing = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert missing.status_code == 401 and error_of(missing)["code"] == "invalid_api_key"
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.get(server.url + "/health").status_code == 200
+        ok = server.client(api_key="s3cret").completions.create(model="tiny", prompt="x", max_tokens=1)
+        assert ok.usage.completion_tokens == 1
+
+
+def slow_steps(engine, seconds):
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        step()
+
+    engine.step = slow
+
+
+def test_past_capacity_a_request_gets_429(run_dir):
+    with Live(run_dir, max_batch=1, max_queue=0) as server:
+        slow_steps(server.served.engine, 0.02)
+        first = threading.Thread(target=lambda: server.client().completions.create(
+            model="tiny", prompt="the", max_tokens=40))
+        first.start()
+        while server.served.engine.load[0] == 0:
+            time.sleep(0.005)
+        with pytest.raises(openai.RateLimitError) as exc:
+            server.client().completions.create(model="tiny", prompt="the", max_tokens=2)
+        assert exc.value.status_code == 429
+        first.join()
+        assert server.client().completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row_at_once(run_dir):
+    with Live(run_dir, max_batch=2) as server:
+        engine = server.served.engine
+        slow_steps(engine, 0.02)
+        submitted = []
+        submit = engine.submit
+        engine.submit = lambda *jobs: submitted.extend(jobs) or submit(*jobs)
+        body = {"model": "tiny", "prompt": "the", "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+        deadline = time.monotonic() + 5
+        while engine.load != (0, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        job = submitted[0]
+        assert job.done and job.generated < 20  # left after a few steps, not after 60
+
+
+def test_embeddings_of_an_encoder_are_what_its_classifier_pools(tmp_path):
+    path = write_run(tmp_path / "enc", arch="encoder", head="classifier", n_classes=3, pooling="mean",
+                     positional="learned")
+    run = qkv.load(path)
+    with Live(path) as server:
+        client = server.client()
+        texts = ["the cat sat", "where is the dog?"]
+        result = client.embeddings.create(model="enc", input=texts, encoding_format="float")
+        raw = httpx.post(server.url + "/v1/embeddings",
+                         json={"model": "enc", "input": texts, "encoding_format": "base64"}).json()
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="enc", prompt="x")
+    head = run.model.head
+    for item, packed, text in zip(result.data, raw["data"], texts):
+        ids = torch.tensor([run.tokenizer.encode(text)])
+        vector = torch.tensor(item.embedding)
+        with torch.no_grad():  # the classifier's own logits, from the embedding through its pooler and output
+            logits = head.out_proj(torch.tanh(head.pooler(vector)))
+            assert torch.allclose(logits, run.model(ids)[0], atol=1e-5)
+        decoded = np.frombuffer(base64.b64decode(packed["embedding"]), dtype="<f4")
+        assert np.array_equal(decoded, vector.numpy().astype(np.float32))
+    assert len(result.data[0].embedding) == 32 and result.usage.prompt_tokens > 0
+
+
+def test_an_encoder_decoder_answers_completions_with_the_prompt_as_its_source(tmp_path):
+    path = write_run(tmp_path / "s2s", arch="encoder-decoder", positional="sinusoidal")
+    run = qkv.load(path)
+    with Live(path) as server:
+        got = server.client().completions.create(model="s2s", prompt="where is the cat?", max_tokens=20,
+                                                 temperature=0)
+        with pytest.raises(openai.BadRequestError):
+            server.client().completions.create(model="s2s", prompt="x", echo=True, max_tokens=1)
+    assert got.choices[0].text == generate_text(run, "where is the cat?", max_new_tokens=20, strategy="greedy",
+                                                temperature=1.0, top_k=50, top_p=1.0, num_beams=1, seed=0)
+
+
+def test_a_chat_template_from_tokenizer_config_is_rendered_with_its_special_tokens(tmp_path):
+    path = write_run(tmp_path / "tmpl")
+    template = ("{% for m in messages %}<|endoftext|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    run = qkv.load(path)
+    with Live(path) as server:
+        result = server.client().chat.completions.create(
+            model="tmpl", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+    eos, encode = run.tokenizer.eos_id, run.tokenizer.encode
+    ids = [eos] + encode("user\nhi") + [eos] + encode("assistant\n")
+    assert result.usage.prompt_tokens == len(ids)
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tmp_path):
+    path = write_run(tmp_path / "big", d_model=256, n_layers=4, d_ff=1024, max_seq_len=512)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", str(path), "--port", "0"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "serving big" in line, line
+        url = line.split(" on ")[1].split()[0]
+        body = {"model": "big", "prompt": "the", "max_tokens": 480, "stream": True}
+        chunks, at_signal = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for data in response.iter_lines():
+                if data.startswith("data: "):
+                    chunks.append(data[6:])
+                if len(chunks) == 3:
+                    at_signal = len(chunks)
+                    proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert at_signal == 3 and chunks[-1] == "[DONE]"
+        finish = json.loads(chunks[-2])["choices"][0]["finish_reason"]
+        assert finish in ("stop", "length")  # the stream in flight was finished, not cut
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+        assert "server stopped" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_bad_serve_options_exit_2_with_one_line(tmp_path, run_dir):
+    for args in (["serve", str(tmp_path / "missing")], ["serve", str(run_dir), "--port", "70000"],
+                 ["serve", str(run_dir), "--max-batch", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1
