@@ -105,6 +105,8 @@ def parser() -> Parser:
                                          "QKV_API_KEY environment variable, else none)")
     serve.add_argument("--name", help="the model's id in the API (default: the directory's name)")
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    serve.add_argument("--threads", type=positive_int, help="torch threads of the decoding engine (default on "
+                                                            "CPU: 1, measured fastest on 2 cores; docs/serve.md)")
 
     hf_commands.add_parsers(sub)
     analysis_commands.add_parsers(sub)
@@ -287,7 +289,7 @@ def cmd_serve(args) -> int:
     if key is not None and not key.strip():
         raise QkvError("--api-key is empty")
     serve(args.run, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device,
+          max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device, threads=args.threads,
           log=lambda message: print(message, file=sys.stderr, flush=True))
     return 0
 

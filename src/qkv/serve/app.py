@@ -41,7 +41,7 @@ from qkv.run import Run
 from qkv.serve import api
 from qkv.serve.api import ApiError, Completion
 from qkv.serve.chat import ChatTemplate, template_for
-from qkv.serve.engine import Busy, Choice, Engine, Job
+from qkv.serve.engine import THREADS, Busy, Choice, Engine, Job
 
 MAX_BODY = 4 * 2 ** 20  # bytes of one request body
 
@@ -457,7 +457,7 @@ def pooled(run: Run, inputs) -> list:
 
 
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
-                 api_key: str | None) -> Served:
+                 api_key: str | None, threads: int | None = None) -> Served:
     model = run.model
     context = model.max_seq_len if not isinstance(model, (EncoderMLM, EncoderClassifier)) else \
         run.config.model.max_seq_len
@@ -465,14 +465,16 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
     limit = context - 1  # a decoder needs a prompt token; an encoder-decoder's decoder its start token
     limits = api.Limits(context=context, vocab=run.tokenizer.vocab_size,
                         max_tokens=min(limit, max_tokens or limit), seq2seq=seq2seq)
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or (THREADS if on_cpu else None))
     return Served(run=run, name=name or Path(run.path).name, engine=engine,
                   template=template_for(run.path, run.tokenizer), limits=limits, api_key=api_key,
                   created=int(time.time()))
 
 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
-            api_key: str | None = None, name: str | None = None, device: str = "cpu", log=print) -> Served:
+            api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
+            log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
     from qkv.run import load
 
@@ -485,16 +487,20 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
                 "drops tokens by batch; a request's output must not depend on the others)")
             module.capacity_factor = 0.0
     return served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
-                        api_key=api_key)
+                        api_key=api_key, threads=threads)
 
 
 def listen(host: str, port: int):
     import socket
 
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as exc:
         raise QkvError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    # accepted connections inherit it: uvicorn writes a response's head and body apart, and with Nagle's
+    # algorithm the body of every reply on a kept-alive connection waited ~40 ms for the client's delayed ACK
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def server_for(served: Served):

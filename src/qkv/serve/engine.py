@@ -41,6 +41,13 @@ from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import KVCache
 
 
+# The server's default on CPU: one intra-op thread for the engine. Measured on the 2-core machine
+# (2026-12-01, the 1.1M-parameter shakespeare model, greedy): from a thread that is not the main one, two
+# intra-op threads made 96 tokens/s at batch 1 and 1,158 at batch 16, one thread 310 and 2,684; the main
+# thread with two, 272 and 3,200. The HTTP side needs a core as well. `qkv serve --threads N` overrides it.
+THREADS = 1
+
+
 class Busy(Exception):
     """The queue of waiting requests is full (the server answers 429)."""
 
@@ -91,8 +98,9 @@ class Job:
 class Engine:
     """Runs Jobs with continuous batching on a background thread (module docstring)."""
 
-    def __init__(self, model: nn.Module, *, max_batch: int = 16, max_queue: int = 64):
-        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+    def __init__(self, model: nn.Module, *, max_batch: int = 16, max_queue: int = 64, threads: int | None = None):
+        """`threads`: torch's intra-op threads on the engine's thread (None: torch's default; see THREADS)."""
+        self.model, self.max_batch, self.max_queue, self.threads = model, max_batch, max_queue, threads
         self.seq2seq = isinstance(model, EncoderDecoder)
         self.waiting: deque[Job] = deque()
         self.rows: list[Job] = []  # the running batch, in cache row order
@@ -140,6 +148,8 @@ class Engine:
     # ------------------------------------------------------------------------------------ the loop
 
     def loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's own setting (OpenMP's is per thread)
         with torch.inference_mode(), eval_mode(self.model), decoding_linears(self.model):
             while True:
                 with self.wake:

@@ -1,0 +1,132 @@
+"""`qkv serve` under load: aggregate tokens/s and time to first token with 1, 4 and 16 concurrent clients.
+
+    python benchmarks/serve.py [RUN] [--clients 1 4 16] [--requests 32] [--max-tokens 64] [--threads 2]
+
+RUN is a qkv run or a Hugging Face dir (default: the shakespeare preset's model with random weights, written
+to a temporary dir). Each setting starts `qkv serve RUN` in its own process, on a free port, and has every
+client send streaming greedy completions (different prompts, `max_tokens` new tokens each, no stop string:
+a request ends early only at the end-of-text token) one after the other until `--requests` are done in all. Reported: aggregate
+new tokens/s over the wall time, the median time to first token (request sent -> first text chunk), and the
+ratio to the one-client figure. The peer in the same run is the same server without batching
+(`--max-batch 1`: requests decoded one at a time, in arrival order), at the same client counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "O Romeo, Romeo", "Friends, Romans",
+           "All the world's a stage", "If music be the food of love", "Once more unto the breach", "What light"]
+
+
+def default_run(path: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    import qkv
+    from qkv import files, presets
+    from qkv.data.tokenizer import Tokenizer
+
+    cfg = presets.get("shakespeare")
+    torch.manual_seed(0)
+    text = "\n".join(PROMPTS) * 50
+    tokenizer = Tokenizer.train([text], 300)
+    model_cfg = qkv.ModelConfig(**{**cfg.model.__dict__, "vocab_size": tokenizer.vocab_size})
+    path.mkdir(parents=True, exist_ok=True)
+    type(cfg)(model=model_cfg).save(path / "config.json")
+    tokenizer.save(path / "tokenizer.json")
+    save_file(files.model_tensors(qkv.build_model(model_cfg)), str(path / files.MODEL_FILE))
+    return path
+
+
+def start(run: Path, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", str(run), "--port", "0", "--max-batch",
+                             str(max_batch), "--name", "bench"], env=env, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    if " on http" not in line:
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line}")
+    return proc, line.split(" on ")[1].split()[0]
+
+
+def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    queue = list(range(requests))
+    lock = threading.Lock()
+    first, tokens = [], [0]
+
+    def client():
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop()
+                body = {"model": "bench", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                sent, seen = time.perf_counter(), False
+                with http.stream("POST", url + "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if not seen and chunk["choices"]:
+                            first.append(time.perf_counter() - sent)
+                            seen = True
+                        if chunk.get("usage"):
+                            with lock:
+                                tokens[0] += chunk["usage"]["completion_tokens"]
+
+    start_time = time.perf_counter()
+    workers = [threading.Thread(target=client) for _ in range(clients)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start_time
+    return {"tokens_per_s": tokens[0] / seconds, "ttft_s": statistics.median(first), "tokens": tokens[0],
+            "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run", nargs="?")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    run = Path(args.run) if args.run else default_run(Path(tempfile.mkdtemp()) / "shakespeare-random")
+    rows = []
+    for label, max_batch in (("qkv serve (continuous batching)", 16), ("no batching (--max-batch 1)", 1)):
+        proc, url = start(run, max_batch, args.threads)
+        try:
+            load(url, 1, 2, 8)  # warm-up
+            for clients in args.clients:
+                result = load(url, clients, max(args.requests, clients), args.max_tokens)
+                rows.append({"server": label, "clients": clients, **result})
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    print(f"{'server':<34} {'clients':>7} {'tokens/s':>9} {'x 1 client':>10} {'TTFT median':>12}")
+    for row in rows:
+        one = next(r for r in rows if r["server"] == row["server"] and r["clients"] == args.clients[0])
+        print(f"{row['server']:<34} {row['clients']:>7} {row['tokens_per_s']:>9.0f} "
+              f"{row['tokens_per_s'] / one['tokens_per_s']:>10.2f} {row['ttft_s'] * 1000:>9.0f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
