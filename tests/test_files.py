@@ -52,9 +52,9 @@ def test_committed_file_prefers_a_pending_commit(tmp_path):
     assert not files.has_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("module", ["qkv.hf", "qkv.analysis.calc", "qkv.run", "qkv.generate"])
+@pytest.mark.parametrize("module", ["qkv.hf", "qkv.analysis.calc", "qkv.run", "qkv.generate", "qkv.serve.app"])
 def test_readers_do_not_climb_into_training(module):
-    """Hugging Face conversion, the calculators, the run loader and generation read run dirs through
+    """Hugging Face conversion, the calculators, the run loader, generation and the server read run dirs through
     qkv.files: none of them imports qkv.train."""
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('qkv.train')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -375,3 +375,26 @@ def test_bad_serve_options_exit_2_with_one_line(tmp_path, run_dir):
                  ["serve", str(run_dir), "--max-batch", "0"]):
         proc = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_a_hugging_face_dir_is_served_and_greedy_matches_transformers_generate(tmp_path):
+    """Oracle: transformers' own GPT2LMHeadModel.generate on the same weights (the dir qkv serves)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.serve.live import tokenizer
+
+    tok = tokenizer()
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                    initializer_range=0.3, eos_token_id=tok.eos_id, bos_token_id=tok.eos_id)).eval()
+    path = tmp_path / "gpt2-tiny"
+    hf.save_pretrained(path)
+    tok.save(path / "tokenizer.json")
+    prompt = [tok.eos_id] + tok.encode("the cat")
+    with torch.no_grad():
+        new = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_id)
+    new = new[0, len(prompt):].tolist()
+    new = new[:new.index(tok.eos_id)] if tok.eos_id in new else new
+    with Live(path) as server:
+        got = server.client().completions.create(model="gpt2-tiny", prompt="the cat", max_tokens=12, temperature=0)
+    assert got.choices[0].text == tok.decode(new)
