@@ -281,7 +281,7 @@ def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
 
 
 def cmd_serve(args) -> int:
-    from qkv.serve.app import serve
+    from qkv.serve.server import serve
 
     if args.max_queue < 0:
         raise QkvError(f"--max-queue={args.max_queue} must be >= 0")

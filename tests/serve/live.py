@@ -10,7 +10,7 @@ import qkv
 from qkv import files
 from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
-from qkv.serve.app import listen, prepare, server_for
+from qkv.serve.server import listen, prepare, server_for
 
 TEXT = "the cat sat on the mat.\n\nthe dog ran to the cat.\nwhere is the cat? on the mat, said the dog.\n"
 

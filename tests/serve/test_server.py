@@ -5,7 +5,6 @@ Oracles: `qkv generate`'s text (qkv.generate.text.generate_text) for the same pr
 logprobs; the classifier head for embeddings; OpenAI's error body and statuses for bad requests."""
 import base64
 import json
-import math
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from qkv.generate.text import generate_text
 from qkv.serve.chat import DEFAULT_STOP
 from qkv.train.evaluate import score_tokens
 from qkv.train.scoring import text_tokens
-from tests.serve.live import TEXT, Live, write_run
+from tests.serve.live import Live, write_run
 
 PROMPTS = ["the cat", "the dog ran", "where", "on the mat, said", "the", "said the dog.\n", "cat? on", "mat"]
 

@@ -134,7 +134,7 @@ def read_model(body: Body, served: str) -> None:
                        "model_not_found")
 
 
-def read_sampling(body: Body, n: int) -> Sampling:
+def read_sampling(body: Body) -> Sampling:
     temperature = body.number("temperature", 1.0, 0.0, 2.0)
     top_p = body.number("top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = body.number("top_k", -1, -1, 2 ** 31, integer=True)
@@ -200,17 +200,19 @@ def read_prompts(value, tokenizer: Tokenizer, vocab: int, param: str, prefix: tu
 
 
 def check_context(prompts, max_tokens: int, limits: Limits, param: str) -> None:
+    """Each prompt and its max_tokens fit the context: prompt + new for a decoder; for an encoder-decoder the
+    source alone, and the decoder's start token + new."""
     for ids in prompts:
         if not ids:
             raise invalid(param, "the prompt is empty")
-        room = limits.context if limits.seq2seq else limits.context - len(ids)
-        if len(ids) > limits.context or max_tokens > room - (1 if limits.seq2seq else 0):
-            asked = f"{max_tokens} new tokens" if limits.seq2seq else f"{len(ids)} prompt + {max_tokens} new tokens"
-            raise invalid("max_tokens" if len(ids) <= limits.context else param,
-                          f"this model's maximum context length is {limits.context} tokens; the request needs "
-                          f"{len(ids)} source tokens and {max_tokens} new tokens" if limits.seq2seq else
-                          f"this model's maximum context length is {limits.context} tokens; the request needs "
-                          f"{asked}", "context_length_exceeded")
+        if len(ids) > limits.context:
+            raise invalid(param, f"this model's maximum context length is {limits.context} tokens; the prompt "
+                                 f"has {len(ids)}", "context_length_exceeded")
+        needed = 1 + max_tokens if limits.seq2seq else len(ids) + max_tokens
+        if needed > limits.context:
+            asked = f"its start token + {max_tokens} new" if limits.seq2seq else f"{len(ids)} prompt + {max_tokens} new"
+            raise invalid("max_tokens", f"this model's maximum context length is {limits.context} tokens; the "
+                                        f"request needs {asked} tokens", "context_length_exceeded")
 
 
 def read_max_tokens(body: Body, names: tuple[str, ...], default, limits: Limits) -> int:
@@ -226,10 +228,10 @@ def read_max_tokens(body: Body, names: tuple[str, ...], default, limits: Limits)
     return value
 
 
-def read_common(body: Body, limits: Limits):
+def read_common(body: Body):
     n = body.number("n", 1, 1, MAX_N, integer=True)
     stream, include_usage = read_stream(body)
-    return n, read_sampling(body, n), read_stop(body), stream, include_usage
+    return n, read_sampling(body), read_stop(body), stream, include_usage
 
 
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
@@ -240,7 +242,7 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "t
 def read_completion(raw, served: str, tokenizer: Tokenizer, limits: Limits, start: tuple[int, ...]) -> Completion:
     body = Body(raw, COMPLETION_FIELDS)
     read_model(body, served)
-    n, sampling, stop, stream, include_usage = read_common(body, limits)
+    n, sampling, stop, stream, include_usage = read_common(body)
     body.neutral("best_of", n, "best_of must equal n (qkv returns every choice it generates)")
     body.neutral("suffix", "", "qkv models do not fill in the middle")
     logprobs = body.number("logprobs", None, 0, MAX_LOGPROBS, integer=True)
@@ -299,7 +301,7 @@ def read_chat(raw, served: str, limits: Limits, render) -> tuple[Completion, lis
     if limits.seq2seq:
         raise invalid("model", "chat completions need a language model; this encoder-decoder answers "
                                "/v1/completions (the prompt is its source)", "unsupported_model")
-    n, sampling, stop, stream, include_usage = read_common(body, limits)
+    n, sampling, stop, stream, include_usage = read_common(body)
     messages = read_messages(raw.get("messages"))
     ids, template_stop = render(messages)
     want_logprobs = body.flag("logprobs")

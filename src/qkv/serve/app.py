@@ -13,6 +13,7 @@ non-streaming request whose connection drops) cancels its jobs: their rows leave
 step. Errors are OpenAI's body {"error": {...}} with 400 (a bad field), 401 (no or a wrong API key), 404 (an
 unknown model or path), 405, 413 (a body over MAX_BODY), 429 (the queue is full) and 500 (a bug, the
 request alone fails).
+A choice's events and the API's logprobs / usage shapes: qkv.serve.choices; starting it: qkv.serve.server.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import secrets
 import time
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 
 import torch
 from starlette.applications import Starlette
@@ -32,16 +32,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from qkv.data.tokenizer import StreamDecoder, Tokenizer
-from qkv.errors import QkvError
-from qkv.generate.text import TextStream
-from qkv.models.encoder_decoder import EncoderDecoder
+from qkv.data.tokenizer import Tokenizer
 from qkv.models.heads import POOLINGS, EncoderClassifier, EncoderMLM
 from qkv.run import Run
 from qkv.serve import api
 from qkv.serve.api import ApiError, Completion
-from qkv.serve.chat import ChatTemplate, template_for
-from qkv.serve.engine import THREADS, Busy, Choice, Engine, Job
+from qkv.serve.chat import ChatTemplate
+from qkv.serve.choices import (ChoiceEvents, chat_logprobs, collect, completion_logprobs,
+                               echo_entries, failed, usage)
+from qkv.serve.engine import Busy, Engine, Job
 
 MAX_BODY = 4 * 2 ** 20  # bytes of one request body
 
@@ -99,67 +98,6 @@ def check_key(request: Request, served: Served) -> None:
                        "invalid_api_key")
 
 
-# ------------------------------------------------------------------------------------- choices as events
-
-
-class ChoiceEvents:
-    """One choice's text and logprobs, built on the engine's thread, sent to the request's queue as events:
-    ("prompt", [token entries]), ("token", text piece, token entry | None), ("done", text piece, reason, error)."""
-
-    def __init__(self, index: int, tokenizer: Tokenizer, stop: tuple[str, ...], queue: asyncio.Queue,
-                 loop: asyncio.AbstractEventLoop, want_logprobs: bool):
-        self.index, self.tokenizer, self.queue, self.loop = index, tokenizer, queue, loop
-        self.text = TextStream(tokenizer, stop, Pieces())
-        self.want_logprobs = want_logprobs
-        self.offset = 0  # characters of the continuation before the next token (text_offset)
-        self.tokens = 0
-
-    def send(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, *event))
-
-    def entry(self, choice: Choice, offset: int) -> dict:
-        return {"id": choice.token, "token": self.tokenizer.decode([choice.token]), "logprob": choice.logprob,
-                "top": [(i, self.tokenizer.decode([i]), lp) for i, lp in choice.top], "offset": offset}
-
-    def on_prompt(self, choices: list[Choice]) -> None:
-        decoder, offset, entries = StreamDecoder(self.tokenizer), 0, []
-        for choice in choices:
-            entries.append(self.entry(choice, offset))
-            offset += len(decoder.push(choice.token))
-        self.send("prompt", entries)
-
-    def on_token(self, choice: Choice) -> bool:
-        self.tokens += 1
-        before = len(self.text.text)
-        stop = self.text.push(choice.token)
-        self.text.write()
-        entry = self.entry(choice, self.offset) if self.want_logprobs else None
-        self.offset += len(self.text.text) - before
-        self.send("token", self.text.stream.take(), entry)
-        return stop
-
-    def on_done(self, reason: str, message: str | None) -> None:
-        self.text.finish()
-        self.send("done", self.text.stream.take(), reason, message)
-
-
-class Pieces:
-    """A TextStream's output: what was written since the last take()."""
-
-    def __init__(self):
-        self.parts: list[str] = []
-
-    def write(self, text: str) -> None:
-        self.parts.append(text)
-
-    def flush(self) -> None:
-        pass
-
-    def take(self) -> str:
-        text, self.parts = "".join(self.parts), []
-        return text
-
-
 def start_jobs(served: Served, request: Completion) -> tuple[asyncio.Queue, list[Job], list[ChoiceEvents]]:
     """One Job per prompt x n, submitted together; 429 when the engine cannot queue them."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -185,87 +123,11 @@ def start_jobs(served: Served, request: Completion) -> tuple[asyncio.Queue, list
     return queue, jobs, choices
 
 
-class Collected:
-    """A choice's whole result, for a non-streaming response."""
-
-    def __init__(self):
-        self.text, self.prompt, self.tokens, self.reason, self.error, self.count = "", [], [], None, None, 0
-
-
-async def collect(request: Request, queue: asyncio.Queue, jobs: list[Job]) -> list[Collected]:
-    results = [Collected() for _ in jobs]
-    remaining = len(jobs)
-    try:
-        while remaining:
-            try:
-                index, kind, *rest = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
-                continue
-            result = results[index]
-            if kind == "prompt":
-                result.prompt = rest[0]
-            elif kind == "token":
-                result.text += rest[0]
-                result.count += 1
-                if rest[1] is not None:
-                    result.tokens.append(rest[1])
-            else:
-                result.text += rest[0]
-                result.reason, result.error = rest[1], rest[2]
-                remaining -= 1
-    finally:
-        for job in jobs:
-            job.cancel()  # no-op for finished jobs; frees the rows of a client that left
-    return results
-
-
-def usage(request: Completion, results) -> dict:
-    prompt = sum(len(p) for p in request.prompts) * request.n
-    completion = sum(r.count for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
-    """OpenAI's completions logprobs object from token entries."""
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [first_of_each(e["top"]) for e in entries],
-            "text_offset": [offset + e["offset"] for e in entries]}
-
-
-def first_of_each(top: list) -> dict:
-    """{token text: logprob}, most likely first; tokens that decode alike (bytes of one character: U+FFFD)
-    keep the likeliest one's logprob, as a dict can hold one."""
-    out: dict = {}
-    for _, token, logprob in top:
-        out.setdefault(token, logprob)
-    return out
-
-
-def chat_logprobs(entries: list[dict]) -> dict:
-    def item(token: str, token_id: int, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token_bytes(token_id))}
-
-    token_bytes = TOKEN_BYTES.get
-    return {"content": [{**item(e["token"], e["id"], e["logprob"]),
-                         "top_logprobs": [item(t, i, lp) for i, t, lp in e["top"]]} for e in entries],
-            "refusal": None}
-
-
-TOKEN_BYTES: dict = {}  # filled per server: id -> the bytes the token stands for
-
-
-def failed(results) -> str | None:
-    return next((r.error for r in results if r.error), None)
-
-
 # ------------------------------------------------------------------------------------------- endpoints
 
 
 def make_app(served: Served) -> Starlette:
     page = resources.files("qkv.serve").joinpath("page.html").read_text(encoding="utf-8")
-    TOKEN_BYTES.update(enumerate(served.tokenizer.token_bytes))
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": served.created, "owned_by": "qkv",
@@ -341,7 +203,7 @@ def make_app(served: Served) -> Starlette:
                     logprobs = completion_logprobs(entries)
                 out.append({"text": prompt_text + result.text, "index": index, "logprobs": logprobs,
                             "finish_reason": reason})
-        return JSONResponse({**head, "choices": out, "usage": usage(req, results)})
+        return JSONResponse({**head, "choices": out, "usage": usage(req, [r.count for r in results])})
 
     async def stream(request: Request, req: Completion, queue: asyncio.Queue, jobs: list[Job], head: dict,
                      chat: bool):
@@ -385,8 +247,7 @@ def make_app(served: Served) -> Starlette:
                     logprobs = completion_logprobs([entry], offset) if entry is not None else None
                     yield chunk({"text": piece, "index": index, "logprobs": logprobs, "finish_reason": reason})
             if req.include_usage:
-                results = [type("R", (), {"count": c}) for c in counts]
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(req, results)})}\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(req, counts)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for job in jobs:
@@ -434,16 +295,6 @@ def make_app(served: Served) -> Starlette:
                                                          Exception: on_error})
 
 
-def echo_entries(prompt: list[dict], ids: tuple[int, ...], tokenizer: Tokenizer) -> list[dict]:
-    """The prompt's token entries for echo: its first token has no logprob (nothing before it), unless it is
-    qkv's start token, which is not part of the text and is left out."""
-    if ids and ids[0] == tokenizer.eos_id:
-        return prompt
-    first = {"id": ids[0], "token": tokenizer.decode([ids[0]]), "logprob": None, "top": [], "offset": 0}
-    shift = len(first["token"])
-    return [first] + [{**e, "offset": e["offset"] + shift} for e in prompt]
-
-
 def pooled(run: Run, inputs) -> list:
     """Each input's pooled final hidden states (the run's model.pooling: first token or mean), float32."""
     model = run.model
@@ -454,86 +305,3 @@ def pooled(run: Run, inputs) -> list:
         hidden = model.encoder(torch.tensor([ids], device=device))  # (1, T, D)
         out.append(pool(hidden, None)[0].float().cpu().numpy())
     return out
-
-
-def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
-                 api_key: str | None, threads: int | None = None) -> Served:
-    model = run.model
-    context = model.max_seq_len if not isinstance(model, (EncoderMLM, EncoderClassifier)) else \
-        run.config.model.max_seq_len
-    seq2seq = isinstance(model, EncoderDecoder)
-    limit = context - 1  # a decoder needs a prompt token; an encoder-decoder's decoder its start token
-    limits = api.Limits(context=context, vocab=run.tokenizer.vocab_size,
-                        max_tokens=min(limit, max_tokens or limit), seq2seq=seq2seq)
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or (THREADS if on_cpu else None))
-    return Served(run=run, name=name or Path(run.path).name, engine=engine,
-                  template=template_for(run.path, run.tokenizer), limits=limits, api_key=api_key,
-                  created=int(time.time()))
-
-
-def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
-            api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
-            log=print) -> Served:
-    """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
-    from qkv.run import load
-
-    run = load(path, device)
-    if run.tokenizer is None:
-        raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")
-    for module in run.model.modules():  # capacity drops would make a row's output depend on the others
-        if getattr(module, "capacity_factor", 0):
-            log(f"qkv: serving with MoE capacity off (model.moe_capacity_factor={module.capacity_factor} "
-                "drops tokens by batch; a request's output must not depend on the others)")
-            module.capacity_factor = 0.0
-    return served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
-                        api_key=api_key, threads=threads)
-
-
-def listen(host: str, port: int):
-    import socket
-
-    try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as exc:
-        raise QkvError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    # accepted connections inherit it: uvicorn writes a response's head and body apart, and with Nagle's
-    # algorithm the body of every reply on a kept-alive connection waited ~40 ms for the client's delayed ACK
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def server_for(served: Served):
-    import uvicorn
-
-    config = uvicorn.Config(make_app(served), log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off")
-    return uvicorn.Server(config)
-
-
-def serve(path: str, *, host: str, port: int, log=print, **options) -> None:
-    """Serve RUN on host:port until SIGINT / SIGTERM: then stop accepting, let the requests in flight
-    finish (up to GRACE seconds; the rest are cancelled) and return."""
-    served = prepare(path, log=log, **options)
-    sock = listen(host, port)
-    server = server_for(served)
-    served.engine.start()
-    shown = f"[{host}]" if ":" in host else host
-    log(f"qkv: serving {served.name} ({sum(p.numel() for p in served.run.model.parameters()):,} parameters, "
-        f"context {served.limits.context}) on http://{shown}:{sock.getsockname()[1]} (max batch "
-        f"{served.engine.max_batch}{', API key required' if served.api_key else ''})")
-    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it found:
-    # a stop asked for is the normal end of a server (exit 0), so that handler does nothing
-    import signal
-
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])
-    finally:
-        served.engine.stop()
-        sock.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    log("qkv: server stopped")
-
-
-GRACE = 30  # seconds the requests in flight get to finish after SIGTERM

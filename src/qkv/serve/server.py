@@ -1,0 +1,97 @@
+"""Starting `qkv serve`: load the run, make its engine, bind the socket, run uvicorn until a signal."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from qkv.errors import QkvError
+from qkv.models.encoder_decoder import EncoderDecoder
+from qkv.models.heads import EncoderClassifier, EncoderMLM
+from qkv.run import Run
+from qkv.serve import api
+from qkv.serve.app import Served, make_app
+from qkv.serve.chat import template_for
+from qkv.serve.engine import THREADS, Engine
+
+
+def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
+                 api_key: str | None, threads: int | None = None) -> Served:
+    model = run.model
+    context = model.max_seq_len if not isinstance(model, (EncoderMLM, EncoderClassifier)) else \
+        run.config.model.max_seq_len
+    seq2seq = isinstance(model, EncoderDecoder)
+    limit = context - 1  # a decoder needs a prompt token; an encoder-decoder's decoder its start token
+    limits = api.Limits(context=context, vocab=run.tokenizer.vocab_size,
+                        max_tokens=min(limit, max_tokens or limit), seq2seq=seq2seq)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or (THREADS if on_cpu else None))
+    return Served(run=run, name=name or Path(run.path).name, engine=engine,
+                  template=template_for(run.path, run.tokenizer), limits=limits, api_key=api_key,
+                  created=int(time.time()))
+
+
+def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
+            api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
+            log=print) -> Served:
+    """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
+    from qkv.run import load
+
+    run = load(path, device)
+    if run.tokenizer is None:
+        raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")
+    for module in run.model.modules():  # capacity drops would make a row's output depend on the others
+        if getattr(module, "capacity_factor", 0):
+            log(f"qkv: serving with MoE capacity off (model.moe_capacity_factor={module.capacity_factor} "
+                "drops tokens by batch; a request's output must not depend on the others)")
+            module.capacity_factor = 0.0
+    return served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
+                        api_key=api_key, threads=threads)
+
+
+def listen(host: str, port: int):
+    import socket
+
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise QkvError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    # accepted connections inherit it: uvicorn writes a response's head and body apart, and with Nagle's
+    # algorithm the body of every reply on a kept-alive connection waited ~40 ms for the client's delayed ACK
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def server_for(served: Served):
+    import uvicorn
+
+    config = uvicorn.Config(make_app(served), log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off")
+    return uvicorn.Server(config)
+
+
+def serve(path: str, *, host: str, port: int, log=print, **options) -> None:
+    """Serve RUN on host:port until SIGINT / SIGTERM: then stop accepting, let the requests in flight
+    finish (up to GRACE seconds; the rest are cancelled) and return."""
+    served = prepare(path, log=log, **options)
+    sock = listen(host, port)
+    server = server_for(served)
+    served.engine.start()
+    shown = f"[{host}]" if ":" in host else host
+    log(f"qkv: serving {served.name} ({sum(p.numel() for p in served.run.model.parameters()):,} parameters, "
+        f"context {served.limits.context}) on http://{shown}:{sock.getsockname()[1]} (max batch "
+        f"{served.engine.max_batch}{', API key required' if served.api_key else ''})")
+    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it found:
+    # a stop asked for is the normal end of a server (exit 0), so that handler does nothing
+    import signal
+
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        served.engine.stop()
+        sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log("qkv: server stopped")
+
+
+GRACE = 30  # seconds the requests in flight get to finish after SIGTERM
