@@ -145,6 +145,35 @@ def test_a_cancelled_row_leaves_at_once_and_the_rest_are_unchanged():
         assert r.tokens == alone(model, p, 40) and r.reason == "length"
 
 
+def test_a_fault_in_one_rows_callback_ends_that_row_alone(capsys):
+    model = model_for()
+    texts = prompts(4)
+    engine = Engine(model, max_batch=4)
+    recorders = [Recorder() for _ in texts]
+    jobs = [r.job(p, 20) for r, p in zip(recorders, texts)]
+    errors = []
+
+    def broken(choice):
+        if len(errors) == 0 and jobs[1].generated == 3:
+            errors.append(1)
+            raise RuntimeError("boom")
+        return False
+
+    jobs[1].on_token = broken
+    jobs[1].on_done = lambda reason, error: (errors.append(error), recorders[1].done.set())
+    engine.start()
+    try:
+        engine.submit(*jobs)
+        for r in recorders:
+            assert r.done.wait(60)
+    finally:
+        engine.stop()
+    assert errors[-1] == "internal error: RuntimeError: boom"
+    assert "RuntimeError: boom" in capsys.readouterr().err  # the traceback is printed for the operator
+    for i in (0, 2, 3):
+        assert recorders[i].tokens == alone(model, texts[i], 20) and recorders[i].reason == "length"
+
+
 def test_encoder_decoder_requests_equal_generate_alone():
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=V, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64, init_std=0.3,

@@ -230,7 +230,16 @@ class Engine:
             self.keep([row for row, gone in enumerate(done) if not gone])
 
     def emit(self, job: Job, logits: Tensor, greedy: int | None = None) -> bool:
-        """Choose job's next token from its (1, V) logits, hand it over; True when the job is done."""
+        """Choose job's next token from its (1, V) logits, hand it over; True when the job is done.
+        A fault in one row's choice or callbacks ends that row alone, with the error; the others go on."""
+        try:
+            return self.choose(job, logits, greedy)
+        except Exception as exc:
+            traceback.print_exc()
+            self.finish(job, "cancelled", f"internal error: {type(exc).__name__}: {exc}")
+            return True
+
+    def choose(self, job: Job, logits: Tensor, greedy: int | None) -> bool:
         if job.processors is None:
             token = int(logits.argmax(dim=-1)) if greedy is None else greedy
         else:
@@ -249,7 +258,10 @@ class Engine:
         if not job.done:
             job.done = True
             job.decoder = None
-            job.on_done(reason, error)
+            try:
+                job.on_done(reason, error)
+            except Exception:  # the request's own side failed; nothing more can be told to it
+                traceback.print_exc()
 
     def drop_cancelled(self) -> None:
         gone = [row for row, job in enumerate(self.rows) if job.cancelled]
