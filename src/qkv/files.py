@@ -8,6 +8,7 @@ A run dir (DESIGN.md "Files"):
     train_state.safetensors     optimizer moments, RNG bytes  } qkv.train.checkpoint (.staging, then .commit)
     train_state.json            step, data position, schedule }
     metrics.csv                 one row per logged step
+    .lock                       held (flock) by the one process writing the run: `RunLock`
 
 Tensors are read and written as safetensors and everything else as JSON: nothing is loaded with pickle, so
 loading a file never runs code. Every read error is a QkvError that names the file.
@@ -15,6 +16,7 @@ loading a file never runs code. Every read error is a QkvError that names the fi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ MODEL_FILE = "model.safetensors"
 STATE_TENSORS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS, STATE_JSON)
+LOCK_FILE = ".lock"
 
 
 def read_json(path: Path) -> Any:
@@ -103,3 +106,47 @@ def committed_file(run_dir: Path, name: str) -> Path:
 
 def has_checkpoint(run_dir: Path) -> bool:
     return all((Path(run_dir) / name).is_file() for name in CHECKPOINT_FILES)
+
+
+class RunLock:
+    """One writer per run dir: an exclusive, non-blocking flock on RUN/.lock, holding the writer's pid.
+
+    The kernel releases a flock when its process ends, however it ends (kill -9 included), so a lock is
+    never stale: the .lock file left behind is unlocked and the next writer takes it. A second writer
+    gets a QkvError naming the holder's pid. `with RunLock(dir):` or acquire() / release()."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise QkvError(f"{self.path.parent} is being written by another qkv process (pid {holder}); wait "
+                           "for it to finish or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def is_empty_run_dir(path: Path) -> bool:
+    """No entry but the lock: a dir a writer has only just claimed."""
+    return all(entry.name == LOCK_FILE for entry in Path(path).iterdir())

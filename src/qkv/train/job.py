@@ -1,12 +1,13 @@
 """`qkv train` as a function: resolve the config, prepare data, create or resume the run dir, train."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
 from typing import Callable
 
-from qkv import presets
+from qkv import files, presets
 from qkv.checks import check_run
 from qkv.config import RunConfig, merge_file
 from qkv.data.tokenizer import Tokenizer
@@ -59,14 +60,47 @@ def default_out(preset: str) -> Path:
     return candidate
 
 
+@contextlib.contextmanager
+def claim(out: Path, *, resume: bool):
+    """Hold the run dir's lock (files.RunLock) for the duration: rank 0 of a launch, or the one process.
+
+    A new run creates its dir first (the lock lives in it); if the run then fails before writing anything,
+    the dir it created is removed again."""
+    if parallel.env_rank() != 0:
+        yield
+        return
+    if resume and not out.is_dir():
+        raise QkvError(f"{out}: nothing to resume (no such directory)")
+    if out.exists() and not out.is_dir():
+        raise QkvError(f"{out} exists and is not a directory; choose another --out")
+    if not resume:
+        refuse_existing(out)  # before the lock: a run dir that exists is not touched, not even its .lock
+    created = not out.exists()
+    if not resume:
+        out.mkdir(parents=True, exist_ok=True)
+    lock = files.RunLock(out).acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+        if created and out.is_dir() and files.is_empty_run_dir(out):
+            (out / files.LOCK_FILE).unlink(missing_ok=True)
+            out.rmdir()
+
+
+def refuse_existing(out: Path) -> None:
+    if out.is_dir() and not files.is_empty_run_dir(out):
+        raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
+
+
 def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None],
           progress: bool = True) -> tuple[Trainer, RunConfig]:
     """Create (or reopen, with resume) the run dir and return a ready Trainer."""
     if resume:
         if not (out / CONFIG_FILE).is_file():
             raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
-    elif out.exists() and any(out.iterdir()):
-        raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
+    else:
+        refuse_existing(out)  # again under the lock: another writer may have filled it meanwhile
     check_run(cfg)
     parallel.check_layout(cfg, parallel.env_world())  # a mis-sized layout fails before the data is read
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
