@@ -61,7 +61,7 @@ def test_train_prints_summary_and_sample_and_logs_metrics(capsys, text, tmp_path
     assert lines[1] == "--- sample ---" and len(out) > len(lines[0]) + 20
     assert "Traceback" not in err
     names = sorted(p.name for p in (tmp_path / "r").iterdir())
-    assert names == [".lock", "config.json", "metrics.csv", "model.safetensors", "tokenizer.json", "train_state.json",
+    assert names == [".lock", "checkpoint.json", "config.json", "metrics.csv", "model.safetensors", "tokenizer.json", "train_state.json",
                      "train_state.safetensors"]
     header = (tmp_path / "r" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert header[:4] == ["step", "loss", "val_loss", "lr"] and "tokens_per_s" in header

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -212,6 +213,9 @@ class DataConfig:
         _positive("data.vocab_size", self.vocab_size)
         if self.vocab_size < 257:
             raise QkvError(f"data.vocab_size={self.vocab_size} must be at least 257 (256 bytes + end of text)")
+        if self.vocab_size > MAX_VOCAB:  # the tokenizer's trainer aborts the process far beyond it
+            raise QkvError(f"data.vocab_size={self.vocab_size} is above {MAX_VOCAB:,} (2^20), more merges than "
+                           "any text here can teach")
         if not 0.0 < self.val_fraction < 1.0:
             raise QkvError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         return self
@@ -241,6 +245,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "RunConfig":
+        for name in SECTIONS:
+            _finite_and_bounded(name, getattr(self, name))
         self.model.validate()
         self.train.validate()
         self.data.validate()
@@ -363,6 +369,21 @@ def _no_unknown(where: str, raw: dict, allowed) -> None:
 def choice(key: str, value: Any, allowed) -> None:
     if value not in allowed:
         raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(map(str, allowed))}")
+
+
+MAX_VOCAB = 2 ** 20
+INT_LIMIT = 2 ** 62  # any integer field beyond it is a mistake (sizes that large never fit anything)
+
+
+def _finite_and_bounded(section: str, values) -> None:
+    """Every float field finite (inf and NaN are never a setting: an infinite learning rate trained a NaN
+    run to the end), every integer field within +-INT_LIMIT, before any other check reads them."""
+    for item in dataclasses.fields(values):
+        value = getattr(values, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise QkvError(f"{section}.{item.name}={value} must be a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+            raise QkvError(f"{section}.{item.name}={value} is out of range (|value| <= 2^62)")
 
 
 def _positive(key: str, value: float) -> None:

@@ -7,6 +7,7 @@ A run dir (DESIGN.md "Files"):
     model.safetensors           weights                       } the checkpoint set, replaced atomically by
     train_state.safetensors     optimizer moments, RNG bytes  } qkv.train.checkpoint (.staging, then .commit)
     train_state.json            step, data position, schedule }
+    checkpoint.json             the set's record: each file's size and SHA-256 (written last, checked on resume)
     metrics.csv                 one row per logged step
     .lock                       held (flock) by the one process writing the run: `RunLock`
 
@@ -33,6 +34,8 @@ MODEL_FILE = "model.safetensors"
 STATE_TENSORS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS, STATE_JSON)
+RECORD_FILE = "checkpoint.json"
+SET_FILES = CHECKPOINT_FILES + (RECORD_FILE,)  # what one save writes and a commit moves
 LOCK_FILE = ".lock"
 
 
@@ -80,6 +83,9 @@ def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], o
     for name, param in expected.items():
         if name not in tensors:
             raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")
+        if not tensors[name].is_floating_point():  # an integer or bool tensor would be cast silently
+            raise QkvError(f"{origin}: {name} is stored as {str(tensors[name].dtype).replace('torch.', '')}; "
+                           "weights must be floating point")
         if tuple(tensors[name].shape) != tuple(param.shape):
             raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
                            f"config.json needs {tuple(param.shape)}")

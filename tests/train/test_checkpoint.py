@@ -10,7 +10,7 @@ from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv import files
 from qkv.train import checkpoint
-from qkv.files import CHECKPOINT_FILES, MODEL_FILE, STATE_JSON, STATE_TENSORS
+from qkv.files import MODEL_FILE, SET_FILES, STATE_JSON, STATE_TENSORS
 from qkv.train.optim import OPTIMIZERS
 
 TC = TrainConfig(lr=1e-2)
@@ -56,7 +56,7 @@ def test_save_load_gives_bit_identical_next_steps(tmp_path, tiny_cfg):
     assert state["step"] == 3 and same_weights(model, restored)
     assert train_steps(model, optimizer, 4, seed=1) == train_steps(restored, restored_opt, 4, seed=1)
     assert same_weights(model, restored)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(CHECKPOINT_FILES)  # no staging left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(SET_FILES)  # no staging left
 
 
 def test_tied_head_is_stored_once(tmp_path, tiny_cfg):
@@ -90,7 +90,7 @@ def two_sets(tmp_path, tiny_cfg):
 
 
 def assert_complete_set(run_dir, cfg, expected_model, step: int) -> None:
-    assert files.has_checkpoint(run_dir)
+    assert files.has_checkpoint(run_dir) and checkpoint.verify_set(run_dir) == "complete"  # sizes, hashes
     assert not (run_dir / ".staging").exists() and not (run_dir / ".commit").exists()
     model, _, state = load_set(run_dir, cfg)
     assert state["step"] == step and same_weights(model, expected_model)
@@ -120,9 +120,9 @@ def test_crash_before_the_commit_rename_keeps_the_old_set(tmp_path, tiny_cfg, tw
     assert_complete_set(tmp_path, tiny_cfg, at_a, step=1)
 
 
-@pytest.mark.parametrize("moved", [0, 1, 2, 3])
+@pytest.mark.parametrize("moved", range(len(SET_FILES) + 1))
 def test_crash_after_the_commit_rolls_forward(tmp_path, tiny_cfg, two_sets, monkeypatch, moved):
-    """`moved` of the three files already replaced when the process dies: recovery completes set B."""
+    """`moved` of the set's files already replaced when the process dies: recovery completes set B."""
     at_a, at_b, optimizer = two_sets
     real_replace, calls = os.replace, []
 
@@ -133,13 +133,13 @@ def test_crash_after_the_commit_rolls_forward(tmp_path, tiny_cfg, two_sets, monk
         real_replace(src, dst)
 
     monkeypatch.setattr(checkpoint.os, "replace", crash_after)
-    if moved == 3:  # every file moved; the process dies before removing the empty `.commit`
+    if moved == len(SET_FILES):  # every file moved; the process dies before removing the empty `.commit`
         monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path: crash_after(None, None))
     with pytest.raises(OSError, match="killed"):
         save_set(tmp_path, at_b, optimizer, step=2)
     monkeypatch.undo()
     left = sorted(p.name for p in (tmp_path / ".commit").iterdir())
-    assert left == sorted(CHECKPOINT_FILES[moved:])
+    assert left == sorted(SET_FILES[moved:])
     assert files.committed_file(tmp_path, MODEL_FILE).parent.name == (".commit" if moved == 0 else tmp_path.name)
     checkpoint.recover(tmp_path)
     assert_complete_set(tmp_path, tiny_cfg, at_b, step=2)

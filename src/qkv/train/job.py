@@ -88,6 +88,32 @@ def claim(out: Path, *, resume: bool):
             out.rmdir()
 
 
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments (mixed precision keeps all four)
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """Refuse, before any allocation or data preparation, a model whose weights, gradients and optimizer
+    moments alone (qkv.analysis.params, the calculator's count) exceed this machine's memory, even shared
+    over every process of the launch."""
+    from qkv.analysis import params
+
+    n = params.count(dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size)))
+    need = n * STATE_BYTES_PER_PARAM / max(1, parallel.env_world())
+    memory = machine_memory()
+    if memory and need > memory:
+        raise QkvError(f"the model has {n:,} parameters: its weights, gradients and AdamW moments need "
+                       f"{need / 2 ** 30:,.1f} GiB per process, more than this machine's {memory / 2 ** 30:,.1f} GiB "
+                       "(`qkv calc` gives the whole budget); make the model smaller")
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def refuse_existing(out: Path) -> None:
     if out.is_dir() and not files.is_empty_run_dir(out):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
@@ -103,6 +129,7 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         refuse_existing(out)  # again under the lock: another writer may have filled it meanwhile
     check_run(cfg)
     parallel.check_layout(cfg, parallel.env_world())  # a mis-sized layout fails before the data is read
+    check_fits(cfg)
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
@@ -137,6 +164,8 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
             log(f"{out}: no complete checkpoint yet; starting from step 0")
     elif resume:
         log(f"{out}: resuming from the checkpoint at step {trainer.state.step}")
+    if resume:
+        save_resumed_config(out, cfg)
     return trainer, cfg
 
 
@@ -146,15 +175,24 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None,
     parallel.*=..., e.g. a dp=2 run continued in one process) may change."""
     if not (out / CONFIG_FILE).is_file():
         raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
+    from qkv.train import checkpoint
+
+    if parallel.env_rank() == 0:
+        checkpoint.recover(out)  # finish an interrupted save
+    checkpoint.verify_set(out)  # a damaged set is refused before the config is rewritten
     other = [item for item in layout if not item.strip().startswith("parallel.")]
     if other:
         raise QkvError(f"--resume keeps the run's config; only parallel.* may be set, not {other[0]!r}")
     saved = RunConfig.load(out / CONFIG_FILE)
-    cfg = check_run(with_limits(saved.override(list(layout)), max_steps, max_time))  # never write an invalid config
-    if cfg != saved and parallel.env_rank() == 0:  # one writer under torchrun,
-        cfg.save(out / (CONFIG_FILE + ".tmp"))  # replaced atomically: the other ranks may be reading it
+    return check_run(with_limits(saved.override(list(layout)), max_steps, max_time))  # never write an invalid config
+
+
+def save_resumed_config(out: Path, cfg: RunConfig) -> None:
+    """Record a resumed run's new limits and layout, once its checkpoint has loaded (a refused resume
+    changes nothing): rank 0, replaced atomically (the other ranks may be reading it)."""
+    if parallel.env_rank() == 0 and RunConfig.load(out / CONFIG_FILE) != cfg:
+        cfg.save(out / (CONFIG_FILE + ".tmp"))
         os.replace(out / (CONFIG_FILE + ".tmp"), out / CONFIG_FILE)
-    return cfg
 
 
 def check_engine(engine: str, *, resume: bool, max_time: float) -> None:
