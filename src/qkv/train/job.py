@@ -179,7 +179,8 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None,
 
     if parallel.env_rank() == 0:
         checkpoint.recover(out)  # finish an interrupted save
-    checkpoint.verify_set(out)  # a damaged set is refused before the config is rewritten
+    if checkpoint.verify_set(out) == "complete":  # a damaged set is refused before any work
+        checkpoint.check_state_json(files.read_json(out / files.STATE_JSON), out / files.STATE_JSON)
     other = [item for item in layout if not item.strip().startswith("parallel.")]
     if other:
         raise QkvError(f"--resume keeps the run's config; only parallel.* may be set, not {other[0]!r}")
