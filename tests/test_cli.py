@@ -126,8 +126,13 @@ def test_generate_seeds_and_greedy(capsys, run):
     assert generate("--strategy", "sample", "--seed", "1") == generate("--strategy", "sample", "--seed", "1")
     samples = {generate("--strategy", "sample", "--seed", str(seed), "--temperature", "1.5") for seed in range(3)}
     assert len(samples) == 3
+    both = generate("--strategy", "top-k", "--top-k", "5", "--top-p", "0.5", "--seed", "4")
+    assert both == generate("--strategy", "top-p", "--top-p", "0.5", "--top-k", "5", "--seed", "4")  # one rule
     greedy = generate("--strategy", "greedy", "--seed", "1")
-    assert greedy == generate("--strategy", "greedy", "--seed", "2")
+    rc, _, err = cli(capsys, "generate", run, "--prompt", "x", "--max-new-tokens", "2", "--strategy", "greedy",
+                     "--seed", "3")
+    assert rc == 0 and err.strip() == "qkv: warning: --seed does not apply to --strategy greedy (it draws nothing)"
+    assert greedy == generate("--strategy", "greedy", "--seed", "2") == generate("--strategy", "greedy")
     assert greedy == greedy_by_hand(run, "The moon", 24) + "\n"
 
 
@@ -281,6 +286,11 @@ def test_bad_inputs_for_eval_and_generate(capsys, run, tmp_path):
     assert_one_error_line(*cli(capsys, "generate", run, "--top-p", "0"), "--top-p=0.0")
     assert_one_error_line(*cli(capsys, "generate", run, "--temperature", "0"), "--temperature")
     assert_one_error_line(*cli(capsys, "generate", run, "--strategy", "nucleus"), "invalid choice")
+    for strategy, option in (("greedy", "--temperature"), ("greedy", "--top-k"), ("beam", "--top-p"),
+                             ("sample", "--top-k"), ("top-p", "--beams"), ("beam", "--temperature")):
+        value = "0.5" if option in ("--temperature", "--top-p") else "3"
+        assert_one_error_line(*cli(capsys, "generate", run, "--strategy", strategy, option, value),
+                              f"{option} does not apply to --strategy {strategy}")
     assert_one_error_line(*cli(capsys, "eval", run, "--stride", "999"), "--stride=999")
     assert_one_error_line(*cli(capsys, "train", "--resume"), "--resume needs --out")
     assert_one_error_line(*cli(capsys, "train", "--resume", "--out", missing), "nothing to resume")

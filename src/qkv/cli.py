@@ -77,11 +77,11 @@ def parser() -> Parser:
     generate.add_argument("--max-new-tokens", type=positive_int, default=200)
     generate.add_argument("--strategy", choices=STRATEGIES,
                           help="default: top-p for a language model, beam for an encoder-decoder")
-    generate.add_argument("--temperature", type=float, default=0.8)
-    generate.add_argument("--top-k", type=positive_int, default=50)
-    generate.add_argument("--top-p", type=float, default=0.9)
-    generate.add_argument("--beams", type=positive_int, default=4)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--temperature", type=float, help="sampling strategies (default 0.8)")
+    generate.add_argument("--top-k", type=positive_int, help="top-k (default 50); with top-p both apply")
+    generate.add_argument("--top-p", type=float, help="top-p (default 0.9); with top-k both apply")
+    generate.add_argument("--beams", type=positive_int, help="beam search (default 4)")
+    generate.add_argument("--seed", type=int, help="sampling strategies (default 0)")
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop before TEXT (repeatable); the output ends before its first occurrence")
@@ -119,18 +119,45 @@ def parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
-        return COMMANDS[args.command](args) or 0
+        code = COMMANDS[args.command](args) or 0
+        try:
+            sys.stdout.flush()  # a full disk fails here, inside the error boundary
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            quiet_stdout()
+            return fail(f"cannot write the output: {exc.strerror or exc}")
+        return code
     except QkvError as exc:
-        if main_rank():  # under torchrun every rank exits 2, rank 0 alone says why
-            print(f"qkv: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except KeyboardInterrupt:
         print("qkv: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
-        if main_rank():
-            print(f"qkv: error: {exc}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        quiet_stdout()
+        return 0
+    except OSError as exc:  # no space, read-only, permission, a missing file: the file and the reason
+        where = f"{exc.filename}: " if exc.filename else ""
+        return fail(f"{where}{exc.strerror or exc}")
+    except RecursionError:
+        return fail("input nested too deeply (a JSON file or value hundreds of levels deep)")
+    except (UnicodeError, OverflowError) as exc:
+        return fail(f"{type(exc).__name__.replace('Error', '').lower()} error: {exc}")
+
+
+def fail(message: str) -> int:
+    """One line `qkv: error: ...` (rank 0 alone under torchrun; every rank exits 2)."""
+    if main_rank():
+        print(f"qkv: error: {message}", file=sys.stderr)
+    return 2
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail on the closed pipe."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def main_rank() -> bool:
@@ -258,21 +285,50 @@ def cmd_classify(args) -> int:
     return 0
 
 
+# which options each strategy reads (the others are refused: they would change nothing)
+STRATEGY_OPTIONS = {"greedy": (), "beam": ("beams",), "sample": ("temperature", "seed"),
+                    "top-k": ("temperature", "top_k", "top_p", "seed"), "top-p": ("temperature", "top_k", "top_p", "seed")}
+GENERATE_DEFAULTS = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "beams": 4, "seed": 0}
+
+
+def generation_settings(args, strategy: str, warn: bool = True) -> tuple[str, dict]:
+    """(strategy, settings) for `qkv generate`: an option the strategy does not read is refused (--seed,
+    harmless, is warned about); --top-k with --top-p (either strategy) applies both, as transformers does."""
+    given = [name for name in GENERATE_DEFAULTS if getattr(args, name) is not None]
+    for name in given:
+        if name not in STRATEGY_OPTIONS[strategy]:
+            flag = "--" + name.replace("_", "-")
+            if name == "seed":
+                if warn:
+                        print(f"qkv: warning: {flag} does not apply to --strategy {strategy} (it draws nothing)",
+                          file=sys.stderr)
+                continue
+            raise QkvError(f"{flag} does not apply to --strategy {strategy}; it reads "
+                           f"{', '.join('--' + n.replace('_', '-') for n in STRATEGY_OPTIONS[strategy]) or 'none of them'}")
+    settings = {name: GENERATE_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+                for name in GENERATE_DEFAULTS}
+    if not 0.0 < settings["top_p"] <= 1.0:
+        raise QkvError(f"--top-p={settings['top_p']} must be in (0, 1]")
+    if not settings["temperature"] > 0:
+        raise QkvError(f"--temperature={settings['temperature']} must be positive")
+    if strategy in ("top-k", "top-p") and args.top_k is not None and args.top_p is not None:
+        strategy = "top-k-top-p"
+    return strategy, settings
+
+
 def cmd_generate(args) -> int:
     from qkv.generate.text import generate_text
     from qkv.run import load
 
-    if not 0.0 < args.top_p <= 1.0:
-        raise QkvError(f"--top-p={args.top_p} must be in (0, 1]")
-    if args.temperature <= 0:
-        raise QkvError(f"--temperature={args.temperature} must be positive")
+    if args.strategy is not None:
+        generation_settings(args, args.strategy, warn=False)  # bad options fail before the run is loaded
     run = load(args.run)
     objective = require_objective(run, "generate", ("lm", "seq2seq"))
-    strategy = args.strategy or ("beam" if objective == "seq2seq" else "top-p")
+    strategy, settings = generation_settings(args, args.strategy or ("beam" if objective == "seq2seq" else "top-p"))
     text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         num_beams=args.beams, seed=args.seed, stream=sys.stdout if args.stream else None,
-                         stop_strings=tuple(args.stop))
+                         temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
+                         num_beams=settings["beams"], seed=settings["seed"],
+                         stream=sys.stdout if args.stream else None, stop_strings=tuple(args.stop))
     if not args.stream:
         print(text)
     return 0

@@ -48,6 +48,8 @@ def read_json(path: Path) -> Any:
         raise QkvError(f"{path}: not valid JSON ({exc})") from None
     except IsADirectoryError:
         raise QkvError(f"{path}: is a directory, expected a JSON file") from None
+    except RecursionError:
+        raise QkvError(f"{path}: JSON nested too deeply") from None
 
 
 def read_tensors(path: Path) -> dict[str, "torch.Tensor"]:

@@ -152,3 +152,16 @@ def test_draws_reproduce_with_a_seed():
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(QkvError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def test_top_k_and_top_p_together_keep_what_both_keep():
+    """transformers' order: top-k first, then the nucleus of what is left (renormalised). Oracle by hand."""
+    from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, process
+
+    logits = torch.log(torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10]]))
+    state = SamplingState(SamplingParams(top_k=3, top_p=0.6), torch.zeros(1, 1, dtype=torch.long))
+    kept = torch.isfinite(process(logits, state, STRATEGIES.get("top-k-top-p").processors))[0].tolist()
+    # top-3: 0.30, 0.25, 0.20 -> renormalised 0.40, 0.33, 0.27; the nucleus of 0.6 needs the first two
+    assert kept == [True, True, False, False, False]
+    alone = torch.isfinite(process(logits, state, STRATEGIES.get("top-p").processors))[0].tolist()
+    assert alone == [True, True, True, False, False]  # top-p alone: 0.30 + 0.25 < 0.6 needs the third

@@ -9,6 +9,7 @@ softmax gives them probability 0. A strategy is a processor chain plus a choice 
     sample: repetition_penalty, temperature, min_p                   -> draw from softmax
     top-k:  repetition_penalty, temperature, top_k, min_p            -> draw
     top-p:  repetition_penalty, temperature, top_p, min_p            -> draw
+    top-k-top-p: repetition_penalty, temperature, top_k, top_p, min_p -> draw  (both filters, as transformers)
     beam:   repetition_penalty, then log-softmax (decode.beam_search does the choosing)
 
 Ties are broken by the lower token index everywhere: argmax returns the first maximum; top-k and
@@ -172,6 +173,8 @@ STRATEGIES.register("greedy")(Strategy(("repetition_penalty",), argmax))
 STRATEGIES.register("sample")(Strategy(("repetition_penalty", "temperature", "min_p"), draw, True))
 STRATEGIES.register("top-k")(Strategy(("repetition_penalty", "temperature", "top_k", "min_p"), draw, True))
 STRATEGIES.register("top-p")(Strategy(("repetition_penalty", "temperature", "top_p", "min_p"), draw, True))
+STRATEGIES.register("top-k-top-p")(Strategy(("repetition_penalty", "temperature", "top_k", "top_p", "min_p"), draw,
+                                           True))  # both filters, top-k first (as transformers applies them)
 STRATEGIES.register("beam")(Strategy(("repetition_penalty",), None))
 
 

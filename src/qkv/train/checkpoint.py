@@ -134,6 +134,23 @@ def write(run_dir: Path, weights: dict[str, torch.Tensor], tensors: dict[str, to
     staging, commit = run_dir / ".staging", run_dir / ".commit"
     recover(run_dir)
     staging.mkdir()
+    from safetensors import SafetensorError
+
+    try:
+        write_staging(staging, weights, tensors, state)
+    except SafetensorError as exc:  # safetensors' own error for a failed write (a full disk)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise QkvError(f"{staging}: cannot write the checkpoint ({exc}); the last one is kept") from None
+    except BaseException:  # a full or read-only disk, an interrupt: no half-written set is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    os.rename(staging, commit)  # the commit point
+    _fsync_dir(run_dir)
+    recover(run_dir)
+
+
+def write_staging(staging: Path, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                  state: dict) -> None:
     save_file(weights, str(staging / MODEL_FILE))
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(staging / STATE_TENSORS))
     (staging / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
@@ -144,9 +161,6 @@ def write(run_dir: Path, weights: dict[str, torch.Tensor], tensors: dict[str, to
     for name in SET_FILES:
         _fsync_file(staging / name)
     _fsync_dir(staging)
-    os.rename(staging, commit)  # the commit point
-    _fsync_dir(run_dir)
-    recover(run_dir)
 
 
 def recover(run_dir: Path) -> None:
