@@ -9,7 +9,6 @@ from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.run import load
 from qkv import files
-from qkv.train import checkpoint
 from qkv.files import MODEL_FILE, read_tensors
 from tests.train import setup_env, trained_run
 

@@ -14,7 +14,6 @@ from qkv.config import ModelConfig, RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.models import build_model
 from qkv import files
-from qkv.train import checkpoint
 from tests.hf import V, cli, max_diff, right_padded, save_hf
 from tests.train import verse
 

@@ -1,7 +1,6 @@
 """One writer per run dir: a second `qkv train` on a run being written exits 2 naming the writer's pid, and
 a writer killed with SIGKILL leaves no stale lock (the kernel drops a flock with its process)."""
 import os
-import signal
 import subprocess
 import sys
 import time

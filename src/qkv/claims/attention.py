@@ -147,7 +147,7 @@ def local_window() -> Result:
 
 @claim(17, "linear attention with feature map phi equals its explicit O(n^2) form and costs O(n d^2)", "000 §15.2")
 def linear_attention() -> Result:
-    from qkv.ref.linear_attention import elu_plus_one, linear_explicit, linear_forward
+    from qkv.ref.linear_attention import linear_explicit, linear_forward
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, 2, 40, 8)) for _ in range(3))
