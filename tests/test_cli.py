@@ -363,3 +363,25 @@ def test_python_m_qkv_survives_sigkill_and_resumes_exactly(capsys, text, tmp_pat
     assert [r[0] for r in resumed] == [str(s) for s in range(1, steps + 1)]  # rows past `saved` were cut
     assert resumed == whole
     assert same_weights(tmp_path / "whole", killed)
+
+
+def test_resume_accepts_the_first_command_again_and_refuses_changes(capsys, text, tmp_path):
+    """The command first typed, typed again with --resume, continues the run; a --set, --data or --config that
+    would change a value is refused naming the field, and nothing is written."""
+    out = tmp_path / "again"
+    first = ["train", *TINY, "--data", text, "--out", out, "--set", "train.lr=0.002", "--quiet", "--no-sample"]
+    rc, _, err = cli(capsys, *first, "--max-steps", "2")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, *first, "--max-steps", "3", "--resume")
+    assert rc == 0 and "from the checkpoint at step 2" in err, err
+    before = snapshot(out)
+    other = tmp_path / "other.txt"
+    other.write_text("something else entirely\n" * 50)
+    config = tmp_path / "c.json"
+    config.write_text('{"train": {"lr": 0.005}}')
+    for extra, field in ((["--set", "train.lr=0.003"], "train.lr"), (["--data", other], "data.paths"),
+                         (["--config", config], "train.lr"), (["--set", "model.d_model=48"], "model.d_model")):
+        assert_one_error_line(*cli(capsys, "train", "--out", out, "--resume", "--max-steps", "4", *extra),
+                              f"would change {field}")
+    assert {k: v for k, v in snapshot(out).items() if k != ".lock"} == \
+        {k: v for k, v in before.items() if k != ".lock"}

@@ -177,7 +177,8 @@ def cmd_train(args) -> int:
         job.check_engine(args.engine, resume=True, max_time=0.0)
         out = Path(args.out)
         with job.claim(out, resume=True):  # one writer per run dir, from before its config is read
-            cfg = job.resume_config(out, args.max_steps, args.max_time, layout=args.set)
+            cfg = job.resume_config(out, args.max_steps, args.max_time, layout=args.set, data=args.data,
+                                    config_file=args.config, preset=args.preset)
             return train_into(args, out, cfg, log)
     preset = args.preset or (tasks.TASKS.get(args.task).preset if args.task else "shakespeare")
     cfg = job.resolve_config(preset=preset, config_file=args.config, overrides=args.set, data=args.data,

@@ -169,23 +169,48 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     return trainer, cfg
 
 
-def resume_config(out: Path, max_steps: int | None, max_time: float | None,
-                  layout: list[str] = ()) -> RunConfig:
-    """A resumed run keeps its own config; only the limits and the process layout (`layout`: --set
-    parallel.*=..., e.g. a dp=2 run continued in one process) may change."""
-    if not (out / CONFIG_FILE).is_file():
-        raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
+def resume_config(out: Path, max_steps: int | None, max_time: float | None, layout: list[str] = (), *,
+                  data: list[str] = (), config_file: str | None = None, preset: str | None = None) -> RunConfig:
+    """A resumed run keeps its own config. The limits (--max-steps, --max-time) and the process layout
+    (--set parallel.*=..., e.g. a dp=2 run continued in one process) may change; any other --set, --data,
+    --config or --preset is accepted when it gives the values the run already has (the command first typed,
+    typed again) and refused, naming the fields, when it would change one."""
     from qkv.train import checkpoint
 
+    if not (out / CONFIG_FILE).is_file():
+        raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     if parallel.env_rank() == 0:
         checkpoint.recover(out)  # finish an interrupted save
     if checkpoint.verify_set(out) == "complete":  # a damaged set is refused before any work
         checkpoint.check_state_json(files.read_json(out / files.STATE_JSON), out / files.STATE_JSON)
-    other = [item for item in layout if not item.strip().startswith("parallel.")]
-    if other:
-        raise QkvError(f"--resume keeps the run's config; only parallel.* may be set, not {other[0]!r}")
     saved = RunConfig.load(out / CONFIG_FILE)
-    return check_run(with_limits(saved.override(list(layout)), max_steps, max_time))  # never write an invalid config
+    if preset is not None:  # the whole first command again: rebuild its config and compare
+        asked = resolve_config(preset=preset, config_file=config_file, overrides=list(layout), data=list(data),
+                               max_steps=None, max_time=None)
+        asked = dataclasses.replace(asked, model=dataclasses.replace(asked.model, vocab_size=saved.model.vocab_size))
+    else:  # the given options laid over the run's own config
+        asked = merge_file(saved, Path(config_file)) if config_file else saved
+        asked = asked.override(list(layout))
+        if data:
+            paths = tuple(os.path.abspath(os.path.expanduser(path)) for path in data)
+            asked = dataclasses.replace(asked, data=dataclasses.replace(asked.data, paths=paths))
+    changed = [name for name in differences(saved, asked)
+               if not name.startswith("parallel.") and name not in ("train.max_steps", "train.max_time")]
+    if changed:
+        raise QkvError(f"--resume keeps the run's config, but the options given would change "
+                       f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; a resume may change only "
+                       "--max-steps, --max-time and parallel.* (start a new run for the rest)")
+    cfg = dataclasses.replace(saved, parallel=asked.parallel)
+    return check_run(with_limits(cfg, max_steps, max_time))  # never write an invalid config
+
+
+def differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """The `section.field` names whose values differ."""
+    out = []
+    for section, fields in a.to_dict().items():
+        other = b.to_dict()[section]
+        out += [f"{section}.{name}" for name, value in fields.items() if other[name] != value]
+    return out
 
 
 def save_resumed_config(out: Path, cfg: RunConfig) -> None:
