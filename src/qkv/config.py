@@ -83,6 +83,7 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         """Sizes, ranges and combinations; the names are checked by qkv.models.build.check_model."""
+        _finite_and_bounded("model", self)  # types too: also for a config built in code (an imported HF config)
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "n_encoder_layers", "n_decoder_layers", "moe_experts", "window"):
@@ -378,8 +379,10 @@ INT_LIMIT = 2 ** 62  # any integer field beyond it is a mistake (sizes that larg
 def _finite_and_bounded(section: str, values) -> None:
     """Every float field finite (inf and NaN are never a setting: an infinite learning rate trained a NaN
     run to the end), every integer field within +-INT_LIMIT, before any other check reads them."""
+    types = field_types(type(values))
     for item in dataclasses.fields(values):
         value = getattr(values, item.name)
+        coerce(f"{section}.{item.name}", value, types[item.name])  # the field's type
         if isinstance(value, float) and not math.isfinite(value):
             raise QkvError(f"{section}.{item.name}={value} must be a finite number")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:

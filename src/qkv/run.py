@@ -44,7 +44,14 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     if not model_file.is_file():
         raise QkvError(f"{path}: has no checkpoint yet ({files.MODEL_FILE} is missing)")
     tokenizer = Tokenizer.load(path / TOKENIZER_FILE)
+    check_vocabulary(tokenizer, config.model.vocab_size, path / TOKENIZER_FILE)
     model = build_model(config.model)
     tensors = files.read_tensors(model_file)
     files.load_model_tensors(model, tensors, str(model_file))
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer)
+
+
+def check_vocabulary(tokenizer: Tokenizer | None, vocab_size: int, origin: Path) -> None:
+    """A tokenizer whose ids the model has no rows for would fail mid-way (an index error in the embedding)."""
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise QkvError(f"{origin}: {tokenizer.vocab_size} tokens, more than the model's vocab_size={vocab_size}")

@@ -27,7 +27,7 @@ from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, rea
 from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
 from qkv.models.build import check_model
-from qkv.run import Run
+from qkv.run import Run, check_vocabulary
 
 __all__ = ["convert_from_hf", "is_hf_dir", "load", "save", "supported"]
 
@@ -73,6 +73,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     model = build_model(cfg)
     load_model_tensors(model, tensors, str(path / WEIGHTS))
     tokenizer, _ = read_tokenizer(path, hf)
+    check_vocabulary(tokenizer, cfg.vocab_size, path / "tokenizer.json")
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer)
 

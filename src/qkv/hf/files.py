@@ -53,8 +53,11 @@ def read_weights(path: Path) -> Tensors:
     if not isinstance(weight_map, dict):
         raise QkvError(f"{path / INDEX}: no weight_map")
     tensors: Tensors = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors.update(read_tensors(path / shard))
+    for shard in sorted(set(map(str, weight_map.values()))):
+        file = (path / shard).resolve()
+        if file.parent != path.resolve() or not shard.endswith(".safetensors"):  # never outside the model dir
+            raise QkvError(f"{path / INDEX}: shard {shard!r} is not a .safetensors file in {path}")
+        tensors.update(read_tensors(file))
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise QkvError(f"{path / INDEX}: tensor {missing[0]!r} is not in its shard")
