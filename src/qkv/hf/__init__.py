@@ -22,7 +22,7 @@ from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.files import MODEL_FILE, load_model_tensors, model_tensors
 from qkv.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family)
-from qkv.hf.common import FAMILIES, Family
+from qkv.hf.common import FAMILIES, Family, check_types
 from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
 from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
@@ -39,6 +39,9 @@ def supported() -> list[str]:
 
 def detect(hf: dict) -> tuple[Family, str]:
     """The family and architecture of an HF config.json; QkvError naming it and the supported ones."""
+    if not isinstance(hf, dict):
+        raise QkvError("config.json must be a JSON object")
+    check_types(hf)
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
     architecture = architectures[0] if architectures else None

@@ -12,6 +12,9 @@ split, concatenated or padded are done by the family itself around `rename`.
 """
 from __future__ import annotations
 
+import json
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,7 +72,7 @@ def activation_to_hf(cfg: ModelConfig) -> str:
 
 
 def need(hf: dict, key: str) -> Any:
-    if key not in hf:
+    if hf.get(key) is None:  # absent, or null
         raise QkvError(f"no {key!r}, which this architecture needs")
     return hf[key]
 
@@ -130,3 +133,42 @@ def linear(qkv: str, hf: str, bias: bool) -> list[tuple[str, str]]:
 
 def is_zero(tensor: Tensor | None) -> bool:
     return tensor is None or not bool(torch.any(tensor != 0))
+
+
+# The config.json keys qkv reads, by the JSON type each must have (null: absent). Checked before any is used.
+INTEGER_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "hidden_size",
+                "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings", "d_model", "d_ff", "d_kv", "num_layers", "num_decoder_layers",
+                "num_heads", "decoder_layers", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim",
+                "decoder_attention_heads", "decoder_ffn_dim", "relative_attention_num_buckets",
+                "relative_attention_max_distance", "type_vocab_size", "num_labels", "head_dim")
+NUMBER_KEYS = ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta")
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_embedding", "scale_decoder_outputs")
+STRING_KEYS = ("model_type", "activation_function", "hidden_act", "feed_forward_proj")
+MAX_SIZE = 2 ** 31
+
+
+def check_types(hf: dict) -> None:
+    """Every key qkv reads has its JSON type and a sane range; QkvError naming the first that does not."""
+    def wrong(key: str, what: str) -> QkvError:
+        return QkvError(f"{key}={json.dumps(hf[key])[:40]} must be {what}")
+
+    for key in INTEGER_KEYS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE):
+            raise wrong(key, f"an integer in [0, {MAX_SIZE}]")
+    for key in NUMBER_KEYS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise wrong(key, "a finite number >= 0")
+    for key, kind, what in [(k, bool, "true or false") for k in BOOL_KEYS] + [(k, str, "a string") for k in STRING_KEYS]:
+        if hf.get(key) is not None and not isinstance(hf[key], kind):
+            raise wrong(key, what)
+    arch = hf.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
+        raise wrong("architectures", "a list of class names")
+    eos = hf.get("eos_token_id")
+    if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool) or
+                                isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
+        raise wrong("eos_token_id", "a token id or a list of them")
