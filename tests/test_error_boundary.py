@@ -61,3 +61,43 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_old_one_and_no_staging(t
     with pytest.raises(QkvError, match="cannot write the checkpoint"):
         checkpoint.save(tmp_path, model, {}, {"step": 2})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no .staging, the old set intact
+
+
+def test_a_warning_is_one_qkv_line(run_dir):
+    proc = sh(f"{sys.executable} -m qkv generate {run_dir} --prompt '{'word ' * 200}' --strategy greedy "
+              f"--max-new-tokens 4")
+    assert proc.returncode == 0
+    assert proc.stderr.startswith("qkv: warning: model.max_seq_len=64: prompt of") and proc.stderr.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    proc = sh(f"{sys.executable} -m qkv train --preset tiny --max-steps 3 --out {out} --quiet --no-sample")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_plot_names_the_file_it_wrote_and_refuses_garbage_metrics(trained, tmp_path):
+    proc = sh(f"{sys.executable} -m qkv plot loss {trained} --out {tmp_path / 'curve'}")
+    assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").is_file()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "metrics.csv").write_text("step,loss\nx,y\n")
+    proc = sh(f"{sys.executable} -m qkv plot loss {broken} --out {tmp_path / 'b.png'}")
+    assert proc.returncode == 2 and "row 1: step='x' is not a number" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = sh(f"{sys.executable} -m qkv plot loss {trained} --out {tmp_path / 'c.xyz'}")
+    assert proc.returncode == 2 and "not supported" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_resume_without_the_runs_tokenizer_is_refused(trained, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "tokenizer.json").unlink()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"}
+    proc = sh(f"{sys.executable} -m qkv train --out {run} --resume --max-steps 5 --quiet --no-sample")
+    assert proc.returncode == 2 and "tokenizer.json: missing" in proc.stderr and proc.stderr.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"} == before

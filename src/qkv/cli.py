@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from qkv import hf_commands
@@ -117,6 +118,7 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = show_warning
     try:
         args = parser().parse_args(argv)
         code = COMMANDS[args.command](args) or 0
@@ -143,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail("input nested too deeply (a JSON file or value hundreds of levels deep)")
     except (UnicodeError, OverflowError) as exc:
         return fail(f"{type(exc).__name__.replace('Error', '').lower()} error: {exc}")
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line `qkv: warning: ...` (not Python's file:line and source format)."""
+    if main_rank():
+        print(f"qkv: warning: {message}", file=sys.stderr)
 
 
 def fail(message: str) -> int:
@@ -223,9 +231,21 @@ def train_into(args, out: Path, cfg, log) -> int:
 
 def summary_line(summary: dict) -> str:
     """The summary as strict JSON: a value that is not finite (a NaN loss) is null, never NaN or Infinity."""
-    clean = {key: None if isinstance(value, float) and not math.isfinite(value) else value
-             for key, value in summary.items()}
-    return json.dumps(clean, allow_nan=False)
+    return strict_json(summary)
+
+
+def strict_json(value) -> str:
+    """JSON that every parser reads: floats that are not finite become null, at any depth."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {key: clean(item) for key, item in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(item) for item in v]
+        return v
+
+    return json.dumps(clean(value), allow_nan=False)
 
 
 def describe(summary: dict) -> str:
@@ -268,7 +288,7 @@ def cmd_eval(args) -> int:
 
     run = load(args.run)
     result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
-    print(json.dumps(result) if args.json else evaluators.describe(result))
+    print(strict_json(result) if args.json else evaluators.describe(result))
     return 0
 
 

@@ -24,10 +24,18 @@ def _pyplot():
 
 
 def _save(fig, out: Path) -> Path:
+    """Write the figure; a name without an extension gets .png (as matplotlib writes it): the path returned
+    is the file written."""
     out = Path(out)
+    if not out.suffix:
+        out = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
+    try:
+        fig.savefig(out, dpi=110, bbox_inches="tight")
+    except ValueError as exc:  # an extension matplotlib has no writer for
+        raise QkvError(f"{out}: {exc}") from None
+    finally:
+        _pyplot().close(fig)
     return out
 
 
@@ -125,8 +133,13 @@ def read_metrics(run: Path) -> dict[str, np.ndarray]:
         rows = list(csv.DictReader(f))
     if not rows:
         raise QkvError(f"{path}: has no rows yet")
-    return {key: np.array([float(r[key]) if r.get(key) not in (None, "") else np.nan for r in rows])
-            for key in rows[0]}
+    def number(row: int, key: str, text) -> float:
+        try:
+            return float(text) if text not in (None, "") else np.nan
+        except (TypeError, ValueError):
+            raise QkvError(f"{path}: row {row + 1}: {key}={text!r} is not a number") from None
+
+    return {key: np.array([number(i, key, r.get(key)) for i, r in enumerate(rows)]) for key in rows[0]}
 
 
 def loss_curves(runs: list[Path], out: Path) -> Path:

@@ -134,6 +134,9 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     own_tokenizer = out / TOKENIZER_FILE
+    if resume and not own_tokenizer.is_file():  # the saved weights' ids mean its tokens: never retrain it
+        raise QkvError(f"{own_tokenizer}: missing; the run's weights are indexed by its token ids, so it cannot "
+                       "be trained again: restore it")
     init = None if resume or not cfg.train.init else finetune.init_run(cfg.train.init)
     if resume and own_tokenizer.is_file():  # a resumed or imported run keeps its tokenizer and vocabulary
         prepared = objective.prepare(cfg, Tokenizer.load(own_tokenizer))
