@@ -19,7 +19,7 @@ from tests.train import verse
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=V, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=32)
+SMALL = dict(vocab_size=300, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=32)
 QKV_MODELS = {  # qkv configs that have an HF family
     "gpt2": ModelConfig(**SMALL, activation="gelu_tanh"),
     "llama": ModelConfig(**SMALL, n_kv_heads=2, positional="rope", norm="rmsnorm", ffn="glu", activation="silu",
