@@ -150,3 +150,21 @@ def test_impossible_settings_are_refused_before_any_work(tmp_path, setting):
     proc = run_qkv("train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", setting)
     assert proc.returncode == 2 and proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_the_memory_check_is_qkv_calcs_figure(monkeypatch):
+    """Refused exactly when `qkv calc`'s per-process total for the run exceeds the machine's memory."""
+    from qkv import presets
+    from qkv.analysis import calc
+    from qkv.train import job
+
+    import dataclasses
+
+    cfg = presets.get("shakespeare")  # the trained tokenizer's size is the model's: data.vocab_size
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.data.vocab_size))
+    total = calc.calculate(cfg)["memory"]["bytes"]["total"]
+    monkeypatch.setattr(job, "machine_memory", lambda: int(total) + 1)
+    job.check_fits(cfg)
+    monkeypatch.setattr(job, "machine_memory", lambda: int(total) - 1)
+    with pytest.raises(QkvError, match=f"{total / 2 ** 30:,.1f} GiB per process by `qkv calc`"):
+        job.check_fits(cfg)

@@ -88,22 +88,26 @@ def claim(out: Path, *, resume: bool):
             out.rmdir()
 
 
-STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments (mixed precision keeps all four)
-
-
 def check_fits(cfg: RunConfig) -> None:
-    """Refuse, before any allocation or data preparation, a model whose weights, gradients and optimizer
-    moments alone (qkv.analysis.params, the calculator's count) exceed this machine's memory, even shared
-    over every process of the launch."""
-    from qkv.analysis import params
+    """Refuse, before any allocation or data preparation, a run whose step needs more memory per process than
+    its device has, by qkv's own calculator (`qkv calc`: weights, gradients, optimizer states and
+    activations for this batch, precision, ZeRO stage and checkpointing)."""
+    from qkv.analysis import calc, memory
 
-    n = params.count(dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size)))
-    need = n * STATE_BYTES_PER_PARAM / max(1, parallel.env_world())
-    memory = machine_memory()
-    if memory and need > memory:
-        raise QkvError(f"the model has {n:,} parameters: its weights, gradients and AdamW moments need "
-                       f"{need / 2 ** 30:,.1f} GiB per process, more than this machine's {memory / 2 ** 30:,.1f} GiB "
-                       "(`qkv calc` gives the whole budget); make the model smaller")
+    model = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size))
+    setup = calc.setup_from(cfg)
+    need = memory.training(model, setup)["total"]
+    device = parallel.resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        import torch
+
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s"
+    else:
+        have, where = machine_memory(), "this machine's"
+    if have and need > have:
+        raise QkvError(f"one training step needs {need / 2 ** 30:,.1f} GiB per process by `qkv calc` (weights, "
+                       f"gradients, optimizer states, activations), more than {where} {have / 2 ** 30:,.1f} GiB; "
+                       "make the model or train.batch_size smaller, or set train.activation_checkpointing")
 
 
 def machine_memory() -> int:
