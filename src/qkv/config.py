@@ -41,6 +41,7 @@ class ModelConfig:
     positional: str = "learned"
     rope_theta: float = 10000.0
     max_distance: int = 16  # relative positions: clip distance (Shaw) / bucket range (T5)
+    t5_buckets: int = 32  # T5's relative_attention_num_buckets (half for each direction in an encoder)
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_placement: str = "pre"
@@ -100,6 +101,7 @@ class ModelConfig:
         _positive("model.init_std", self.init_std)
         _positive("model.rope_theta", self.rope_theta)  # the base of the angles: <= 0 gives inf/NaN
         _positive("model.max_distance", self.max_distance)
+        _at_least("model.t5_buckets", self.t5_buckets, 2)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
         self._validate_family()
         return self

@@ -126,6 +126,8 @@ SEQ2SEQ = {
     "t5-gated-gelu-untied": lambda: transformers.T5ForConditionalGeneration(t5_config(
         feed_forward_proj="gated-gelu", tie_word_embeddings=False, num_decoder_layers=3,
         relative_attention_max_distance=20)),
+    "t5-16-buckets": lambda: transformers.T5ForConditionalGeneration(t5_config(
+        relative_attention_num_buckets=16, relative_attention_max_distance=40)),
 }
 
 

@@ -28,9 +28,6 @@ def config(hf: dict, architecture: str) -> ModelConfig:
     d_model, n_heads = need(hf, "d_model"), need(hf, "num_heads")
     ensure(need(hf, "d_kv") * n_heads == d_model, f"d_kv={hf['d_kv']} x num_heads={n_heads} != "
                                                   f"d_model={d_model}: qkv needs D = H * Dh")
-    buckets = hf.get("relative_attention_num_buckets", 32)
-    ensure(buckets == T5_BUCKETS, f"relative_attention_num_buckets={buckets}: qkv's T5 bias has "
-                                  f"{T5_BUCKETS} buckets")
     projection = hf.get("feed_forward_proj", "relu")
     ensure(projection in FFNS, f"feed_forward_proj={projection!r} is not supported by qkv; "
                                f"supported: {', '.join(FFNS)}")
@@ -43,7 +40,8 @@ def config(hf: dict, architecture: str) -> ModelConfig:
         arch="encoder-decoder", vocab_size=need(hf, "vocab_size"), d_model=d_model, n_heads=n_heads,
         n_layers=layers, n_encoder_layers=layers, n_decoder_layers=hf.get("num_decoder_layers") or layers,
         d_ff=need(hf, "d_ff"), max_seq_len=hf.get("n_positions", 512), positional="t5",
-        max_distance=hf.get("relative_attention_max_distance", 128), norm="rmsnorm",
+        max_distance=hf.get("relative_attention_max_distance", 128),
+        t5_buckets=hf.get("relative_attention_num_buckets", T5_BUCKETS), norm="rmsnorm",
         norm_eps=hf.get("layer_norm_epsilon", 1e-6), norm_placement="pre", ffn=ffn, activation=activation,
         bias=False, tie_embeddings=tied, dropout=0.0)
 
@@ -122,7 +120,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
     return ARCHITECTURE, {
         "model_type": "t5", "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.head_dim,
         "d_ff": cfg.d_ff, "num_heads": cfg.n_heads, "num_layers": cfg.encoder_layers,
-        "num_decoder_layers": cfg.decoder_layers, "relative_attention_num_buckets": T5_BUCKETS,
+        "num_decoder_layers": cfg.decoder_layers, "relative_attention_num_buckets": cfg.t5_buckets,
         "relative_attention_max_distance": cfg.max_distance, "layer_norm_epsilon": cfg.norm_eps,
         "feed_forward_proj": projection, "dense_act_fn": activation_to_hf(cfg), "is_gated_act": cfg.ffn == "glu",
         "dropout_rate": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings, "is_encoder_decoder": True,

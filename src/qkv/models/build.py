@@ -61,7 +61,7 @@ def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -
     form depends on it may read it, the others ignore it. `name` overrides cfg.positional."""
     return POSITIONALS.get(name or cfg.positional)(
         d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, causal=causal)
+        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, t5_buckets=cfg.t5_buckets, causal=causal)
 
 
 def decoder_positional(cfg: ModelConfig) -> nn.Module:

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from qkv.nn.kernels import RelativeValues
 from qkv.nn.positional import POSITIONALS, Positional, sinusoidal_table
 
-T5_BUCKETS = 32  # T5's relative_attention_num_buckets; the bucket range is model.max_distance (T5: 128)
+T5_BUCKETS = 32  # T5's default relative_attention_num_buckets (model.t5_buckets); the bucket range is
+# model.max_distance (T5: 128)
 
 
 def gather_relative(per_offset: Tensor, index: Tensor) -> Tensor:
@@ -122,14 +123,14 @@ class T5Bias(Positional):
     bidirectional = True
     decoder_twin = "t5_causal"
 
-    def __init__(self, *, n_heads: int, max_distance: int, **dims):
+    def __init__(self, *, n_heads: int, max_distance: int, t5_buckets: int = T5_BUCKETS, **dims):
         super().__init__()
-        self.max_distance = max_distance
-        self.relative_attention_bias = nn.Embedding(T5_BUCKETS, n_heads)  # (buckets, H)
+        self.max_distance, self.num_buckets = max_distance, t5_buckets
+        self.relative_attention_bias = nn.Embedding(t5_buckets, n_heads)  # (buckets, H)
 
     def buckets(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:  # (B, T, S)
         return t5_bucket(k_positions[:, None, :] - q_positions[:, :, None], bidirectional=self.bidirectional,
-                         num_buckets=T5_BUCKETS, max_distance=self.max_distance)
+                         num_buckets=self.num_buckets, max_distance=self.max_distance)
 
     def score_bias(self, q_positions, k_positions, q=None, k=None) -> Tensor:
         bias = self.relative_attention_bias(self.buckets(q_positions, k_positions))  # (B, T, S, H)

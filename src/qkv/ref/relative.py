@@ -20,7 +20,6 @@ import numpy as np
 from qkv.ref.kernels import RelativeValues
 from qkv.ref.positional import POSITIONALS, Positional, sinusoidal_table
 
-T5_BUCKETS = 32  # as qkv.nn.relative.T5_BUCKETS
 
 
 def gather_relative(per_offset: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -138,7 +137,7 @@ class T5Bias(Positional):
     def score_bias_forward(self, params, q, k, q_positions, k_positions):
         table = params["relative_attention_bias.weight"]  # (buckets, H)
         buckets = t5_bucket(k_positions[:, None, :] - q_positions[:, :, None], bidirectional=self.bidirectional,
-                            num_buckets=T5_BUCKETS, max_distance=self.cfg.max_distance)  # (B, T, S)
+                            num_buckets=table.shape[0], max_distance=self.cfg.max_distance)  # (B, T, S)
         return table[buckets].transpose(0, 3, 1, 2), (buckets, table.shape)  # (B, H, T, S)
 
     def score_bias_backward(self, dbias, cache, grads):
