@@ -101,3 +101,17 @@ def test_a_resume_without_the_runs_tokenizer_is_refused(trained, tmp_path):
     proc = sh(f"{sys.executable} -m qkv train --out {run} --resume --max-steps 5 --quiet --no-sample")
     assert proc.returncode == 2 and "tokenizer.json: missing" in proc.stderr and proc.stderr.count("\n") == 1
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"} == before
+
+
+def test_a_conversion_that_cannot_write_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from qkv.hf import files as hf_files
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(hf_files, "save_file", full_disk)
+    with pytest.raises(QkvError, match="cannot write model.safetensors"):
+        hf_files.write_dir(tmp_path / "out", {"config.json": "{}"}, {"w": torch.zeros(2)})
+    assert list(tmp_path.iterdir()) == []  # neither the dir nor its temporary sibling

@@ -374,21 +374,19 @@ def choice(key: str, value: Any, allowed) -> None:
         raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(map(str, allowed))}")
 
 
-MAX_VOCAB = 2 ** 20
-INT_LIMIT = 2 ** 62  # any integer field beyond it is a mistake (sizes that large never fit anything)
+MAX_VOCAB, INT_LIMIT = 2 ** 20, 2 ** 62  # data.vocab_size's ceiling; any integer field's (|value|)
 
 
 def _finite_and_bounded(section: str, values) -> None:
-    """Every float field finite (inf and NaN are never a setting: an infinite learning rate trained a NaN
-    run to the end), every integer field within +-INT_LIMIT, before any other check reads them."""
-    types = field_types(type(values))
-    for item in dataclasses.fields(values):
-        value = getattr(values, item.name)
-        coerce(f"{section}.{item.name}", value, types[item.name])  # the field's type
+    """Each field of its type, floats finite (an infinite learning rate trained a NaN run to the end),
+    integers within +-INT_LIMIT: before any other check reads them."""
+    for name, kind in field_types(type(values)).items():
+        key, value = f"{section}.{name}", getattr(values, name)
+        coerce(key, value, kind)
         if isinstance(value, float) and not math.isfinite(value):
-            raise QkvError(f"{section}.{item.name}={value} must be a finite number")
+            raise QkvError(f"{key}={value} must be a finite number")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
-            raise QkvError(f"{section}.{item.name}={value} is out of range (|value| <= 2^62)")
+            raise QkvError(f"{key}={value} is out of range (|value| <= 2^62)")
 
 
 def _positive(key: str, value: float) -> None:

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from qkv.errors import QkvError
@@ -75,8 +76,11 @@ def write_dir(out: Path, files: dict[str, str], tensors: Tensors) -> None:
     try:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt"})  # transformers requires the "pt" format tag
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS),
+                      metadata={"format": "pt"})  # transformers requires the "pt" format tag
+        except SafetensorError as exc:  # a full disk, in safetensors' own error type
+            raise QkvError(f"{out}: cannot write {WEIGHTS} ({exc}); nothing was written") from None
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
