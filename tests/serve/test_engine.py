@@ -65,6 +65,17 @@ def run_all(engine: Engine, jobs_of, count: int):
     return recorders
 
 
+def run_together(engine: Engine, jobs: list[Job], recorders: list[Recorder]) -> None:
+    """Start the engine with every job queued at once (one request's choices), wait for all, stop it."""
+    engine.start()
+    try:
+        engine.submit(*jobs)
+        for recorder in recorders:
+            assert recorder.done.wait(60)
+    finally:
+        engine.stop()
+
+
 def alone(model, prompt, max_new, **kwargs):
     return generate(model, torch.tensor(prompt), max_new_tokens=max_new, **kwargs)[len(prompt):].tolist()
 
@@ -133,13 +144,7 @@ def test_a_cancelled_row_leaves_at_once_and_the_rest_are_unchanged():
         return original(choice)
 
     long_job.on_token = cancel_after_three
-    engine.start()
-    try:
-        engine.submit(*jobs)
-        for r in recorders:
-            assert r.done.wait(60)
-    finally:
-        engine.stop()
+    run_together(engine, jobs, recorders)
     assert recorders[0].reason == "cancelled" and len(recorders[0].tokens) <= 4
     for r, p in zip(recorders[1:], texts[1:]):
         assert r.tokens == alone(model, p, 40) and r.reason == "length"
@@ -161,13 +166,7 @@ def test_a_fault_in_one_rows_callback_ends_that_row_alone(capsys):
 
     jobs[1].on_token = broken
     jobs[1].on_done = lambda reason, error: (errors.append(error), recorders[1].done.set())
-    engine.start()
-    try:
-        engine.submit(*jobs)
-        for r in recorders:
-            assert r.done.wait(60)
-    finally:
-        engine.stop()
+    run_together(engine, jobs, recorders)
     assert errors[-1] == "internal error: RuntimeError: boom"
     assert "RuntimeError: boom" in capsys.readouterr().err  # the traceback is printed for the operator
     for i in (0, 2, 3):
@@ -199,12 +198,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_position():
     job = recorder.job(prompt, 10, top_logprobs=3, echo=True, processors=SAMPLED, seed=3,
                        params=SamplingParams(temperature=1.3, top_k=2 ** 31, top_p=1.0))
     job.on_token = lambda choice: choices.append(choice) or False
-    engine = Engine(model).start()
-    try:
-        engine.submit(job)
-        assert recorder.done.wait(60)
-    finally:
-        engine.stop()
+    run_together(Engine(model), [job], [recorder])
     ids = prompt + [c.token for c in choices]
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)  # (T, V)

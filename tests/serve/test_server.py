@@ -301,6 +301,10 @@ def test_embeddings_of_an_encoder_are_what_its_classifier_pools(tmp_path):
                          json={"model": "enc", "input": texts, "encoding_format": "base64"}).json()
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="enc", prompt="x")
+        with pytest.raises(openai.BadRequestError) as exc:  # qkv does not truncate embeddings
+            client.embeddings.create(model="enc", input="x", dimensions=8)
+        assert exc.value.body["param"] == "dimensions"
+        assert len(client.embeddings.create(model="enc", input="x", dimensions=32).data[0].embedding) == 32
     head = run.model.head
     for item, packed, text in zip(result.data, raw["data"], texts):
         ids = torch.tensor([run.tokenizer.encode(text)])

@@ -81,7 +81,7 @@ class Limits:
 
 
 class Body:
-    """A JSON object's fields, each read once with its type and range; `finish()` refuses what is left."""
+    """A JSON object's fields, each read with its type and range; a field not in `known` is refused at once."""
 
     def __init__(self, body, known: set[str]):
         if not isinstance(body, dict):
@@ -321,12 +321,17 @@ def read_chat(raw, served: str, limits: Limits, render) -> tuple[Completion, lis
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 
 
-def read_embedding(raw, served: str, tokenizer: Tokenizer, limits: Limits, encoder: bool) -> Embedding:
+def read_embedding(raw, served: str, tokenizer: Tokenizer, limits: Limits, width: int | None) -> Embedding:
+    """`width`: the encoder's hidden size (None: the served model is not an encoder)."""
     body = Body(raw, EMBEDDING_FIELDS)
     read_model(body, served)
-    if not encoder:
+    if width is None:
         raise invalid("model", "embeddings come from an encoder run (model.arch=encoder); this model is a "
                                "generator", "unsupported_model")
+    dims = body.get("dimensions")
+    if dims is not None and dims != width:
+        raise invalid("dimensions", f"dimensions={dims!r}: this model's embeddings have {width} (qkv does not "
+                                    "truncate them)", "unsupported_parameter")
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise invalid("encoding_format", f"encoding_format must be float or base64, got {fmt!r}")
@@ -340,10 +345,3 @@ def read_embedding(raw, served: str, tokenizer: Tokenizer, limits: Limits, encod
             raise invalid("input", f"input[{i}] has {len(ids)} tokens; this model reads at most {limits.context}",
                           "context_length_exceeded")
     return Embedding(tuple(ids for ids, _ in items), fmt == "base64")
-
-
-def dimensions_check(raw, width: int) -> None:
-    dims = raw.get("dimensions") if isinstance(raw, dict) else None
-    if dims is not None and dims != width:
-        raise invalid("dimensions", f"dimensions={dims!r}: this model's embeddings have {width} (qkv does not "
-                                    "truncate them)", "unsupported_parameter")

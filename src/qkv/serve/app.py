@@ -255,8 +255,8 @@ def make_app(served: Served) -> Starlette:
 
     async def embeddings(request: Request) -> Response:
         raw = await read_body(request, served)
-        req = api.read_embedding(raw, served.name, served.tokenizer, served.limits, served.encoder)
-        api.dimensions_check(raw, served.run.config.model.d_model)
+        width = served.run.config.model.d_model if served.encoder else None
+        req = api.read_embedding(raw, served.name, served.tokenizer, served.limits, width)
         loop, done = asyncio.get_running_loop(), asyncio.Event()
         box: dict = {}
 
