@@ -158,3 +158,17 @@ class RunLock:
 def is_empty_run_dir(path: Path) -> bool:
     """No entry but the lock: a dir a writer has only just claimed."""
     return all(entry.name == LOCK_FILE for entry in Path(path).iterdir())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file beside it, then one rename); a missing
+    parent directory is created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise QkvError(f"{path}: cannot write ({exc.strerror or exc}); nothing was written") from None
+    finally:
+        tmp.unlink(missing_ok=True)

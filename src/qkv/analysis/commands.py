@@ -92,6 +92,15 @@ def add_parsers(sub) -> None:
     scaling.add_argument("--out", default="scaling.png", help="plot of the fit")
     scaling.add_argument("--json", action="store_true")
 
+    explain = sub.add_parser("explain", help="one self-contained HTML page: the forward and backward passes of a "
+                             "run on a text, step by step, with the notes' formulas and the real numbers")
+    explain.add_argument("run", help="a qkv run directory or an imported Hugging Face model directory")
+    explain.add_argument("--text", required=True, help="the text to run through the model")
+    explain.add_argument("--target", help="the token whose loss the backward explains (default: the model's top "
+                         "choice; a classifier: a label)")
+    explain.add_argument("--out", default="explain.html", help="the page to write (default explain.html)")
+    explain.add_argument("--compare", metavar="RUN2", help="a second run, shown side by side on the same text")
+
     verify = sub.add_parser("verify", help="compute every SPEC claim: holds, corrected or fails")
     verify.add_argument("--claim", type=int, action="append", help="only claim N (repeatable)")
     verify.add_argument("--json", action="store_true")
@@ -128,6 +137,15 @@ def cmd_scaling(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    from qkv.explain import explain_page
+
+    runs = [args.run] + ([args.compare] if args.compare else [])
+    path, size = explain_page(runs, args.text, target=args.target, out=args.out)
+    print(f"{path} ({size / 2 ** 20:.2f} MB)")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from qkv import verify
 
@@ -136,4 +154,4 @@ def cmd_verify(args) -> int:
     return 0 if all(r["status"] != "fails" for r in results) else 1
 
 
-COMMANDS = {"calc": cmd_calc, "plot": cmd_plot, "scaling": cmd_scaling, "verify": cmd_verify}
+COMMANDS = {"explain": cmd_explain, "calc": cmd_calc, "plot": cmd_plot, "scaling": cmd_scaling, "verify": cmd_verify}

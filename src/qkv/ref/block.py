@@ -12,7 +12,8 @@ Every backward has the engine's one form (qkv.ref.functional): dx = backward(dy,
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -124,6 +125,23 @@ def _parts(params: dict, cfg, ctx, memory, memory_ctx, aux_weight: float):
     return [(name, norm_name, sublayer_norm(scope(params, norm_name), cfg), sub) for name, norm_name, sub in parts]
 
 
+# A recorder (qkv.explain.tap.Recorder) while `tapped` is active: every block built then has its
+# placement, norms, sublayers and attention kernel wrapped by the recorder's, which call the engine's own
+# functions and keep their inputs, outputs and gradients. None otherwise: the engine as written.
+TAP = None
+
+
+@contextmanager
+def tapped(recorder) -> Iterator:
+    """with tapped(recorder): forward(...); backward(...) -- the recorder sees every block's steps."""
+    global TAP
+    previous, TAP = TAP, recorder
+    try:
+        yield recorder
+    finally:
+        TAP = previous
+
+
 class BlockCache(NamedTuple):
     parts: list  # (name, norm name, norm, sublayer) in forward order
     caches: list  # each part's residual cache
@@ -133,7 +151,11 @@ class BlockCache(NamedTuple):
 def block_forward(params: dict, x: np.ndarray, cfg, ctx, memory=None, memory_ctx=None, aux_weight: float = 0.0):
     """x (B, T, D) -> (B, T, D): self-attention, cross-attention (with `memory`), FFN, each in a residual."""
     residual = RESIDUALS.get(cfg.norm_placement)
+    if TAP is not None:
+        ctx, memory_ctx = TAP.context(ctx), memory_ctx and TAP.context(memory_ctx)
     parts = _parts(params, cfg, ctx, memory, memory_ctx, aux_weight)
+    if TAP is not None:
+        residual, parts = TAP.block(residual, parts, params, cfg)
     caches = []
     for _, _, norm, sub in parts:
         x, cache = residual.forward(x, norm, sub)

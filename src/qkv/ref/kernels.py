@@ -79,6 +79,8 @@ class NaiveCache(NamedTuple):
     scale: float
     has_bias: bool  # a score bias was added: its gradient dS is returned
     value_bias: RelativeValues | None
+    scores: np.ndarray  # S = Q K^T * scale + bias, before the mask (B, H, T, S): what `qkv explain` shows
+    allowed: np.ndarray | None  # the mask M as bool (.., T, S), True where attention is allowed; None: all
 
 
 def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bias=None):
@@ -89,21 +91,36 @@ def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bia
     if bias is not None:
         scores = scores + bias
     allowed = allowed_mask(T, S, mask, causal, pattern)
-    if allowed is not None:
-        scores = np.where(allowed, scores, -np.inf)
-    weights = softmax(scores)  # A_h (B, H, T, S)
+    masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
+    weights = softmax(masked)  # A_h (B, H, T, S)
     out = weights @ v  # (B, H, T, Dh)
     if value_bias is not None:
         out = out + value_bias.buckets(weights) @ value_bias.table  # + sum_j A_ij a^V_ij
-    return out, NaiveCache(q, k, v, weights, scale, bias is not None, value_bias)
+    return out, NaiveCache(q, k, v, weights, scale, bias is not None, value_bias, scores, allowed)
+
+
+class NaiveSteps(NamedTuple):
+    """naive_backward's intermediate gradients, each (B, H, ., .): what `qkv explain` shows."""
+
+    dv: np.ndarray  # A^T dO   (S, Dh)
+    dweights: np.ndarray  # dA = dO V^T (+ the value term's gather)   (T, S)
+    dscores: np.ndarray  # dS = A * (dA - rowsum(A * dA))   (T, S)
+    dq: np.ndarray  # dS K / sqrt(d_k)   (T, Dh)
+    dk: np.ndarray  # dS^T Q / sqrt(d_k)   (S, Dh)
+    dtable: np.ndarray | None  # the value table's gradient, or None
 
 
 def naive_backward(dout, cache):
+    steps = naive_steps(dout, cache)
+    return KernelGrads(steps.dq, steps.dk, steps.dv, steps.dscores if cache.has_bias else None, steps.dtable)
+
+
+def naive_steps(dout, cache: NaiveCache) -> NaiveSteps:
     """000 LLM §3.3.3 steps 1-4, per head:
         dV = A^T dO;  dA = dO V^T;  dS = A * (dA - rowsum(A * dA));  dQ = dS K / sqrt(d_k);  dK = dS^T Q / sqrt(d_k)
     Masked entries have A = 0, so dS = 0 there: the mask needs no separate backward.
     A score bias receives dS itself; a value term adds its gather to dA (RelativeValues.backward)."""
-    q, k, v, weights, scale, has_bias, value_bias = cache
+    q, k, v, weights, scale, value_bias = cache.q, cache.k, cache.v, cache.weights, cache.scale, cache.value_bias
     dv = np.swapaxes(weights, -1, -2) @ dout  # step 1   (B, H, S, Dh)
     dweights = dout @ np.swapaxes(v, -1, -2)  # step 2   (B, H, T, S)
     dtable = None
@@ -113,7 +130,7 @@ def naive_backward(dout, cache):
     dscores = softmax_backward(dweights, weights)  # step 3
     dq = dscores @ k * scale  # step 4   (B, H, T, Dh)
     dk = np.swapaxes(dscores, -1, -2) @ q * scale  # (B, H, S, Dh)
-    return KernelGrads(dq, dk, dv, dscores if has_bias else None, dtable)
+    return NaiveSteps(dv, dweights, dscores, dq, dk, dtable)
 
 
 def _naive(cfg=None, pattern_fn=None) -> Kernel:
