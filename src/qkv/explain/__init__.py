@@ -22,10 +22,10 @@ def explain_page(runs: list[str | Path], text: str, *, target: str | None = None
     from qkv.run import load
 
     out = Path(out)
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise QkvError(f"--out {out}: the page is HTML; name it *.html")
     if out.is_dir():
         raise QkvError(f"--out {out}: is a directory")
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise QkvError(f"--out {out}: the page is HTML; name it *.html")
     explanations = [trace(load(run), text, target) for run in runs]
     page = build_page(explanations, DOCS)
     files.write_text_atomic(out, page)
