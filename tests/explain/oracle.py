@@ -84,6 +84,13 @@ def oracle(model: torch.nn.Module, inputs: tuple, position: int | None, target: 
     final = [m for name, m in model.named_modules() if name == "final_norm"] or finals
     if final:
         handles.append(final[0].register_forward_hook(_keep(store, "output.hidden")))
+    for name, module in model.named_modules():
+        if name == "head.norm":  # BERT's MLM head: LN(act(H W_t + b_t))
+            handles.append(module.register_forward_hook(_keep(store, "output.mlm_norm")))
+        if name == "head.transform":
+            handles.append(module.register_forward_hook(lambda m, a, out: store.__setitem__("output.mlm_pre", out)))
+        if name.endswith("ffn.router"):
+            handles.append(module.register_forward_hook(_keep(store, f"{name.split('.')[-3]}.ffn.router_logits")))
     for slot, layer in enumerate(layers):
         layer.kernel = _kernel(records, slot, layer)
     try:
@@ -120,8 +127,14 @@ def _names(model, blocks, layers, records, store, logits, position, loss, inputs
                 out[f"{n}.{part}.{field}"] = _np(tensor)
             out[f"{n}.{part}.d_{field}"] = _np(tensor.grad)
     for key, tensor in store.items():
-        if key == "output.hidden":
+        if key in ("output.hidden", "output.mlm_norm"):
             out[key] = _np(tensor)
+            continue
+        if key == "output.mlm_pre":
+            out["output.mlm_transform"] = _np(model.head.activation(tensor))
+            continue
+        if key.endswith("router_logits"):  # p = softmax(x W_r)
+            out[key.replace("router_logits", "router_probs")] = torch.softmax(tensor, dim=-1).detach().double().numpy()
             continue
         n, _, rest = key.partition(".")
         if rest == "ffn.pre":

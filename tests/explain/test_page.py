@@ -1,12 +1,14 @@
 """The page in headless Chromium (Playwright, the system's chromium; no network): it loads with no console
 error, the step list and the keys navigate, the layer and head pickers re-slice, hovering a heat-map cell
 shows that cell's exact value, and the sampling controls recompute the distribution as note 003's
-strategies do (checked against NumPy on the page's own logits)."""
+strategies do (checked against qkv.generate's own processors on the page's logits)."""
 import numpy as np
 import pytest
+import torch
 
 from qkv.explain.page import build_page, read_data
 from qkv.explain.trace import trace
+from qkv.generate.sampling import SamplingParams, SamplingState, process
 from tests.explain.test_trace import PROMPT, VARIANTS, make_run
 
 sync_api = pytest.importorskip("playwright.sync_api")  # in the dev extra
@@ -84,13 +86,11 @@ def test_hover_shows_the_exact_value_of_the_cell(browser, page_file):
 
 
 def distribution(logits, temperature, top_k, top_p):
-    order = np.argsort(-logits, kind="stable")
-    p = np.exp((logits[order] - logits[order[0]]) / temperature)
-    p /= p.sum()
-    keep = top_k or len(p)
-    if top_p < 1:
-        keep = min(keep, int(np.searchsorted(np.cumsum(p), top_p) + 1))
-    return order[:keep], p[:keep] / p[:keep].sum()
+    """qkv.generate's own processors (temperature, top_k, top_p) on the page's logits: (kept, top probability)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k or len(logits), top_p=top_p).validate()
+    state = SamplingState(params, torch.zeros(1, 1, dtype=torch.long))
+    out = process(torch.tensor(logits)[None], state, ("temperature", "top_k", "top_p"))[0]
+    return int(torch.isfinite(out).sum()), float(out.softmax(-1).max())
 
 
 def test_sampling_controls_recompute_the_distribution(browser, page_file):
@@ -98,14 +98,14 @@ def test_sampling_controls_recompute_the_distribution(browser, page_file):
     logits = data["runs"][0]["arrays"]["output.logits"].astype(np.float64)
     page, errors = open_page(browser, page_file[0], "#step=output")
     summaries = {}
-    for temperature, top_k, top_p in ((1, 0, 1), (0.5, 0, 1), (1, 3, 1), (1, 0, 0.5), (2, 5, 0.9)):
+    for temperature, top_k, top_p in ((1, 0, 1), (0.5, 0, 1), (1, 3, 1), (1, 0, 0.5), (2, 5, 0.9), (0.7, 40, 0.3)):
         page.fill("input.topk", str(top_k))
         page.eval_on_selector("input.temperature", f"(el) => {{ el.value = {temperature}; el.dispatchEvent(new Event('input')); }}")
         page.eval_on_selector("input.topp", f"(el) => {{ el.value = {top_p}; el.dispatchEvent(new Event('input')); }}")
         summary = page.inner_text(".dist-summary")
-        kept, p = distribution(logits, temperature, top_k, top_p)
-        assert summary.startswith(f"{len(kept)} tokens kept"), (temperature, top_k, top_p, summary)
-        assert float(summary.rsplit("p=", 1)[1]) == pytest.approx(p[0], abs=2e-6)
+        kept, top = distribution(logits, temperature, top_k, top_p)
+        assert summary.startswith(f"{kept} tokens kept"), (temperature, top_k, top_p, summary)
+        assert float(summary.rsplit("p=", 1)[1]) == pytest.approx(top, abs=2e-6)
         summaries[(temperature, top_k, top_p)] = summary
     assert len(set(summaries.values())) == len(summaries)  # every setting changed what is shown
     assert errors == []

@@ -78,6 +78,10 @@ def test_every_shared_array_equals_torch(tmp_path, variant):
     needed |= {"output.logits", "output.d_logits", "output.hidden"}
     if not run.config.model.moe_experts:
         needed |= {f"{n}.ffn.{f}" for n in range(layers) for f in ("hidden", "d_hidden", "activation_grad")}
+    else:
+        needed |= {f"{n}.ffn.router_probs" for n in range(layers)}
+    if run.config.model.head == "mlm":
+        needed |= {"output.mlm_transform", "output.mlm_norm"}
     assert needed <= set(shared), sorted(needed - set(shared))
     assert len(shared) >= 20 * layers
     if run.config.model.positional in ("shaw", "xl"):  # a content-dependent bias adds its own share to q.grad,

@@ -4,7 +4,7 @@ reader picks, `head` panels are sliced at the picked head).
 
 A panel: (label, array, axes) with axes "rows x cols" named from: q (the layer's query tokens), k (its key
 tokens: the source for cross-attention), tokens (the stack's tokens), d (feature index), f (FFN unit),
-e (expert), v (vocabulary). Panels whose array a model does not have are left out of its page.
+k (a top-k slot), v (vocabulary). Panels whose array a model does not have are left out of its page.
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def forward_steps(family: str) -> list[dict]:
              "the hidden units that fire (act > 0) are bright.",
              [panel("hidden act(.) (which units fire)", "{L}.ffn.hidden", "tokens x f"),
               panel("router probabilities p = softmax(x W_r)", "{L}.ffn.router_probs", "tokens x e"),
-              panel("chosen experts (top-k)", "{L}.ffn.experts", "tokens x e"),
-              panel("gates g", "{L}.ffn.gates", "tokens x e"),
+              panel("chosen experts (their indices, one column per slot of the top-k)", "{L}.ffn.experts", "tokens x k"),
+              panel("gates g (per slot)", "{L}.ffn.gates", "tokens x k"),
               panel("FFN output", "{L}.ffn.output", "tokens x d")], scope="layer", part="ffn"),
         *norm_steps("ffn", "FFN"),
         step("output", "forward", "Output: logits, softmax, next token", "logits = LN(H^L) W_out;  p = "
@@ -112,6 +112,8 @@ def forward_steps(family: str) -> list[dict]:
              "with every token's output row. Move the controls: the distribution is recomputed here as the "
              "sampling strategies of note 003 do.",
              [panel("H^L as the head reads it", "output.hidden", "tokens x d"),
+              panel("MLM head: act(H^L W_t + b_t)", "output.mlm_transform", "tokens x d"),
+              panel("MLM head: LN(act(H^L W_t + b_t)), which W_V (W_E when tied) reads", "output.mlm_norm", "tokens x d"),
               panel("logits (the explained position)", "output.logits", "v")], special="output"),
     ]
     return steps

@@ -148,7 +148,9 @@ class Recorder:
 
     def _ffn(self, part: dict, cache) -> None:
         if isinstance(cache, MoECache):  # routing: p = softmax(x W_r), the top-k experts and their gates
-            part.update(router_probs=cache.probs, experts=cache.top, gates=cache.gates)
+            tokens = cache.shape[:-1]  # the engine routes (N, .) rows: back to (B, T, .)
+            part.update(router_probs=cache.probs.reshape(*tokens, -1), experts=cache.top.reshape(*tokens, -1),
+                        gates=cache.gates.reshape(*tokens, -1))
             return
         if isinstance(cache, GLUCache):
             pre, act = cache.activation

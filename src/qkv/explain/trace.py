@@ -22,7 +22,7 @@ from qkv.data.tokenizer import MASK
 from qkv.errors import QkvError
 from qkv.explain.tap import Recorder
 from qkv.ref.block import RESIDUALS, tapped
-from qkv.ref.functional import cross_entropy_backward, cross_entropy_forward, scope
+from qkv.ref.functional import ACTIVATIONS, cross_entropy_backward, cross_entropy_forward, scope
 from qkv.ref.model import make_context
 from qkv.ref.norms import NORMS
 
@@ -117,7 +117,7 @@ def trace(run, text: str, target: str | None = None) -> Explanation:
         dlogits = cross_entropy_backward(1.0, cce)  # (P - onehot) at the position, 0 elsewhere
         grads = ref.backward(dlogits, cache, cfg)
     explanation = Explanation(meta={})
-    _collect(explanation, recorder, cfg, params, grads, logits, dlogits, where, inputs)
+    _collect(explanation, recorder, cfg, params, grads, logits, dlogits, where, inputs, cache)
     meta = explanation.meta
     top = np.argsort(-row, kind="stable")[:VOCAB_SHOWN]
     meta.update(vocab={int(i): _label(run, cfg, int(i), classifier) for i in top}, model=_describe(run.config.model),
@@ -150,7 +150,8 @@ def layer_labels(cfg) -> list[dict]:
     return [{"stack": "decoder", "index": i, "prefix": f"blocks.{i}."} for i in range(cfg.decoder_layers)]
 
 
-def _collect(explanation: Explanation, recorder: Recorder, cfg, params, grads, logits, dlogits, where, inputs):
+def _collect(explanation: Explanation, recorder: Recorder, cfg, params, grads, logits, dlogits, where, inputs,
+             cache):
     arrays, meta = explanation.arrays, explanation.meta
     layers = layer_labels(cfg)
     for n, (layer, block) in enumerate(zip(layers, recorder.blocks)):
@@ -163,6 +164,10 @@ def _collect(explanation: Explanation, recorder: Recorder, cfg, params, grads, l
         layer["stream_grad_norm"] = float(np.linalg.norm(block["parts"][-1]["d_stream_out"]))
     _embedding(arrays, meta, cfg, params, grads, layers, recorder, where, inputs)
     _output(arrays, meta, cfg, params, recorder, logits, dlogits, where)
+    if cfg.arch == "encoder" and cfg.head == "mlm":  # BERT's head: LN(act(H W_t + b_t)), then W_V
+        head = cache["tape"][3]
+        arrays["output.mlm_transform"] = ACTIVATIONS.get(head.activation[1])[0](head.activation[0])[0]
+        arrays["output.mlm_norm"] = head.decoder[0][0]
     for layer in layers:
         layer["label"] = f"{layer['stack']} {layer['index']}" if cfg.arch == "encoder-decoder" else f"layer {layer['index']}"
     meta.update(layers=layers, heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads, d_model=cfg.d_model)
