@@ -139,3 +139,9 @@ def test_default_target_is_the_top_token_and_a_classifier_takes_labels(tmp_path)
     run = make_run(tmp_path / "c", **VARIANTS["encoder-classifier"])
     meta = trace(run, PROMPT, target="history").meta
     assert meta["target"] == {**meta["target"], "id": 1, "text": "history"}
+
+
+def test_a_text_longer_than_the_models_positions_is_cut_there(tmp_path):
+    run = make_run(tmp_path / "r", positional="learned", max_seq_len=8)
+    meta = trace(run, PROMPT * 3).meta
+    assert len(meta["ids"]) == 8 and meta["cut"] and meta["ids"] == run.tokenizer.encode(PROMPT * 3)[:8]

@@ -52,7 +52,7 @@ def token_texts(tokenizer, ids) -> list[str]:
 
 
 def encode(run, text: str) -> tuple[list[int], bool]:
-    """The text's ids (at most MAX_TOKENS) and whether it was cut."""
+    """The text's ids (at most MAX_TOKENS, and no more than the model has positions for) and whether it was cut."""
     if run.tokenizer is None:
         raise QkvError(f"{run.path}: has no tokenizer.json; qkv explain needs one to read the text")
     if not text:
@@ -60,7 +60,8 @@ def encode(run, text: str) -> tuple[list[int], bool]:
     ids = run.tokenizer.encode(text)
     if not ids:
         raise QkvError("--text has no tokens")
-    return ids[:MAX_TOKENS], len(ids) > MAX_TOKENS
+    limit = min(MAX_TOKENS, run.config.model.max_seq_len)  # the model's positions end there
+    return ids[:limit], len(ids) > limit
 
 
 def target_id(run, target: str | None, labels=()) -> tuple[int | None, int]:
