@@ -12,6 +12,7 @@ from qkv.data.corpus import BUNDLED_CORPORA, SPELLINGS
 from qkv.data.seq2seq import TASKS as SEQ2SEQ_TASKS
 from qkv.data.sources import SPLITS
 from qkv.models.build import check_model
+from qkv.errors import QkvError
 from qkv.registry import Registry
 from qkv.train.objectives import OBJECTIVES
 from qkv.train.optim import OPTIMIZERS
@@ -39,4 +40,7 @@ def check_run(cfg: RunConfig) -> RunConfig:
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
     choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))
+    if cfg.train.optimizer == "muon" and (cfg.parallel.zero or cfg.parallel.tp > 1):  # NS5 needs whole matrices
+        raise QkvError("train.optimizer=muon orthogonalises whole matrices: it does not run on ZeRO / FSDP or "
+                       "tensor-parallel shards (parallel.zero=0 and parallel.tp=1; data and pipeline parallel work)")
     return cfg

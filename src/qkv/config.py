@@ -136,7 +136,10 @@ class TrainConfig:
     min_lr: float = 1e-4  # floor of the decaying schedules
     schedule: str = "cosine"
     warmup_steps: int = 100
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # adamw | adam | sgd | muon (Muon on the hidden matrices, AdamW on the rest)
+    muon_lr: float = 0.02  # optimizer muon: the hidden matrices' peak rate (train.lr stays the AdamW groups')
+    muon_momentum: float = 0.95
+    decay_fraction: float = 0.3  # schedule wsd: the share of the run spent decaying to min_lr
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -179,17 +182,17 @@ class TrainConfig:
         for name in ("peak_flops", "max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
                      "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "base_batch", "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
-        _positive("train.lr", self.lr)
-        _positive("train.eps", self.eps)
-        for name in ("beta1", "beta2"):
+        for name in ("lr", "eps", "muon_lr"):
+            _positive(f"train.{name}", getattr(self, name))
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise QkvError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise QkvError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise QkvError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
         if self.batch_size % self.accumulation:
-            raise QkvError(
-                f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}"
-            )
+            raise QkvError(f"train.accumulation={self.accumulation} must divide train.batch_size={self.batch_size}")
         choice("train.precision", self.precision, PRECISIONS)
         if not 1 <= self.batch_warmup_start <= self.batch_size:
             raise QkvError(f"train.batch_warmup_start={self.batch_warmup_start} must be in 1..train.batch_size="
@@ -250,10 +253,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         for name in SECTIONS:
             _finite_and_bounded(name, getattr(self, name))
-        self.model.validate()
-        self.train.validate()
-        self.data.validate()
-        self.parallel.validate()
+            getattr(self, name).validate()
         return self
 
     def to_dict(self) -> dict[str, Any]:

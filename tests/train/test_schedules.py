@@ -22,7 +22,7 @@ def test_registry_names():
     assert {"constant", "cosine", "linear", "noam", "onecycle"} <= set(SCHEDULES.names())
 
 
-@pytest.mark.parametrize("name", ["constant", "cosine", "linear"])
+@pytest.mark.parametrize("name", ["constant", "cosine", "linear", "wsd"])
 def test_warmup_is_linear_from_lr_over_warmup_to_lr(name):
     warmup, total = 10, 100
     for step in range(warmup):
@@ -79,7 +79,7 @@ def test_noam_peak_at_warmup_equals_closed_form():
 @given(warmup=st.integers(0, 50), extra=st.integers(2, 300))
 def test_decaying_schedules_hit_min_lr_at_last_step_and_never_rise(warmup, extra):
     total = warmup + extra  # at least two decay steps
-    for name in ("cosine", "linear", "onecycle"):
+    for name in ("cosine", "linear", "onecycle", "wsd"):
         values = [lr_at(name, s, warmup=warmup, total=total) for s in range(warmup, total)]
         assert values[0] == pytest.approx(LR, rel=1e-12)
         assert values[-1] == pytest.approx(MIN_LR, rel=1e-12)
@@ -159,3 +159,24 @@ def test_learning_rate_scales_with_the_rows():
     tc = TrainConfig(schedule="constant", lr=1e-3, warmup_steps=0, lr_scaling="sqrt", batch_size=8, base_batch=2)
     assert schedules.learning_rate(tc, 5, horizon=10, d_model=64) == pytest.approx(2e-3, rel=1e-12)
     assert schedules.learning_rate(tc, 5, horizon=10, d_model=64, rows=2) == pytest.approx(1e-3, rel=1e-12)
+
+
+@given(warmup=st.integers(0, 40), extra=st.integers(2, 300), fraction=st.floats(0.05, 1.0))
+def test_wsd_is_flat_then_a_straight_line_over_the_last_fraction(warmup, extra, fraction):
+    """The closed form: lr on [warmup, D], then lr + (min_lr - lr) (s - D) / (total - 1 - D), with
+    D = total - 1 - round(fraction (total - warmup)) (never before the warmup's end)."""
+    total = warmup + extra
+    decay_start = max(warmup, total - 1 - round(fraction * (total - warmup)))
+    for step in range(warmup, total):
+        value = SCHEDULES.get("wsd")(step, lr=LR, min_lr=MIN_LR, warmup=warmup, total=total, d_model=D_MODEL,
+                                     decay_fraction=fraction)
+        expected = LR if step <= decay_start else LR + (MIN_LR - LR) * (step - decay_start) / (total - 1 - decay_start)
+        assert value == pytest.approx(expected, rel=1e-12)
+    decaying = sum(1 for s in range(warmup, total) if s > decay_start)
+    assert abs(decaying - fraction * (total - warmup)) <= 1.0  # the last `fraction` of the steps after warmup
+
+
+def test_train_decay_fraction_reaches_the_schedule():
+    tc = TrainConfig(schedule="wsd", lr=1.0, min_lr=0.0, warmup_steps=0, decay_fraction=0.5)
+    values = [schedules.learning_rate(tc, s, horizon=101, d_model=8) for s in range(101)]
+    assert values[:51] == [1.0] * 51 and values[75] == pytest.approx(0.5) and values[-1] == 0.0

@@ -45,7 +45,7 @@ def add_parsers(sub) -> None:
     calc.add_argument("--seq", type=_count, help="tokens per sequence (default train.seq_len)")
     calc.add_argument("--batch", type=_count, help="sequences per GPU per micro-batch (default: the config's)")
     calc.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default train.precision")
-    calc.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), help="default train.optimizer")
+    calc.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "muon"), help="default train.optimizer")
     calc.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default parallel.zero)")
     calc.add_argument("--gpus", type=_count, help="data-parallel GPUs (default parallel.dp)")
     calc.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")

@@ -33,7 +33,7 @@ PRECISION_BYTES = {  # weights, gradients, master weights, activations
     "bf16": (2, 2, 4, 2),
     "fp16": (2, 2, 4, 2),
 }
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 states per parameter
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "muon": 8}  # fp32 states per parameter (muon: at most; its matrices keep 4)
 FP32 = 4
 
 

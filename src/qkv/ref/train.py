@@ -17,7 +17,7 @@ import numpy as np
 
 from qkv.ref.model import loss_and_grads
 from qkv.ref.optim import OPTIMIZERS, clip_grad_norm
-from qkv.train.schedules import SCHEDULES
+from qkv.train.schedules import schedule_of
 
 
 def unpack_batch(batch) -> tuple:
@@ -59,8 +59,8 @@ def train_step(params: dict, model_cfg, train_cfg, optimizer, inputs, targets: n
 
 
 def learning_rate(train_cfg, step: int, total: int, d_model: int) -> float:
-    return SCHEDULES.get(train_cfg.schedule)(step, lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-                                             warmup=train_cfg.warmup_steps, total=total, d_model=d_model)
+    return schedule_of(train_cfg)(step, lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+                                warmup=train_cfg.warmup_steps, total=total, d_model=d_model)
 
 
 def train_ref(params: dict, cfg, batches: Iterable, steps: int,

@@ -113,8 +113,8 @@ class Trainer:
     def step(self, *batch: torch.Tensor, lr: float) -> StepResult:
         """One optimizer update over `batch` (the objective's tensors, e.g. inputs and targets, b rows each;
         b / dp on each rank under data parallel) in the runner's micro-batches."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a group may run at a multiple of it (Muon's matrices)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         # under data parallel `batch` is this rank's b / dp rows; DDP / FSDP2 average the gradients over
         # the ranks (note 000 LLM §7.1), which makes g the gradient of the global batch
         total, aux_total = self.runner.forward_backward(batch, self.backward)

@@ -57,3 +57,8 @@ def adam(model: nn.Module, cfg) -> torch.optim.Optimizer:
 def sgd(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """SGD with momentum beta1 and coupled L2 decay."""
     return torch.optim.SGD(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.beta1)
+
+
+from qkv.train.muon import muon  # noqa: E402  (its own module: the Newton-Schulz iteration and the update)
+
+OPTIMIZERS.register("muon")(muon)

@@ -10,6 +10,8 @@ Batch-size warmup (LLM §10.2 "开始时用小批次，逐渐增加") and the sc
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import time
 from typing import Callable
@@ -62,6 +64,28 @@ def noam(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_mode
     return lr * d_model ** -0.5 * min(s ** -0.5, s * max(1, warmup) ** -1.5)
 
 
+@SCHEDULES.register("wsd")
+def wsd(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_model: int,
+        decay_fraction: float = 0.3) -> float:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): warmup, the flat peak lr, then a
+    straight line from lr down to min_lr over the last `decay_fraction` of the run (train.decay_fraction),
+    reaching min_lr at the last step `total - 1`."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    decay_start = max(warmup, total - 1 - round(decay_fraction * (total - warmup)))
+    if step <= decay_start:
+        return lr
+    return lr + (min_lr - lr) * _decay_progress(step, decay_start, total)
+
+
+def schedule_of(tc) -> Schedule:
+    """train.schedule's function with the options only some schedules take (wsd: train.decay_fraction)."""
+    fn = SCHEDULES.get(tc.schedule)
+    if "decay_fraction" in inspect.signature(fn).parameters:
+        return functools.partial(fn, decay_fraction=tc.decay_fraction)
+    return fn
+
+
 ONECYCLE_DIV = 25.0  # OneCycle starts at lr / 25 (Smith & Topin 2018; torch's OneCycleLR div_factor)
 
 
@@ -96,8 +120,8 @@ LR_SCALING.register("sqrt")(math.sqrt)  # Krizhevsky 2014 / Hoffer et al. 2017, 
 def learning_rate(tc, step: int, *, horizon: int, d_model: int, rows: int | None = None) -> float:
     """schedule(step) * scale(rows / base_batch) (the linear scaling rule, note 000 LLM §10.2) for a
     TrainConfig `tc` whose schedule is fitted to `horizon` steps."""
-    scheduled = SCHEDULES.get(tc.schedule)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps,
-                                           total=horizon, d_model=d_model)
+    scheduled = schedule_of(tc)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps,
+                                total=horizon, d_model=d_model)
     ratio = (rows or tc.batch_size) / (tc.base_batch or tc.batch_size)
     return scheduled * LR_SCALING.get(tc.lr_scaling)(ratio)
 

@@ -1,0 +1,109 @@
+"""Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"; used by modded-nanogpt) for the hidden
+matrices, AdamW for everything else, as one torch optimizer (`train.optimizer=muon`).
+
+For each hidden weight matrix W (every 2-D parameter inside the blocks: attention projections, FFN
+matrices, experts, routers):
+    B <- mu B + G                                   momentum (mu = train.muon_momentum)
+    U <- G + mu B                                   Nesterov
+    O <- NS5(U)                                     ~ the polar factor U (U^T U)^(-1/2): singular values -> ~1
+    W <- W - lr_m (O sqrt(max(1, rows / cols)) + wd W)
+NS5 is the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T, from X = U / ||U||_F,
+with (a, b, c) = (3.4445, -4.7750, 2.0315) and 5 steps. The iteration is a polynomial in U U^T, so it keeps
+U's singular vectors and maps each singular value s / ||U||_F through the scalar iteration
+p(x) = a x + b x^3 + c x^5 (tests/train/test_muon.py checks both against an SVD). It runs in float32:
+torch.optim.Muon (torch >= 2.9) iterates in bfloat16, which on CPU is both slow and lossy.
+The embedding, the output head, norm gains and biases take AdamW with train.lr, train.beta1/2.
+lr_m follows the same schedule as lr: the Muon group's "lr_scale" is train.muon_lr / train.lr, and the
+Trainer sets each group's rate to schedule(step) * lr_scale.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+@torch.no_grad()
+def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
+    """NS5(U) for a 2-D U (or a batch of them), in float32."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.float()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def hidden_matrices(model: nn.Module) -> set[int]:
+    """ids of the 2-D parameters inside the blocks (what Muon updates)."""
+    return {id(p) for name, p in model.named_parameters()
+            if p.requires_grad and p.dim() == 2 and ".blocks." in f".{name}"}
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Groups with "muon": True take the Muon update; the others AdamW. One state dict for both."""
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 momentum: float):
+        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, weight_decay=0.0, muon=False)
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            (self._muon if group["muon"] else self._adamw)(group)
+        return loss
+
+    def _muon(self, group: dict) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(p.grad)
+            update = newton_schulz(p.grad.add(buf, alpha=mu))  # Nesterov
+            scale = math.sqrt(max(1.0, p.shape[-2] / p.shape[-1]))
+            p.mul_(1.0 - lr * wd).add_(update.to(p.dtype), alpha=-lr * scale)
+
+    def _adamw(self, group: dict) -> None:
+        (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+            t = float(state["step"])
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(p.grad, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+            denom = (v / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+            p.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** t))
+
+
+def muon(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """Muon on the hidden matrices (lr train.muon_lr, decay train.weight_decay), AdamW on the rest
+    (lr train.lr; decay on the embedding and head matrices only, as qkv.train.optim.parameter_groups)."""
+    hidden = hidden_matrices(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if id(p) in hidden], "muon": True, "lr": cfg.muon_lr,
+         "lr_scale": cfg.muon_lr / cfg.lr, "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if id(p) not in hidden and p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if id(p) not in hidden and p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.muon_momentum)

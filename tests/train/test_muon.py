@@ -1,0 +1,100 @@
+"""Muon (qkv.train.muon): the Newton-Schulz iteration against an SVD (it keeps the singular vectors and maps
+each singular value through the scalar quintic), the update rule against a hand-computed step, which
+parameters it takes, its checkpoint round trip, and the refusal under sharding."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv.checks import check_run
+from qkv.config import RunConfig, TrainConfig, ParallelConfig
+from qkv.errors import QkvError
+from qkv.train.muon import NS_COEFFICIENTS, NS_STEPS, MuonAdamW, hidden_matrices, muon, newton_schulz
+from qkv.train.optim import OPTIMIZERS
+
+
+def scalar_iteration(x: np.ndarray) -> np.ndarray:
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
+        x = a * x + b * x ** 3 + c * x ** 5
+    return x
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (8, 32), (48, 12)])
+def test_newton_schulz_is_the_scalar_iteration_on_the_singular_values(shape):
+    torch.manual_seed(0)
+    g = torch.randn(*shape, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    expected = u @ torch.diag(torch.from_numpy(scalar_iteration((s / torch.linalg.norm(g)).numpy()))) @ vh
+    out = newton_schulz(g).double()
+    assert torch.allclose(out, expected, atol=2e-5), float((out - expected).abs().max())
+    polar = u @ vh  # the orthogonal polar factor: NS5 lands every singular value near 1, not at it
+    sv = torch.linalg.svdvals(out)
+    assert float(sv.min()) > 0.6 and float(sv.max()) < 1.25
+    cos = float((out * polar).sum() / (out.norm() * polar.norm()))
+    assert cos > 0.97
+
+
+def test_muon_step_equals_the_formula_and_adamw_takes_the_rest():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=16)
+    model = qkv.build_model(cfg)
+    tc = TrainConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1)
+    opt = OPTIMIZERS.get("muon")(model, tc)
+    hidden = hidden_matrices(model)
+    names = {name for name, p in model.named_parameters() if id(p) in hidden}
+    assert names == {n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")}
+    assert "tok_emb.weight" not in names
+    w = model.blocks[0].ffn.up_proj.weight  # (32, 16): tall, scale sqrt(2)
+    before = w.detach().clone()
+    emb = model.tok_emb.weight
+    emb_before = emb.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    g, ge = w.grad.clone(), emb.grad.clone()
+    opt.step()
+    buf = g  # first step: B = G; Nesterov U = G + mu B
+    expected = before * (1 - 0.05 * 0.1) - 0.05 * np.sqrt(2.0) * newton_schulz(g + 0.9 * buf)
+    assert torch.allclose(w.detach(), expected, atol=1e-6)
+    m, v = 0.1 * ge, 0.05 * ge ** 2  # AdamW, betas (0.9, 0.95), bias-corrected at t = 1: m_hat = g, v_hat = g^2
+    adam = emb_before * (1 - 1e-2 * 0.1) - 1e-2 * (m / 0.1) / ((v / 0.05).sqrt() + tc.eps)
+    assert torch.allclose(emb.detach(), adam, atol=1e-6)
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=16)
+    tc = TrainConfig(optimizer="muon")
+    a = qkv.build_model(cfg)
+    b = qkv.build_model(cfg)
+    b.load_state_dict(a.state_dict())
+    opt_a = muon(a, tc)
+    grads = [[torch.randn_like(p) for p in a.parameters()] for _ in range(3)]
+    for p, gr in zip(a.parameters(), grads[0]):
+        p.grad = gr.clone()
+    opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b = muon(b, tc)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a checkpoint file: no shared tensors
+    for step in grads[1:]:
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            for p, gr in zip(model.parameters(), step):
+                p.grad = gr.clone()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_lr_scale_carries_muon_lr_through_the_schedule():
+    model = qkv.build_model(qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32))
+    opt = muon(model, TrainConfig(optimizer="muon", lr=2e-3, muon_lr=0.02))
+    scales = [g.get("lr_scale", 1.0) for g in opt.param_groups]
+    assert scales == pytest.approx([10.0, 1.0, 1.0]) and isinstance(opt, MuonAdamW)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(dp=2, zero=2), ParallelConfig(tp=2)])
+def test_sharded_layouts_are_refused(parallel):
+    with pytest.raises(QkvError, match="train.optimizer=muon"):
+        check_run(RunConfig(train=TrainConfig(optimizer="muon"), parallel=parallel))
