@@ -1,6 +1,6 @@
 """The default job's figures: held-out bits per character after 300 s and 600 s of training, and tokens/s.
 
-    python benchmarks/default_job.py [--times 300 600] [--out-dir /tmp/qkv-bench] [--json results.json]
+    python benchmarks/default_job.py [--times 300 300 300 600] [--out-dir /tmp/qkv-bench] [--json results.json]
 
 Each budget is a separate `qkv train` run of the `shakespeare` preset with `--max-time`, so the learning-rate
 schedule is fitted to that budget; the score is `qkv eval` on the held-out works (a sliding window over the
@@ -36,8 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="qkv-bench-"))
     rows = []
-    for seconds in args.times:
-        run_dir = out_dir / f"shakespeare-{int(seconds)}s"
+    for i, seconds in enumerate(args.times):  # a budget may repeat: each run has its own dir
+        run_dir = out_dir / f"shakespeare-{int(seconds)}s-{i}"
         start = time.perf_counter()
         extra = [item for pair in (("--set", s) for s in args.set) for item in pair]
         summary = json.loads(run([sys.executable, "-m", "qkv", "train", "--preset", "shakespeare", "--out",

@@ -4,7 +4,8 @@
 `ParallelConfig` how it is laid out over processes. `RunConfig` holds the four and is what a run dir
 stores as config.json.
 
-This module is a leaf: it imports nothing of qkv but the error type and the JSON reader (qkv.files). `validate()` checks what the config
+This module is a leaf: it imports nothing of qkv but the error type, its value rules (qkv.config_values: types,
+parsing, bounds) and the JSON reader (qkv.files). `validate()` checks what the config
 can check alone (types, ranges, combinations of fields); the variant names (norm, positional, attention,
 schedule, ...) belong to the registries beside the code they name, which check them where they are used,
 and `qkv.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from qkv.config_values import (MAX_VOCAB, _at_least, _finite_and_bounded, _no_unknown, _positive, choice,  # noqa: F401
+                               coerce, field_types, parse_value)
 from qkv.errors import QkvError
 from qkv.files import read_json
 
@@ -51,6 +52,7 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0 means no capacity limit
     attention: str = "sdpa"
+    qk_norm: bool = False  # RMS-normalise each head's q and k (learnt gain, before RoPE): Dehghani et al. 2023
     window: int = 0  # local / dilated / random kernels
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -314,86 +316,3 @@ def section_from_dict(name: str, raw: Any, origin: str = "config"):
     types = field_types(cls)
     _no_unknown(f"{origin}: {name}", raw, list(types))
     return cls(**{key: coerce(f"{name}.{key}", value, types[key]) for key, value in raw.items()})
-
-
-def field_types(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def coerce(key: str, value: Any, kind: Any) -> Any:
-    """Check a JSON value against a field's type (ints are accepted for floats; lists for tuples)."""
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind is str:
-        ok = isinstance(value, str)
-    else:  # tuple[str, ...]
-        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-        value = tuple(value) if ok else value
-    if not ok:
-        raise QkvError(f"{key}={value!r} has the wrong type; expected {_type_name(kind)}")
-    return value
-
-
-def parse_value(key: str, text: str, kind: Any) -> Any:
-    """Parse a command-line string to a field's type."""
-    try:
-        if kind is bool:
-            lowered = text.lower()
-            if lowered not in ("true", "false", "1", "0"):
-                raise ValueError
-            return lowered in ("true", "1")
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-        if kind is str:
-            return text
-        return tuple(part for part in text.split(",") if part)
-    except ValueError:
-        raise QkvError(f"{key}={text!r} is not a valid {_type_name(kind)}") from None
-
-
-def _type_name(kind: Any) -> str:
-    # tuple[str, ...] is a GenericAlias whose __name__ is "tuple": name it the way JSON writes it
-    return kind.__name__ if isinstance(kind, type) else "list of strings"
-
-
-def _no_unknown(where: str, raw: dict, allowed) -> None:
-    for key in raw:
-        if key not in allowed:
-            raise QkvError(f"{where}: unknown key {key!r}; choose from: {', '.join(allowed)}")
-
-
-def choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise QkvError(f"{key}={value!r} is not allowed; choose from: {', '.join(map(str, allowed))}")
-
-
-MAX_VOCAB, INT_LIMIT = 2 ** 20, 2 ** 62  # data.vocab_size's ceiling; any integer field's (|value|)
-
-
-def _finite_and_bounded(section: str, values) -> None:
-    """Each field of its type, floats finite (an infinite learning rate trained a NaN run to the end),
-    integers within +-INT_LIMIT: before any other check reads them."""
-    for name, kind in field_types(type(values)).items():
-        key, value = f"{section}.{name}", getattr(values, name)
-        coerce(key, value, kind)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise QkvError(f"{key}={value} must be a finite number")
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
-            raise QkvError(f"{key}={value} is out of range (|value| <= 2^62)")
-
-
-def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise QkvError(f"{key}={value} must be positive")
-
-
-def _at_least(key: str, value: float, low: float) -> None:
-    if not value >= low:
-        raise QkvError(f"{key}={value} must be at least {low}")

@@ -47,7 +47,8 @@ def open_page(browser, path, fragment=""):
 
 
 def status(page) -> str:
-    page.wait_for_timeout(50)
+    """The page's state once its latest render has finished (every panel drawn)."""
+    page.wait_for_function("document.getElementById('status').dataset.ready !== ''")
     return page.inner_text("#status")
 
 
@@ -117,6 +118,7 @@ def test_compare_shows_both_runs_side_by_side(browser, page_file):
     assert page.eval_on_selector_all(".run h4", "hs => hs.map(h => h.textContent)") == ["rope", "alibi"]
     assert len(page.query_selector_all(".run svg")) == 2  # the gradient-norm bars of each run
     page.click("nav a[data-step='attn.scores']")
+    assert status(page).startswith("step=attn.scores")
     assert len(page.query_selector_all(".run canvas")) >= 2
     assert errors == []
     page.close()

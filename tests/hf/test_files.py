@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 import qkv
 from qkv.config import ModelConfig, RunConfig
 from qkv.data.tokenizer import Tokenizer
+from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv import files
 from tests.hf import V, cli, max_diff, right_padded, save_hf
@@ -214,3 +215,11 @@ def test_save_takes_a_bare_model_with_its_config(tmp_path):
         assert max_diff(model(ids), oracle(input_ids=ids).logits) <= 1e-5
     with pytest.raises(QkvError, match="not empty"):  # never overwrites
         qkv.hf.save(model, tmp_path / "hf", config=cfg)
+
+
+def test_a_qk_norm_model_is_refused_by_every_family(tmp_path):
+    cfg = ModelConfig(**{**SMALL, "vocab_size": bpe().vocab_size, "qk_norm": True})
+    run = qkv.load(write_run(tmp_path / "run", cfg))
+    with pytest.raises(QkvError, match="model.qk_norm=true"):
+        qkv.hf.save(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -145,3 +145,32 @@ def test_cache_overflow_is_an_error():
     cache.append(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
     with pytest.raises(ValueError, match="KV cache overflow: 3 > 2"):
         cache.append(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+
+
+def hand_qk_norm_attention(x, attn: Attention, eps: float):
+    """The einsum formula with each head's q and k replaced by g * q / sqrt(mean(q^2) + eps) (QK-norm)."""
+    Dh = attn.head_dim
+    q = (x @ attn.q_proj.weight.T + attn.q_proj.bias).unflatten(-1, (attn.n_heads, Dh))
+    k = (x @ attn.k_proj.weight.T + attn.k_proj.bias).unflatten(-1, (attn.n_kv_heads, Dh))
+    v = (x @ attn.v_proj.weight.T + attn.v_proj.bias).unflatten(-1, (attn.n_kv_heads, Dh))
+    q = attn.q_norm.weight * q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps)
+    k = attn.k_norm.weight * k / torch.sqrt((k * k).mean(-1, keepdim=True) + eps)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(Dh)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    heads = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).flatten(-2)
+    return heads @ attn.o_proj.weight.T + attn.o_proj.bias
+
+
+@pytest.mark.parametrize("kernel", EXACT_KERNELS)
+def test_qk_norm_equals_the_formula_and_is_blind_to_the_scale_of_w_q_and_w_k(kernel):
+    torch.manual_seed(0)
+    attn = randomise(Attention(D, H, H, kernel=kernel, bias=True, qk_norm_eps=1e-6)).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    out = attn(x, context())
+    torch.testing.assert_close(out, hand_qk_norm_attention(x, attn, 1e-6), rtol=1e-10, atol=1e-10)
+    with torch.no_grad():  # RMSNorm(c q) = RMSNorm(q) for c > 0 (up to eps): the logits stay bounded by the gains
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.mul_(50.0)
+            proj.bias.mul_(50.0)
+    torch.testing.assert_close(attn(x, context()), out, rtol=1e-6, atol=1e-6)
+    assert [n for n, _ in attn.named_parameters() if "norm" in n] == ["q_norm.weight", "k_norm.weight"]

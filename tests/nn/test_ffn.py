@@ -13,6 +13,7 @@ CLOSED_FORMS = {
     "silu": lambda x: x / (1 + torch.exp(-x)),  # x * sigmoid(x)
     "leaky_relu": lambda x: torch.where(x > 0, x, 0.01 * x),
     "relu6": lambda x: torch.clamp(torch.where(x > 0, x, torch.zeros_like(x)), max=6.0),
+    "relu2": lambda x: torch.where(x > 0, x * x, torch.zeros_like(x)),
 }
 
 

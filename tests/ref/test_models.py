@@ -24,6 +24,8 @@ VARIANTS = {  # together: every positional, norm, placement, activation, FFN and
     "sandwich-t5": dict(norm_placement="sandwich", positional="t5"),
     "shaw-rms": dict(positional="shaw", norm="rmsnorm", max_distance=2),
     "xl-gelu-glu": dict(positional="xl", ffn="glu", activation="gelu"),
+    "qk_norm-rope-relu2": dict(qk_norm=True, positional="rope", activation="relu2", norm="rmsnorm"),
+    "qk_norm-alibi-mqa": dict(qk_norm=True, positional="alibi", n_heads=4, n_kv_heads=1),
 }
 # (overrides, padded): together every family, head, pooling, token types, embed_norm / embed_scale, tying
 FAMILIES = {
@@ -36,6 +38,7 @@ FAMILIES = {
     "encoder-classifier-mean-sandwich": (dict(arch="encoder", head="classifier", n_classes=3, pooling="mean",
                                               norm_placement="sandwich"), True),
     "seq2seq-tied": (dict(arch="encoder-decoder"), True),
+    "seq2seq-qk_norm": (dict(arch="encoder-decoder", qk_norm=True), False),
     "seq2seq-untied-t5-scale-norm-gqa": (dict(arch="encoder-decoder", tie_embeddings=False, positional="t5",
                                               embed_scale=True, embed_norm=True, n_heads=4, n_kv_heads=2,
                                               ffn="glu", activation="silu"), False),

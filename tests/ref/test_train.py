@@ -173,3 +173,28 @@ def test_seq2seq_batches_train_like_torch_with_accumulation():
     np.testing.assert_allclose(losses, expected, rtol=0, atol=1e-10)
     final = to_numpy(model)
     assert max(np.abs(final[n] - params[n]).max() for n in params) < 1e-9
+
+
+def test_muon_matches_the_torch_engines_muon_for_six_steps():
+    """The NumPy Muon (hidden matrices) + AdamW (the rest) against qkv.train.muon in float64, through a
+    changing rate applied as the Trainer applies it (each group's lr_scale)."""
+    from qkv.train.muon import muon
+
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=20, d_model=8, n_heads=2, n_layers=2, d_ff=24, max_seq_len=8)
+    model = qkv.build_model(cfg).double()
+    tc = TrainConfig(optimizer="muon", lr=0.01, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1)
+    params = to_numpy(model)
+    reference, ours = muon(model, tc), OPTIMIZERS.get("muon")(tc)
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        grads = {k: rng.normal(size=v.shape) for k, v in params.items()}
+        lr = tc.lr * (1 + step) / 6
+        for name, p in model.named_parameters():
+            p.grad = torch.tensor(grads[name])
+        for group in reference.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        reference.step()
+        ours.step(params, grads, lr)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(params[name], p.detach().numpy(), rtol=0, atol=1e-12, err_msg=name)

@@ -2,6 +2,7 @@
 
 Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E experts):
     attention   D*H*Dh (W^Q) + 2*D*Hkv*Dh (W^K, W^V) + H*Dh*D (W^O)  [+ H*Dh + 2*Hkv*Dh + D biases]
+                [+ 2*Dh QK-norm gains]
                 = 4 D^2 for MHA without biases (note 000 §2.2.2)
     FFN (mlp)   2*D*F [+ F + D]        (note 000 §4.1: W1 (D, F), W2 (F, D), b1, b2)
     FFN (glu)   3*D*F [+ 2F + D]       (note 003, SwiGLU: gate, up and down projections)
@@ -30,7 +31,7 @@ def linear(n_in: int, n_out: int, bias: bool) -> int:
 def attention(cfg: ModelConfig) -> int:
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return (linear(cfg.d_model, q_width, cfg.bias) + 2 * linear(cfg.d_model, kv_width, cfg.bias)
-            + linear(q_width, cfg.d_model, cfg.bias))
+            + linear(q_width, cfg.d_model, cfg.bias) + (2 * cfg.head_dim if cfg.qk_norm else 0))  # QK-norm gains
 
 
 FFN_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {

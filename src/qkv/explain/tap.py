@@ -137,7 +137,8 @@ class Recorder:
     # ---- what each sublayer's cache holds -------------------------------------------------------
 
     def _attention(self, part: dict, params: dict, cache) -> None:
-        """The concatenated heads (W^O's input) and, for the positional step, Q and K before rotation."""
+        """The concatenated heads (W^O's input) and, for the positional step, Q and K as projected (before
+        model.qk_norm's norm and the rotation)."""
         heads = cache.ctx.n_heads
         part["merged"] = cache.o_proj[0]  # Concat(head_1..head_h)   (B, T, H*Dh)
         part["cross"] = cache.cross

@@ -238,7 +238,7 @@ def _summary(cfg) -> str:
 def _describe(cfg) -> dict:
     return {key: getattr(cfg, key) for key in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff",
                                                "positional", "norm", "norm_placement", "activation", "ffn",
-                                               "moe_experts", "moe_top_k", "attention", "window", "head",
+                                               "moe_experts", "moe_top_k", "attention", "window", "head", "qk_norm",
                                                "tie_embeddings", "bias")} | {
         "layers": cfg.encoder_layers + cfg.decoder_layers if cfg.arch == "encoder-decoder" else cfg.decoder_layers
         if cfg.arch == "decoder" else cfg.encoder_layers}

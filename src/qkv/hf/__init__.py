@@ -89,6 +89,9 @@ def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
 
 
 def exporter(cfg: ModelConfig) -> Family:
+    if cfg.qk_norm:
+        raise QkvError("model.qk_norm=true: none of the exported Hugging Face families (GPT-2, LLaMA, BERT, BART, "
+                       "T5) normalises q and k; this model cannot be written as one")
     for name in FAMILIES.names():
         if FAMILIES.get(name).exports(cfg):
             return FAMILIES.get(name)

@@ -75,7 +75,7 @@ def attention(cfg: ModelConfig, cross: bool = False) -> Attention:
     §8.4): a local window or a linear approximation of it has no meaning between two sequences."""
     kernel = cfg.attention if not cross or KERNELS.get(cfg.attention).full else "sdpa"
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
-                     dropout=cfg.dropout, window=cfg.window)
+                     dropout=cfg.dropout, window=cfg.window, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
 
 
 def ffn(cfg: ModelConfig) -> nn.Module:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from qkv.nn.cache import LayerCache
 from qkv.nn.kernels import kernel_for
+from qkv.nn.norms import RMSNorm
 from qkv.nn.positional import Positional
 
 
@@ -28,7 +29,7 @@ class AttentionContext:
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
-                 dropout: float = 0.0, window: int = 0):
+                 dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
@@ -38,6 +39,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^K (Hkv*Dh, D)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^V (Hkv*Dh, D)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # W^O (D, H*Dh)
+        # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3, modded-nanogpt): q_h <- RMSNorm(q_h), k_h <- RMSNorm(k_h)
+        # over each head's Dh features, one learnt gain per feature shared by the heads; bounds the logits
+        qk = qk_norm_eps is not None
+        self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk else None
+        self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk else None
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
@@ -48,6 +54,8 @@ class Attention(nn.Module):
         q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
         k = self.split_heads(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
         v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, which keeps the norm
         q, k = ctx.positional.rotate(q, k, ctx.positions)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh)

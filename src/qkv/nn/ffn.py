@@ -21,6 +21,8 @@ ACTIVATIONS.register("gelu_tanh")(functools.partial(F.gelu, approximate="tanh"))
 ACTIVATIONS.register("silu")(F.silu)  # Swish-1: x * sigmoid(x)
 ACTIVATIONS.register("leaky_relu")(functools.partial(F.leaky_relu, negative_slope=0.01))
 ACTIVATIONS.register("relu6")(F.relu6)
+# ReLU^2 (So et al. 2021, Primer; modded-nanogpt): relu(x)^2, zero for x <= 0 like ReLU, smooth at 0
+ACTIVATIONS.register("relu2")(lambda x: F.relu(x).square())
 
 FFNS: Registry[type[nn.Module]] = Registry("ffn")
 

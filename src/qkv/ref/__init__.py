@@ -18,11 +18,11 @@ head with first/mean pooling; token types, embed_norm, embed_scale) and encoder-
 T5's causal twin in the decoder, tied or untied embeddings); every positional (none, learned, sinusoidal,
 rope, alibi, shaw with key and value terms, xl with u / v / W_R, t5 and t5_causal bucketed biases), norm
 (layernorm, rmsnorm), placement (pre, post, sandwich), activation (relu, gelu, gelu_tanh, silu, leaky_relu,
-relu6), FFN (mlp, glu), MHA/GQA/MQA, tied or untied output, bias or not, padding masks; attention kernels
+relu6, relu2), FFN (mlp, glu), MHA/GQA/MQA, QK-norm, tied or untied output, bias or not, padding masks; attention kernels
 naive/sdpa, local, dilated, random (BigBird pattern, as masks), linear (O(n) causal/full, explicit form
 with masks, biases or value terms), tiled flash (bias gradients and value terms included); MoE top-k FFN
 with capacity limits and its load-balancing loss; Adam, AdamW, SGD, the schedules of qkv.train.schedules,
-global-norm clipping, gradient accumulation.
+Muon (with AdamW for the non-matrix parameters), global-norm clipping, gradient accumulation.
 """
 from qkv.ref.model import ARCHITECTURES, backward, forward, loss_and_grads
 from qkv.ref.train import train_ref, train_step

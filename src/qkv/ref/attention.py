@@ -16,6 +16,7 @@ import numpy as np
 from qkv.ref import flash, linear_attention  # noqa: F401  (register the "flash" and "linear" kernels)
 from qkv.ref.functional import Grads, linear_backward, linear_forward, scope
 from qkv.ref.kernels import Kernel
+from qkv.ref.norms import rmsnorm_backward, rmsnorm_forward
 from qkv.ref.positional import Positional
 
 
@@ -35,6 +36,7 @@ class AttentionContext:
     n_heads: int
     params: dict = field(default_factory=dict)  # the positional encoding's parameters (shared by the layers)
     positional_prefix: str = "positional."  # their full names' prefix: where every layer adds their gradients
+    norm_eps: float = 1e-5  # model.qk_norm's RMSNorm epsilon (model.norm_eps)
 
 
 class AttentionCache(NamedTuple):
@@ -50,6 +52,8 @@ class AttentionCache(NamedTuple):
     ctx: AttentionContext
     groups: int  # query heads per key/value head (H / Hkv)
     cross: bool  # keys and values came from a memory (cross-attention)
+    q_norm: tuple | None = None  # model.qk_norm: the per-head RMSNorm caches of q and k, else None
+    k_norm: tuple | None = None
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -85,6 +89,10 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     kv_heads = ctx.n_heads * k.shape[-1] // q.shape[-1]
     groups = ctx.n_heads // kv_heads
     q, k, v = split_heads(q, ctx.n_heads), split_heads(k, kv_heads), split_heads(v, kv_heads)
+    cqn = ckn = None
+    if "q_norm.weight" in params:  # QK-norm: RMSNorm over each head's Dh features, before the rotation
+        q, cqn = rmsnorm_forward(scope(params, "q_norm"), q, ctx.norm_eps)
+        k, ckn = rmsnorm_forward(scope(params, "k_norm"), k, ctx.norm_eps)
     q, k, crot = ctx.positional.rotate_forward(q, k, ctx.positions)
     Dh = q.shape[-1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, H, S, Dh)
@@ -93,7 +101,8 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=Dh ** -0.5,
                                       value_bias=value_bias)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
-    return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None)
+    return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None,
+                             q_norm=cqn, k_norm=ckn)
 
 
 def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> np.ndarray:
@@ -112,6 +121,9 @@ def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> n
         positional_grads.add(ctx.positional.value_param, dvalue_table)
     dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
     dq, dk = ctx.positional.rotate_backward(dq, dk, cache.rotation)
+    if cache.q_norm is not None:  # the norms' backward (docs/derivations/rmsnorm.md), gains summed over heads
+        dq = rmsnorm_backward(dq, cache.q_norm, grads.scope("q_norm"))
+        dk = rmsnorm_backward(dk, cache.k_norm, grads.scope("k_norm"))
     dx = linear_backward(merge_heads(dq), cache.q_proj, grads.scope("q_proj"))  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
     dsource = (linear_backward(merge_heads(dk), cache.k_proj, grads.scope("k_proj"))
                + linear_backward(merge_heads(dv), cache.v_proj, grads.scope("v_proj")))

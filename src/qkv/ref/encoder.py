@@ -178,7 +178,7 @@ def cross_context(cfg, positions, src_mask, memory_len: int) -> AttentionContext
                                                          (B, 1, T, memory_len))
     return AttentionContext(POSITIONALS.get("none")(cfg), positions, np.broadcast_to(np.arange(memory_len),
                             (B, memory_len)), mask, causal=False, kernel=kernel,
-                            n_heads=cfg.n_heads)
+                            n_heads=cfg.n_heads, norm_eps=cfg.norm_eps)
 
 
 def encoder_decoder_forward(params: dict, cfg, src_ids, tgt_ids, attention_mask=None, aux_weight: float = 0.0):

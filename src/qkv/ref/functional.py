@@ -169,6 +169,8 @@ ACTIVATIONS.register("gelu_tanh")((_gelu_tanh, _gelu_tanh_grad))
 # SiLU / Swish-1 (note 003): x sigma(x); derivative sigma (1 + x (1 - sigma)), since sigma' = sigma (1 - sigma)
 ACTIVATIONS.register("silu")((lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x)))))
 ACTIVATIONS.register("leaky_relu")((lambda x: np.where(x > 0, x, 0.01 * x), lambda x: np.where(x > 0, 1.0, 0.01)))
+# ReLU^2 (Primer): relu(x)^2, derivative 2 relu(x)
+ACTIVATIONS.register("relu2")((lambda x: np.maximum(x, 0.0) ** 2, lambda x: 2.0 * np.maximum(x, 0.0)))
 ACTIVATIONS.register("relu6")((lambda x: np.clip(x, 0.0, 6.0), lambda x: ((x > 0) & (x < 6)).astype(x.dtype)))
 
 

@@ -62,7 +62,7 @@ def make_context(cfg, input_ids, attention_mask, causal: bool, params: dict | No
     return AttentionContext(POSITIONALS.get(positional or cfg.positional)(cfg), positions, positions, mask,
                             causal=causal and mask is None, kernel=KERNELS.get(cfg.attention)(cfg),
                             n_heads=cfg.n_heads, params=scope(params or {}, "positional"),
-                            positional_prefix=f"{prefix}positional.")
+                            positional_prefix=f"{prefix}positional.", norm_eps=cfg.norm_eps)
 
 
 class EmbedCache(NamedTuple):

@@ -5,6 +5,8 @@ semantics of torch.optim so the two engines train identically:
                     theta -= lr * (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)   (bias correction)
     AdamW  (§10.3)  theta -= lr * wd * theta first (decoupled decay), then the Adam update without L2
     SGD             g += wd * theta;  buf = momentum * buf + g (buf = g at the first step);  theta -= lr * buf
+    Muon            the hidden matrices: B = mu B + G; W -= lr_m (NS5(G + mu B) sqrt(max(1, rows/cols)) + wd W);
+                    AdamW for the rest (qkv.train.muon)
 Weight decay applies only to parameters with >= 2 dimensions (matrices), as qkv.train.optim does.
 The learning-rate schedules are qkv.train.schedules (plain Python, shared by both engines).
 """
@@ -63,12 +65,54 @@ class SGD:
             theta -= lr * buf
 
 
+NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5  # as qkv.train.muon
+
+
+def newton_schulz(u: np.ndarray) -> np.ndarray:
+    """X <- a X + (b A + c A^2) X, A = X X^T, from X = U / ||U||_F, 5 times, on the wide orientation."""
+    a, b, c = NS_COEFFICIENTS
+    tall = u.shape[0] > u.shape[1]
+    x = u.T if tall else u
+    x = x / (np.linalg.norm(x) + 1e-7)
+    for _ in range(NS_STEPS):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+class Muon:
+    """Muon on the hidden matrices (2-D parameters inside the blocks), AdamW on the rest: qkv.train.muon.
+    The Muon rate is lr * muon_lr / train.lr (the schedule scales both groups alike)."""
+
+    def __init__(self, tc):
+        self.momentum, self.scale, self.weight_decay = tc.muon_momentum, tc.muon_lr / tc.lr, tc.weight_decay
+        self.adamw = Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, decoupled=True)
+        self.buf: dict[str, np.ndarray] = {}
+
+    @staticmethod
+    def hidden(name: str, value: np.ndarray) -> bool:
+        return value.ndim == 2 and ".blocks." in f".{name}"
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        rest = {name: theta for name, theta in params.items() if not self.hidden(name, theta)}
+        self.adamw.step(rest, grads, lr)
+        for name, theta in params.items():
+            if name in rest:
+                continue
+            buf = self.buf[name] = self.momentum * self.buf.get(name, 0.0) + grads[name]  # B = mu B + G
+            update = newton_schulz(grads[name] + self.momentum * buf)  # Nesterov, then NS5
+            rate = lr * self.scale
+            theta *= 1.0 - rate * self.weight_decay
+            theta -= rate * math.sqrt(max(1.0, theta.shape[0] / theta.shape[1])) * update
+
+
 OPTIMIZERS: Registry[Callable[..., object]] = Registry("optimizer")
 OPTIMIZERS.register("adamw")(lambda tc: Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps,
                                              weight_decay=tc.weight_decay, decoupled=True))
 OPTIMIZERS.register("adam")(lambda tc: Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps,
                                             weight_decay=tc.weight_decay, decoupled=False))
 OPTIMIZERS.register("sgd")(lambda tc: SGD(momentum=tc.beta1, weight_decay=tc.weight_decay))
+OPTIMIZERS.register("muon")(Muon)
 
 
 def global_norm(grads: dict) -> float:

@@ -29,9 +29,9 @@ NS_STEPS = 5
 
 @torch.no_grad()
 def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """NS5(U) for a 2-D U (or a batch of them), in float32."""
+    """NS5(U) for a 2-D U (or a batch of them), in float32 at least (float64 stays float64)."""
     a, b, c = NS_COEFFICIENTS
-    x = update.float()
+    x = update.to(torch.promote_types(update.dtype, torch.float32))
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
         x = x.mT
