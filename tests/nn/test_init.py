@@ -26,7 +26,25 @@ def linear_weights(model):
 
 
 def test_registry_holds_the_schemes():
-    assert {"gpt2", "xavier", "kaiming"} <= set(INITS.names())
+    assert {"gpt2", "xavier", "kaiming", "zero_out"} <= set(INITS.names())
+
+
+def test_zero_out_starts_every_block_as_the_identity():
+    """o_proj and down_proj are exactly zero (the rest N(0, std)), so each block returns its input: the
+    final hidden state before the last norm is the embedding."""
+    model = build_model(ModelConfig(**WIDE, init="zero_out", init_std=0.02)).eval()
+    for name, weight in linear_weights(model).items():
+        if name.endswith(("attn.o_proj", "ffn.down_proj")):
+            assert not weight.any(), name
+        elif name != "lm_head":
+            assert_std(weight, 0.02)
+    ids = torch.randint(0, 64, (2, 9))
+    x = model.embed(ids, torch.arange(9).expand(2, 9))
+    ctx = model.context(ids, None, None)
+    out = x
+    for block in model.blocks:
+        out = block(out, ctx)
+    torch.testing.assert_close(out, x, rtol=0, atol=0)
 
 
 def test_gpt2_init_std_and_scaled_residual_projections():

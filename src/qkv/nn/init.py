@@ -40,6 +40,16 @@ def gpt2_init(model: nn.Module, *, std: float, n_layers: int) -> None:
     _zero_biases(model)
 
 
+@INITS.register("zero_out")
+def zero_out_init(model: nn.Module, *, std: float, n_layers: int) -> None:
+    """GPT-2's N(0, std), with the residual projections (o_proj, down_proj) zero: every block starts as the
+    identity and the stream is the embedding alone (modded-nanogpt; Zhang et al. 2019, Fixup's zero branch)."""
+    gpt2_init(model, std=std, n_layers=n_layers)
+    for name, module in _linears_and_embeddings(model):
+        if name.endswith(RESIDUAL_PROJECTIONS):
+            nn.init.zeros_(module.weight)
+
+
 @INITS.register("xavier")
 def xavier_init(model: nn.Module, *, std: float, n_layers: int) -> None:
     """Xavier/Glorot uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)); embeddings N(0, std)."""
