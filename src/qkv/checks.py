@@ -42,5 +42,5 @@ def check_run(cfg: RunConfig) -> RunConfig:
     choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))
     if cfg.train.optimizer == "muon" and (cfg.parallel.zero or cfg.parallel.tp > 1):  # NS5 needs whole matrices
         raise QkvError("train.optimizer=muon orthogonalises whole matrices: it does not run on ZeRO / FSDP or "
-                       "tensor-parallel shards (parallel.zero=0 and parallel.tp=1; data and pipeline parallel work)")
+                       "tensor-parallel shards (set parallel.zero=0 and parallel.tp=1)")
     return cfg

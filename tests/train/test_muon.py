@@ -98,3 +98,31 @@ def test_lr_scale_carries_muon_lr_through_the_schedule():
 def test_sharded_layouts_are_refused(parallel):
     with pytest.raises(QkvError, match="train.optimizer=muon"):
         check_run(RunConfig(train=TrainConfig(optimizer="muon"), parallel=parallel))
+
+
+def test_two_data_parallel_processes_train_like_one(tmp_path_factory, tmp_path, monkeypatch):
+    """Under dp=2 the gradient is the global batch's (DDP) and every rank applies the same Muon update:
+    `torchrun ... qkv train` ends at one process's validation loss."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.train import setup_env
+
+    text = setup_env(monkeypatch, tmp_path_factory)
+    repo = Path(__file__).resolve().parents[2]
+    args = ["-m", "qkv", "train", "--preset", "tiny", "--data", str(text), "--set", "train.optimizer=muon",
+            "--max-steps", "6", "--no-sample", "--quiet", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def final(cmd: list[str]) -> dict:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    one = final([sys.executable, *args, "--out", str(tmp_path / "one")])
+    two = final([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args,
+                 "--set", "parallel.dp=2", "--out", str(tmp_path / "two")])
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
