@@ -40,7 +40,8 @@ def check_run(cfg: RunConfig) -> RunConfig:
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
     choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))
-    if cfg.train.optimizer == "muon" and (cfg.parallel.zero or cfg.parallel.tp > 1):  # NS5 needs whole matrices
-        raise QkvError("train.optimizer=muon orthogonalises whole matrices: it does not run on ZeRO / FSDP or "
-                       "tensor-parallel shards (set parallel.zero=0 and parallel.tp=1)")
+    whole = getattr(OPTIMIZERS.get(cfg.train.optimizer), "whole_matrices", False)  # e.g. Muon's orthogonalisation
+    if whole and (cfg.parallel.zero or cfg.parallel.tp > 1):
+        raise QkvError(f"train.optimizer={cfg.train.optimizer} updates whole matrices: it does not run on ZeRO / "
+                       "FSDP or tensor-parallel shards (set parallel.zero=0 and parallel.tp=1)")
     return cfg

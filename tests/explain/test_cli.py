@@ -9,15 +9,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
 
-import qkv
 import qkv.cli
-from qkv import files
-from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.explain.page import BUDGET_BYTES, read_data
 from tests.explain.test_trace import PROMPT, TEXT, tokenizer
+from tests.serve import live
 
 HAMLET = ("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and "
           "arrows of outrageous fortune, Or to take arms against a sea of troubles And by opposing end them. To "
@@ -32,15 +29,8 @@ def cli(*argv: str) -> tuple[int, str, str]:
 
 
 def write_run(path: Path, tok: Tokenizer | None = None, **model) -> Path:
-    tok = tok or tokenizer()
-    torch.manual_seed(0)
-    cfg = qkv.ModelConfig(**{**dict(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64,
-                                    max_seq_len=64, init_std=0.3), **model})
-    path.mkdir(parents=True)
-    RunConfig(model=cfg).save(path / "config.json")
-    tok.save(path / "tokenizer.json")
-    save_file(files.model_tensors(qkv.build_model(cfg)), str(path / files.MODEL_FILE))
-    return path
+    """tests/serve/live.py's run dir, with learned positions unless given (the page's positions step)."""
+    return live.write_run(path, tok, **{"positional": "learned", **model})
 
 
 def test_a_run_gives_a_page_and_its_size(tmp_path):

@@ -5,17 +5,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import qkv
-from qkv.config import RunConfig
-from qkv.data.tokenizer import Tokenizer
 from qkv.explain.page import RELATIVE_ERROR, build_page, read_data
 from qkv.explain.trace import trace
 from qkv.run import Run
 from tests.explain.oracle import oracle
+from tests.serve.live import TEXT, tokenizer, write_run  # noqa: F401  (TEXT, tokenizer: for the other tests)
 
-TEXT = "the cat sat on the mat.\n\nthe dog ran to the cat.\nwhere is the cat? on the mat, said the dog.\n"
 PROMPT = "the dog sat on the mat, said the cat"
 TOL = 1e-5  # of each array's largest magnitude
 
@@ -34,17 +31,9 @@ VARIANTS = {
 }
 
 
-def tokenizer() -> Tokenizer:
-    return Tokenizer.train([TEXT * 20], 300)
-
-
 def make_run(path: Path, **model) -> Run:
-    tok = tokenizer()
-    torch.manual_seed(0)
-    fields = dict(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64,
-                  init_std=0.3)
-    cfg = qkv.ModelConfig(**{**fields, **model})
-    return Run(path=path, config=RunConfig(model=cfg), model=qkv.build_model(cfg).eval(), tokenizer=tok)
+    """tests/serve/live.py's small random run (learned positions unless given), loaded as qkv.load does."""
+    return qkv.load(write_run(path, **{"positional": "learned", **model}))
 
 
 def close(page: np.ndarray, torch_value: np.ndarray, name: str, tol: float = TOL) -> None:

@@ -19,9 +19,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.train([TEXT * 20], 300)
 
 
-def write_run(path: Path, **model) -> Path:
+def write_run(path: Path, tok: Tokenizer | None = None, **model) -> Path:
     """config.json, tokenizer.json and model.safetensors of a small random model (init_std 0.3: peaked logits)."""
-    tok = tokenizer()
+    tok = tok or tokenizer()
     torch.manual_seed(0)
     fields = dict(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64,
                   positional="rope", init_std=0.3)

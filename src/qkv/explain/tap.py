@@ -22,7 +22,7 @@ from qkv.errors import QkvError
 from qkv.ref.attention import split_heads
 from qkv.ref.ffn import GLUCache
 from qkv.ref.functional import ACTIVATIONS, Grads, linear_backward, linear_forward, scope
-from qkv.ref.kernels import Kernel, NaiveCache, naive_steps
+from qkv.ref.kernels import Kernel, NaiveCache, kernel_grads, naive_steps
 from qkv.ref.moe import MoECache
 from qkv.ref.norms import LayerNormCache
 
@@ -129,7 +129,7 @@ class Recorder:
             steps = naive_steps(dout, cache)  # the kernel's own backward steps (000 LLM §3.3.3 steps 1-4)
             self.current.update(d_heads=dout, d_v=steps.dv, d_weights=steps.dweights, d_scores=steps.dscores,
                                 d_q=steps.dq, d_k=steps.dk)
-            return inner.backward(dout, cache)
+            return kernel_grads(steps, cache)
 
         wrapped = inner._replace(forward=forward, backward=backward)
         return _Recorded(*wrapped)

@@ -25,6 +25,7 @@ from qkv.ref.block import RESIDUALS, tapped
 from qkv.ref.functional import ACTIVATIONS, cross_entropy_backward, cross_entropy_forward, scope
 from qkv.ref.model import make_context
 from qkv.ref.norms import NORMS
+from qkv.ref.positional import POSITIONALS
 
 VOCAB_SHOWN = 200  # the page names the top tokens (every strategy keeps a prefix of the logits' order)
 MAX_TOKENS = 64  # tokens explained; a longer text is cut (the page says so)
@@ -195,8 +196,7 @@ def _embedding(arrays, meta, cfg, params, grads, layers, recorder, where, inputs
         table = stack_params["tok_emb.weight"] if "tok_emb.weight" in stack_params else params["tok_emb.weight"]
         arrays[f"{stack}.embed.rows"] = table[ids[0]]  # E = onehot(X) W_E   (T, D)
         positional = cfg.positional
-        if cfg.arch == "encoder-decoder" and stack == "decoder":
-            from qkv.ref.positional import POSITIONALS
+        if cfg.arch == "encoder-decoder" and stack == "decoder":  # T5's causal twin, as the engine's decoder
             positional = POSITIONALS.get(cfg.positional).decoder_twin or cfg.positional
         ctx = make_context(cfg, ids, None, causal=stack == "decoder", params=stack_params, positional=positional)
         table_rows, _ = ctx.positional.embed_forward(ctx.params, np.zeros((1, ids.shape[1], cfg.d_model)),

@@ -111,7 +111,11 @@ class NaiveSteps(NamedTuple):
 
 
 def naive_backward(dout, cache):
-    steps = naive_steps(dout, cache)
+    return kernel_grads(naive_steps(dout, cache), cache)
+
+
+def kernel_grads(steps: "NaiveSteps", cache: NaiveCache) -> KernelGrads:
+    """What the layer needs of the steps: dq, dk, dv, and dS as the score bias's gradient when there is one."""
     return KernelGrads(steps.dq, steps.dk, steps.dv, steps.dscores if cache.has_bias else None, steps.dtable)
 
 

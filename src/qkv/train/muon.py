@@ -7,6 +7,7 @@ matrices, experts, routers):
     U <- G + mu B                                   Nesterov
     O <- NS5(U)                                     ~ the polar factor U (U^T U)^(-1/2): singular values -> ~1
     W <- W - lr_m (O sqrt(max(1, rows / cols)) + wd W)
+The other parameters take torch's AdamW update (torch.optim.adamw.adamw) in the same optimizer.
 NS5 is the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T, from X = U / ||U||_F,
 with (a, b, c) = (3.4445, -4.7750, 2.0315) and 5 steps. The iteration is a polynomial in U U^T, so it keeps
 U's singular vectors and maps each singular value s / ||U||_F through the scalar iteration
@@ -22,6 +23,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -78,21 +80,21 @@ class MuonAdamW(torch.optim.Optimizer):
             p.mul_(1.0 - lr * wd).add_(update.to(p.dtype), alpha=-lr * scale)
 
     def _adamw(self, group: dict) -> None:
-        (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        """torch's own AdamW update (torch.optim.adamw.adamw, fused where it applies) on this group."""
+        from qkv.train.optim import fused_applies  # optim registers this module's optimizer: imported late
+
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
                              exp_avg_sq=torch.zeros_like(p))
-            state["step"] += 1
-            t = float(state["step"])
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.lerp_(p.grad, 1.0 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
-            denom = (v / (1.0 - beta2 ** t)).sqrt_().add_(eps)
-            p.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** t))
+        states = [self.state[p] for p in params]
+        (beta1, beta2) = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], fused=fused_applies([{"params": params}]) or None,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)
 
 
 def muon(model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -107,3 +109,6 @@ def muon(model: nn.Module, cfg) -> torch.optim.Optimizer:
         {"params": [p for p in params if id(p) not in hidden and p.dim() < 2], "weight_decay": 0.0},
     ]
     return MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.muon_momentum)
+
+
+muon.whole_matrices = True  # the update orthogonalises whole matrices: no ZeRO / FSDP or tensor-parallel shards
