@@ -66,10 +66,14 @@ def read_tensors(path: Path) -> dict[str, "torch.Tensor"]:
 
 def model_tensors(model: "nn.Module") -> dict[str, "torch.Tensor"]:
     """Parameters (a tied weight once, under its first name) and persistent buffers, on the CPU."""
-    tensors = {name: p.detach() for name, p in model.named_parameters()}
-    tensors.update({name: b.detach() for name, b in model.named_buffers()
-                    if name.rpartition(".")[2] not in _non_persistent(model, name)})
-    return {name: t.to("cpu").contiguous() for name, t in tensors.items()}
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    return {**tensors, **persistent_buffers(model)}
+
+
+def persistent_buffers(model: "nn.Module") -> dict[str, "torch.Tensor"]:
+    """The buffers a checkpoint holds (not the ones registered persistent=False), on the CPU."""
+    return {name: b.detach().to("cpu").contiguous() for name, b in model.named_buffers()
+            if name.rpartition(".")[2] not in _non_persistent(model, name)}
 
 
 def _non_persistent(model: "nn.Module", buffer_name: str) -> set[str]:

@@ -6,7 +6,8 @@ once per test session (each start costs seconds) for every case of CASES, run as
 A case: {"mode": "tp" | "pp", "model": {ModelConfig fields}, "parallel": {ParallelConfig fields}, "steps",
 "batch", "seq"}. Every rank also trains the same model in one process (the oracle) on the same batches, with
 the same AdamW and clipping, and writes per case to OUT/rank{r}.json: both runs' losses, (||g - g_ref||,
-||g_ref||) for every gradient of the first step and, for pp, every weight and Adam moment after `sync`.
+||g_ref||) for every gradient of the first step and, for pp, which parameters and moments the rank holds and
+(rank 0) every weight and Adam moment gathered by `full_state`.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ CASES = {  # 10 steps each: batch 8 x 16 tokens (pp: 2-4 micro-batches)
     # 1F1B with Shaw's relative positions: one table read by every layer of both stages
     "pp_1f1b_shaw": {"mode": "pp", "model": {**SMALL, "positional": "shaw", "attention": "naive"},
                      "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 4}},
+    # GPipe with 2-step accumulation: 2 schedules of 2 micro-batches of 2 rows per step
+    "pp_gpipe_accumulated": {"mode": "pp", "model": SMALL, "train": {"accumulation": 2},
+                             "parallel": {"pp": 2, "schedule": "gpipe", "microbatches": 2}},
 }
 
 
@@ -145,8 +149,13 @@ def pipeline_run(cfg: RunConfig, data) -> tuple[list[float], dict[str, torch.Ten
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    runner.sync(opt)  # every rank's whole model and optimizer state now equal one process's
-    return losses, grads, final_state(runner.model, opt)
+    resident = {name: not p.is_meta for name, p in runner.model.named_parameters()}
+    moments = sorted(name for name, p in runner.model.named_parameters() if p in opt.state)
+    weights, tensors, _ = runner.full_state(opt)  # rank 0: the whole model and optimizer state, gathered
+    names = [name for name, _ in runner.model.named_parameters()]
+    gathered = {**weights, **{f"{names[int(key.split('.')[1])]}:exp_avg": value for key, value in tensors.items()
+                              if key.endswith(".exp_avg")}}
+    return losses, grads, gathered, resident, moments
 
 
 def difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -166,11 +175,12 @@ def main(cases_path: str, out_dir: str) -> None:
         if case["mode"] == "tp":
             result["losses"], grads = tensor_parallel_run(cfg, data)
         else:
-            run = RunConfig(model=cfg, train=TrainConfig(batch_size=case["batch"], seq_len=case["seq"]),
+            run = RunConfig(model=cfg, train=TrainConfig(batch_size=case["batch"], seq_len=case["seq"],
+                                                         **case.get("train", {})),
                             parallel=ParallelConfig(**case["parallel"])).validate()
-            result["losses"], grads, full_state = pipeline_run(run, data)
+            result["losses"], grads, full_state, result["resident"], result["moments"] = pipeline_run(run, data)
             result["synced"] = {name: difference(value, want_state[name])
-                                       for name, value in full_state.items()}
+                                for name, value in full_state.items() if name in want_state}  # not buffers
         result["grad_errors"] = {name: difference(grad, want_grads[name]) for name, grad in grads.items()}
         out[case["name"]] = result
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(out))

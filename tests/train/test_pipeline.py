@@ -1,6 +1,7 @@
 """Pipeline parallel (qkv.train.pipeline; note 000 LLM §7.2, SPEC C4) on 2 gloo processes against one
-process: the same losses over 10 AdamW steps, the same first gradients, and after `sync` every rank's whole
-model and optimizer state equal to one process's (fp32, dropout 0); mis-sized layouts exit 2."""
+process: the same losses over 10 AdamW steps (one case with 2-step accumulation), the same first gradients,
+each rank holding only its stage's parameters and moments, and the whole model and optimizer state gathered
+on rank 0 equal to one process's (fp32, dropout 0); mis-sized layouts exit 2."""
 import dataclasses
 import re
 
@@ -24,7 +25,7 @@ def close(errors: dict, rtol: float, atol_share: float) -> list:
 
 
 @pytest.mark.parametrize("name", PP_CASES)
-def test_losses_gradients_and_synced_state_equal_one_process(name):
+def test_losses_gradients_and_gathered_state_equal_one_process(name):
     by_rank = results()
     stage_params = [set(by_case[name]["grad_errors"]) for by_case in by_rank.values()]
     assert set.union(*stage_params) == set(by_rank[0][name]["reference_names"])  # each stage its share
@@ -35,9 +36,27 @@ def test_losses_gradients_and_synced_state_equal_one_process(name):
             assert got == pytest.approx(want, rel=1e-5), (rank, result["losses"], result["reference"])
         # gradients of this rank's stage (the key bias's is 0 in exact arithmetic: an atol)
         assert close(result["grad_errors"], 1e-5, 1e-6) == []
-        assert len(result["synced"]) == 2 * len(result["reference_names"])  # every weight and its moment
-        # after 10 Adam steps rounding differences have grown through 1/sqrt(v): 1e-4
-        assert close(result["synced"], 1e-4, 1e-6) == [], rank
+    # rank 0 gathered every weight and moment from the stages; after 10 Adam steps rounding differences
+    # have grown through 1/sqrt(v): 1e-4
+    synced = by_rank[0][name]["synced"]
+    assert len(synced) == 2 * len(by_rank[0][name]["reference_names"])
+    assert close(synced, 1e-4, 1e-6) == []
+    assert by_rank[1][name]["synced"] == {}
+
+
+@pytest.mark.parametrize("name", PP_CASES)
+def test_each_rank_holds_only_its_stage(name):
+    """The memory split: a rank's real (non-meta) parameters are exactly its stage's, and only they have
+    Adam moments; the stages together hold every parameter."""
+    by_rank = results()
+    for rank, by_case in by_rank.items():
+        result = by_case[name]
+        held = {param for param, real in result["resident"].items() if real}
+        assert held == set(result["grad_errors"]), rank
+        assert set(result["moments"]) == held, rank
+        assert len(held) < len(result["resident"]), rank  # something was released
+    assert set.union(*({p for p, real in by_case[name]["resident"].items() if real}
+                       for by_case in by_rank.values())) == set(by_rank[0][name]["reference_names"])
 
 
 @pytest.mark.parametrize("positional", ["learned", "shaw"])
@@ -69,8 +88,8 @@ def test_layouts_that_cannot_run_are_refused():
     cases = ((["parallel.pp=3"], "parallel.pp=3 is larger than model.n_layers=2"),
              (["parallel.pp=2", "parallel.microbatches=3"], "parallel.microbatches=3 must be at least"),
              (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 must be at least parallel.pp=2"),
-             (["parallel.pp=2", "train.accumulation=2"], "train.accumulation=2"),
-             (["parallel.pp=2", "train.precision=fp16"], "train.precision='fp16'"),
+             (["parallel.pp=2", "train.accumulation=4", "parallel.microbatches=4"], "divide the 2 rows"),
+             (["parallel.pp=2", "train.batch_warmup_steps=5"], "train.batch_warmup_steps=5"),
              (["parallel.pp=2", "parallel.tp=2"], "tp x pp and ZeRO are not supported"),
              (["parallel.pp=2", "model.arch=encoder"], "decoder LM only"))
     for assignments, message in cases:

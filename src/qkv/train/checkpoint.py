@@ -52,11 +52,11 @@ class State:
 class Checkpoints:
     """A run dir's checkpoint set as a training run in any layout sees it: every rank reads the same
     complete set on resume; rank 0 writes the single-process files, the full tensors gathered
-    (docs/distributed.md). `sync` makes every rank's model the trained one first (the pipeline's)."""
+    (docs/distributed.md), gathered by the step runner's `full_state` (a pipeline's from its stages)."""
 
-    def __init__(self, model: nn.Module, optimizer, scaler, batches, layout, sync, log):
+    def __init__(self, model: nn.Module, optimizer, scaler, batches, layout, full_state, log):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.batches, self.layout, self.sync, self.log = batches, layout, sync, log
+        self.batches, self.layout, self.full_state, self.log = batches, layout, full_state, log
 
     def resume(self, run_dir: Path, tc) -> "State | None":
         """The saved State, with the weights, moments, loss scale, data position and RNG restored; None when
@@ -97,9 +97,7 @@ class Checkpoints:
         state.batches = self.batches.state()
         rng_json, rng_tensors = capture_rng()
         state.rng = rng_json
-        self.sync(self.optimizer)  # pipeline: each stage's weights and moments onto every rank
-        weights = parallel.full_model_state(self.model, self.layout)
-        optim_tensors, groups = parallel.full_optimizer_state(self.model, self.optimizer, self.layout)
+        weights, optim_tensors, groups = self.full_state(self.optimizer)  # the runner's, gathered on rank 0
         raw = {"step": state.step, "trainer": vars(state), "optimizer": groups, "scaler": self.scaler.state_dict()}
         if self.layout.is_main:
             bad = next((name for name, t in {**weights, **optim_tensors}.items()
@@ -322,6 +320,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise QkvError(f"optimizer state does not match the model ({exc})") from None
+    for param in [p for p in optimizer.state if p.is_meta]:  # a pipeline stage keeps its own moments only
+        del optimizer.state[param]
 
 
 def seed_everything(seed: int) -> None:

@@ -64,12 +64,13 @@ class Trainer:
         self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
         self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
                                                  if self.device.type == "cuda" else None)
-        self.runner = runner_for(self.model, cfg, self.layout)  # wraps the model (or its stage) from outside
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16",
+                                           growth_interval=self.tc.loss_scale_window)
+        # wraps the model (or its stage) from outside; a pipeline stage keeps only its own parameters
+        self.runner = runner_for(self.model, cfg, self.layout, self.scaler)
         self.has_moe = any(isinstance(module, MoE) for module in self.model.modules())
         optimizer = OPTIMIZERS.get(self.tc.optimizer)(self.model, self.tc)  # after FSDP2: over its shards
         self.optimizer = parallel.shard_optimizer(optimizer, self.layout)  # zero=1
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16",
-                                           growth_interval=self.tc.loss_scale_window)
         self.objective = objectives.for_run(cfg)  # lm, mlm or seq2seq: its batches and its loss
         self.batches = self.objective.batches(data.train, data.tokenizer, cfg, batch_size=self.tc.batch_size,
                                               seed=self.tc.seed)
@@ -77,7 +78,7 @@ class Trainer:
         self.state = State(horizon=self.tc.max_steps)
         self.guards = StepGuards(self.tc, lambda message: self.log(message))  # self.log as it is then
         self.checkpoints = checkpoint.Checkpoints(self.model, self.optimizer, self.scaler, self.batches, self.layout,
-                                                  self.runner.sync, lambda message: self.log(message))
+                                                  self.runner.full_state, lambda message: self.log(message))
         self.saved_step: int | None = None  # the step of the last complete checkpoint, None before one
 
     # ---- state -------------------------------------------------------------------------------
@@ -98,8 +99,7 @@ class Trainer:
         the summary and the sample), then every rank leaves the process group. Collective."""
         if not self.layout.distributed:
             return
-        self.runner.sync()
-        weights = parallel.full_model_state(self.model, self.layout)
+        weights = self.runner.full_weights()
         if self.layout.is_main:
             self.model = build_model(self.cfg.model).to(self.device)
             files.load_model_tensors(self.model, weights, "the gathered weights")
@@ -225,8 +225,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         tc = self.tc
-        self.runner.sync()  # pipeline: every rank evaluates the whole model, with each stage's weights
-        loss = objectives.evaluate(self.objective, self.model, self.data.val, self.data.tokenizer, self.cfg,
+        loss = objectives.evaluate(self.objective, self.runner.evaluator(), self.data.val, self.data.tokenizer, self.cfg,
                                    batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
                                    seed=tc.seed + 1, device=self.device)
         self.state.best_val = min(self.state.best_val, loss)

@@ -17,17 +17,30 @@ gradient is that of the batch mean, as in one process (equal micro-batches, no i
 A parameter used by several stages (W_E with tied embeddings: the embedding on the first stage and the
 head on the last; a positional module whose parameters every layer reads) gets each stage's gradient
 summed over the pp ranks after the backward (Megatron's tied-embedding all-reduce), so every copy sees
-the full gradient and takes the same update. Model code stays single-device: every rank builds the whole
-model and runs the blocks of its stage; `sync` copies each stage's parameters (and optimizer state) to
-the other ranks before the whole model is saved or evaluated.
+the full gradient and takes the same update.
+
+Memory is split: model code stays single-device (every rank builds the whole model with the same seed, so
+each stage starts from one process's weights), then every parameter outside this rank's stage is replaced by
+a meta tensor (shape, no storage). The optimizer holds the whole model's parameters in one process's order
+but only this stage's have gradients, so only they ever get moments. A checkpoint gathers each parameter
+and moment from its stage onto rank 0 (point to point), which writes one process's files; a resume in any
+layout reads them and keeps its stage's share. Evaluation runs the stages one after the other on each batch.
+
+Gradient accumulation runs the schedule train.accumulation times per step, each on batch / accumulation
+rows; each micro-batch's loss is weighted by 1 / (m * accumulation) and the schedule does not rescale, so
+the gradient is that of the batch mean. fp16 scales that loss by the GradScaler's S; an overflow on one
+stage is an overflow of the step: every stage then sees an inf and skips with it.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from qkv import files
 from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.models.context import self_context
@@ -58,18 +71,16 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
         raise QkvError(f"parallel.pp={pc.pp} with parallel.tp={pc.tp}, parallel.zero={pc.zero}: pipeline parallel "
                        f"combines with plain data parallel only (dp x pp, zero=0); tp x pp and ZeRO are not supported")
     unsupported = [(name, value) for name, value, off in (
-        ("model.moe_experts", model.moe_experts, 0), ("train.accumulation", tc.accumulation, 1),
-        ("train.batch_warmup_steps", tc.batch_warmup_steps, 0)) if value != off]
-    if tc.precision == "fp16":
-        unsupported.append(("train.precision", "fp16"))
+        ("model.moe_experts", model.moe_experts, 0), ("train.batch_warmup_steps", tc.batch_warmup_steps, 0))
+        if value != off]
     if unsupported:
         name, value = unsupported[0]
-        hint = " (micro-batches are parallel.microbatches)" if name == "train.accumulation" else ""
-        raise QkvError(f"parallel.pp={pc.pp} does not support {name}={value!r}{hint}")
-    rows = tc.batch_size // dp
+        raise QkvError(f"parallel.pp={pc.pp} does not support {name}={value!r}")
+    rows = tc.batch_size // dp // tc.accumulation
     if pc.microbatches < pc.pp or rows % pc.microbatches:
         raise QkvError(f"parallel.microbatches={pc.microbatches} must be at least parallel.pp={pc.pp} and divide "
-                       f"the {rows} rows of a batch on each pipeline (train.batch_size / parallel.dp)")
+                       f"the {rows} rows of a schedule's batch on each pipeline "
+                       f"(train.batch_size / parallel.dp / train.accumulation)")
 
 
 def stage_layers(n_layers: int, stages: int) -> list[range]:
@@ -114,39 +125,46 @@ class Stage(nn.Module):
 class Pipeline:
     """This rank's stage of `model` on the pp dimension of a mesh, and the schedule that trains it.
 
-    `wrap` (e.g. data parallel) is applied to the stage module before the pipeline stage is built."""
+    `wrap` (e.g. data parallel) is applied to the stage module before the pipeline stage is built; `scaler`
+    is the run's GradScaler (fp16 scales each micro-batch's loss by it)."""
 
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, cfg: RunConfig, device: torch.device,
-                 *, dp: int = 1, wrap=lambda module: module):
+                 *, dp: int = 1, wrap=lambda module: module, scaler: torch.amp.GradScaler | None = None):
         validate(cfg, dp)
         pc, tc = cfg.parallel, cfg.train
         self.model, self.group, self.device, self.precision = model, pp_mesh.get_group(), device, tc.precision
+        self.scaler, self.accumulation, self.smoothing = scaler, tc.accumulation, tc.label_smoothing
+        if scaler is not None and scaler.is_enabled():  # S is made at its first use: on the last stage only
+            scaler.scale(torch.zeros((), device=device))  # so every stage's scaler starts with it now
         self.stages, self.index = pp_mesh.size(), pp_mesh.get_local_rank()
         self.ranks = dist.get_process_group_ranks(self.group)  # global rank of each stage
+        self.gathers = self.ranks[0] == 0  # rank 0's pipeline brings the whole model to rank 0
         splits = stage_layers(len(model.blocks), self.stages)
         modules = [Stage(model, layers, first=s == 0, last=s == self.stages - 1) for s, layers in enumerate(splits)]
         self.stage_module = modules[self.index]
         # owners[i]: the stages that use parameter i of the model (named_parameters order, a tied one once)
         holders = [{id(p) for p in module.parameters()} for module in modules]
-        self.params = [p for _, p in model.named_parameters()]
-        self.owners = [[s for s in range(self.stages) if id(p) in holders[s]] for p in self.params]
+        self.owners = [[s for s in range(self.stages) if id(p) in holders[s]] for p in model.parameters()]
+        release(model, holders[self.index])  # the other stages' parameters: meta tensors, no storage
+        self.named = list(model.named_parameters())
+        self.params = [p for _, p in self.named]
         self.shared = [p for p, owners in zip(self.params, self.owners) if len(owners) > 1]
-        rows, d_model = tc.batch_size // dp // pc.microbatches, cfg.model.d_model
+        self.d_model, self.vocab_size = cfg.model.d_model, cfg.model.vocab_size
+        rows = tc.batch_size // dp // tc.accumulation // pc.microbatches
         shape = (rows, tc.seq_len)
         # the shapes each stage sends and receives, given so that no metadata is exchanged at run time
         # (received activations and sent outputs carry gradients back)
         inputs = torch.empty(shape, dtype=torch.long, device="meta") if self.index == 0 else \
-            torch.empty(*shape, d_model, device="meta", requires_grad=True)
-        width = cfg.model.vocab_size if self.is_last else d_model
+            torch.empty(*shape, self.d_model, device="meta", requires_grad=True)
+        width = self.vocab_size if self.is_last else self.d_model
         outputs = torch.empty(*shape, width, device="meta", requires_grad=True)
         from torch.distributed import pipelining  # a second to import: only once a pipeline is built
 
         self.stage = pipelining.PipelineStage(wrap(self.stage_module), self.index, self.stages, device,
-                                   input_args=inputs, output_args=outputs, group=self.group)
-        smoothing = tc.label_smoothing
+                                              input_args=inputs, output_args=outputs, group=self.group)
+        self.weight = 1.0 / (pc.microbatches * tc.accumulation)  # each micro-batch's share of the step
         self.schedule = getattr(pipelining, SCHEDULES.get(pc.schedule))(
-            self.stage, n_microbatches=pc.microbatches,
-            loss_fn=lambda logits, targets: cross_entropy(logits, targets, smoothing))  # each micro-batch's mean
+            self.stage, n_microbatches=pc.microbatches, loss_fn=self.micro_loss, scale_grads=False)
 
     @property
     def is_last(self) -> bool:
@@ -155,36 +173,65 @@ class Pipeline:
     def named_parameters(self):
         """(name in the whole model, parameter) for this stage's parameters."""
         mine = {id(p) for p in self.stage_module.parameters()}
-        return [(name, p) for name, p in self.model.named_parameters() if id(p) in mine]
+        return [(name, p) for name, p in self.named if id(p) in mine]
 
+    def micro_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """One micro-batch's mean cross-entropy times its share 1 / (m * accumulation) (and fp16's S)."""
+        loss = cross_entropy(logits, targets, self.smoothing) * self.weight
+        return self.scaler.scale(loss) if self.scaler is not None and self.scaler.is_enabled() else loss
+
+    # ---- the step runner (qkv.train.steps) ---------------------------------------------------------
     def forward_backward(self, batch: tuple[Tensor, Tensor], backward=None) -> tuple[Tensor, Tensor]:
-        """The step runner's method (qkv.train.steps): the schedule runs parallel.microbatches micro-batches
-        itself (`backward` is not used). Returns (the batch-mean loss on every stage, aux 0)."""
+        """train.accumulation schedules of parallel.microbatches micro-batches each (`backward` is not used):
+        gradients of the batch-mean loss on this stage's parameters, shared ones summed over the stages.
+        Returns (the batch-mean loss on every stage, aux 0). Collective."""
+        inputs, targets = batch
+        rows = len(inputs) // self.accumulation
+        total = torch.zeros((), device=self.device)
         with autocast(self.device, self.precision):
-            loss = self.run_schedule(*batch)
-        return loss, torch.zeros((), device=self.device)
+            for part in zip(inputs.split(rows), targets.split(rows)):
+                total += self.run_schedule(*part)
+        self.sum_shared_grads()
+        self.agree_on_overflow()
+        if self.scaler is not None and self.scaler.is_enabled():
+            total = total / self.scaler.get_scale()
+        dist.broadcast(total, src=self.ranks[-1], group=self.group)
+        return total, torch.zeros((), device=self.device)
 
     def run_schedule(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Run the schedule over one batch: gradients of the batch-mean loss on this stage's parameters
-        (shared ones summed over the stages). Returns the batch-mean loss on every stage. Collective."""
+        """One schedule over `inputs`; on the last stage the sum of its micro-batches' weighted losses."""
         losses: list[Tensor] = []
         if self.index == 0:
-            self.schedule.step(inputs, target=targets if self.is_last else None, losses=losses)
+            self.schedule.step(inputs, target=targets if self.is_last else None, losses=losses,
+                               return_outputs=False)
         elif self.is_last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=targets, losses=losses, return_outputs=False)
         else:
-            self.schedule.step()
-        self.sum_shared_grads()
-        loss = torch.stack(losses).mean().detach() if self.is_last else torch.zeros((), device=inputs.device)
-        dist.broadcast(loss, src=self.ranks[-1], group=self.group)
-        return loss
+            self.schedule.step(return_outputs=False)
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def sum_shared_grads(self) -> None:
-        """g_shared = sum over stages of each stage's gradient (zero where a stage did not use it)."""
+        """g_shared = sum over stages of each stage's gradient (zero where a stage does not hold it: a stage
+        between two that share W_E adds a temporary zero tensor)."""
         for param in self.shared:
+            if param.is_meta:
+                dist.all_reduce(torch.zeros(param.shape, dtype=param.dtype, device=self.device), group=self.group)
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(local(param.grad), group=self.group)
+
+    def agree_on_overflow(self) -> None:
+        """fp16: an inf or NaN in any stage's gradient is an overflow of the step, so every stage's scaler
+        must see one (each unscales its own gradients): a stage whose gradients are finite gets an inf."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        bad = torch.tensor(float(not finite), device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if bad.item() and finite and grads:
+            local(grads[0]).view(-1)[0] = math.inf
 
     def clip(self, max_norm: float) -> Tensor:
         """Global-norm clipping (note 000 LLM §4.3) of the whole model's gradient: each stage's sum of squares
@@ -201,30 +248,109 @@ class Pipeline:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
-    @torch.no_grad()
-    def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Copy every parameter (and its optimizer state) from its first stage to the other ranks, so each
-        rank's whole model equals the trained one (before a save or an evaluation). Collective."""
-        for param, owners in zip(self.params, self.owners):
-            source = self.ranks[owners[0]]
-            dist.broadcast(local(param), src=source, group=self.group)
-            if optimizer is not None:
-                self.sync_state(optimizer.state[param], param, source, owned=self.index == owners[0])
+    def evaluator(self) -> nn.Module:
+        """The module evaluation calls: the stages one after the other on each batch."""
+        return StagedForward(self)
 
-    def sync_state(self, state: dict, param: Tensor, source: int, *, owned: bool) -> None:
-        """One parameter's optimizer state from `source`: which of STATE_KEYS it has, then each tensor."""
-        present = torch.tensor([key in state for key in STATE_KEYS] if owned else [False] * len(STATE_KEYS),
-                               device=self.device)
-        dist.broadcast(present, src=source, group=self.group)
-        for key, there in zip(STATE_KEYS, present.tolist()):
-            if not there:
+    # ---- the whole model on rank 0 -----------------------------------------------------------------
+    @torch.no_grad()
+    def full_weights(self) -> dict[str, Tensor]:
+        """The whole model's tensors as one process's files hold them, on rank 0 ({} elsewhere): each
+        parameter from its first stage, the persistent buffers (never released) rank 0's own. Collective
+        over rank 0's pipeline."""
+        if not self.gathers:
+            return {}
+        weights = {}
+        for (name, param), owners in zip(self.named, self.owners):
+            value = self.to_main(None if param.is_meta else param, owners[0], param.shape, param.dtype)
+            if value is not None:
+                weights[name] = value.cpu().contiguous()
+        if self.index:
+            return {}
+        return {**weights, **files.persistent_buffers(self.model)}
+
+    @torch.no_grad()
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
+        """(weights, optimizer tensors `optim.{i}.{key}`, JSON groups) as one process writes them, on rank 0
+        ({}, {}, [] elsewhere): each parameter's moments from its first stage. Collective."""
+        from qkv.train.checkpoint import optimizer_tensors
+
+        weights = self.full_weights()
+        if not self.gathers:
+            return {}, {}, []
+        position = {id(p): i for i, p in enumerate(self.params)}
+        tensors = {}
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(order):
+            owner = self.owners[position[id(param)]][0]
+            state = optimizer.state.get(param, {}) if self.index == owner else {}
+            flags = [key in state for key in STATE_KEYS]  # the owner's; rank 0 receives them
+            present = torch.tensor([float(flag) for flag in flags], device=self.device)
+            received = self.to_main(present, owner, present.shape, present.dtype)
+            if self.index == 0:
+                flags = [bool(flag) for flag in received.tolist()]
+            elif self.index != owner:
                 continue
-            if not owned:  # AdamW's step is a float32 scalar; moments and momentum have the parameter's shape
-                state[key] = torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(param)
-            value = local(state[key])
-            on_device = value.to(self.device)  # a CPU step counter cannot go through NCCL
-            dist.broadcast(on_device, src=source, group=self.group)
-            value.copy_(on_device)
+            for key, there in zip(STATE_KEYS, flags):
+                if there:
+                    shape, dtype = ((), torch.float32) if key == "step" else (param.shape, param.dtype)
+                    value = self.to_main(state.get(key), owner, shape, dtype)
+                    if value is not None:
+                        tensors[f"optim.{index}.{key}"] = value.cpu().contiguous()
+        if self.index:
+            return {}, {}, []
+        return weights, tensors, optimizer_tensors(optimizer)[1]
+
+    def to_main(self, value: Tensor | None, owner: int, shape, dtype) -> Tensor | None:
+        """`value` from stage `owner` onto the first stage (global rank 0): the value there, None elsewhere."""
+        if owner == 0:
+            return value if self.index == 0 else None
+        if self.index == owner:
+            dist.send(local(value).to(self.device).contiguous(), dst=self.ranks[0])
+        elif self.index == 0:
+            box = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(box, src=self.ranks[owner])
+            return box
+        return None
+
+
+class StagedForward(nn.Module):
+    """The whole model's loss computed stage after stage on one batch (evaluation: no schedule, no
+    gradient). Every rank of the pipeline calls it with the same batch; each gets the loss."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__()
+        self.pipeline, self.stage = pipeline, pipeline.stage_module
+
+    @torch.no_grad()
+    def forward(self, inputs: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+        p = self.pipeline
+        x = inputs
+        if p.index > 0:  # (B, T, D) from the previous stage
+            x = torch.empty(*inputs.shape, p.d_model, device=p.device)
+            dist.recv(x, src=p.ranks[p.index - 1])
+        x = self.stage(x)
+        if p.is_last:
+            loss = cross_entropy(x, targets, label_smoothing)
+        else:
+            dist.send(x.float().contiguous(), dst=p.ranks[p.index + 1])
+            loss = torch.zeros((), device=p.device)
+        dist.broadcast(loss, src=p.ranks[-1], group=p.group)
+        return loss
+
+
+def release(model: nn.Module, keep: set[int]) -> None:
+    """Replace each parameter of `model` whose id is not in `keep` by a meta tensor of its shape (one per
+    parameter, so a tied pair stays tied): its storage is freed; names and order are unchanged."""
+    meta: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in keep:
+                continue
+            if id(param) not in meta:
+                meta[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                               requires_grad=param.requires_grad)
+            module._parameters[name] = meta[id(param)]
 
 
 # the per-parameter state tensors of qkv's optimizers (qkv.train.optim: AdamW, Adam, SGD)

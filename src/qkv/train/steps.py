@@ -1,11 +1,12 @@
 """One step's forward and backward, per layout: the Trainer asks its runner and never the layout.
 
-A runner has three methods:
+A runner has these methods:
 
     forward_backward(batch, backward) -> (loss, aux)   the batch-mean loss and MoE aux loss, gradients in place
     clip(max_norm) -> norm                             global-norm clipping over every rank's share
-    sync(optimizer=None)                               make each rank's whole model the trained one (a no-op
-                                                       but for the pipeline), before a save or an evaluation
+    evaluator() -> module                              what evaluation calls (the model, or the pipeline's stages)
+    full_weights() -> tensors                          the whole model as one process's files hold it, on rank 0
+    full_state(optimizer) -> (weights, tensors, groups)  and the optimizer's state likewise (collective)
 
 `MicroBatches` serves one process, data parallel (DDP, ZeRO via FSDP2) and tensor parallel: the batch (this
 rank's b / dp rows) in micro-batches of batch_size / accumulation / dp rows, each weighted by its share b_i / b
@@ -32,7 +33,7 @@ class MicroBatches:
         # model keeps the parameter names, wrapped is what the training forward calls
         self.model, self.wrapped = model, parallel.parallelize(model, cfg, layout)
         self.micro_rows = cfg.train.batch_size // cfg.train.accumulation // layout.dp
-        self.device = layout.device
+        self.device, self.layout = layout.device, layout
 
     def forward_backward(self, batch: tuple[Tensor, ...], backward: Backward) -> tuple[Tensor, Tensor]:
         rows = len(batch[0])
@@ -50,15 +51,22 @@ class MicroBatches:
     def clip(self, max_norm: float) -> Tensor:
         return parallel.clip_grad_norm(self.model.parameters(), max_norm)  # also over FSDP2 / TP shards
 
-    def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        pass  # every rank's model (or its shards) is already the trained one
+    def evaluator(self) -> nn.Module:
+        return self.model  # every rank's model (or its shards) is the trained one
+
+    def full_weights(self) -> dict[str, Tensor]:
+        return parallel.full_model_state(self.model, self.layout)
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
+        return (parallel.full_model_state(self.model, self.layout),
+                *parallel.full_optimizer_state(self.model, optimizer, self.layout))
 
 
-def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout):
+def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler=None):
     """parallel.pp > 1: this rank's pipeline stage under its schedule; else micro-batches."""
     if layout.pp > 1:
         from qkv.train.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
 
-        return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp,
+        return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, scaler=scaler,
                         wrap=lambda stage: parallel.parallelize(stage, cfg, layout))
     return MicroBatches(model, cfg, layout)

@@ -1,0 +1,125 @@
+"""Every layout through the real CLI: `torchrun --nproc-per-node N -m qkv train ...` (gloo, CPU) against the
+same `qkv train` in one process, on the tiny preset for 12 steps with 2-step accumulation and clipping
+active. Each layout's loss curve, final validation loss and weights equal one process's within 1e-5 relative
+(note 000 LLM §7: each layout computes the gradient of the same batch); checkpoints move between layouts.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qkv.cli import main
+from qkv.files import MODEL_FILE, read_tensors
+from qkv.train.metrics import MetricsLog
+from tests.train import setup_env, shared_dir
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+RELATIVE = 1e-5
+
+
+def args(text: Path, out: Path, *sets: str) -> list[str]:
+    common = ["data.vocab_size=280", "train.threads=1", "model.dropout=0.0", "train.schedule=constant",
+              "train.warmup_steps=2", "train.log_every=1", "train.accumulation=2", "train.grad_clip=0.5",
+              f"train.max_steps={STEPS}", "train.eval_every=0", *sets]
+    return ["train", "--preset", "tiny", "--data", str(text), "--out", str(out), "--quiet", "--no-sample",
+            *[item for s in common for item in ("--set", s)]]
+
+
+def launch(processes: int, cli: list[str]) -> None:
+    """`torchrun --standalone --nproc-per-node processes -m qkv <cli>`; every rank must exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), "-m", "qkv", *cli], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def curve(run: Path) -> dict[str, list[float]]:
+    rows = MetricsLog.read(run / "metrics.csv")
+    steps = [r for r in rows if r["loss"]]
+    return {"loss": [float(r["loss"]) for r in steps], "grad_norm": [float(r["grad_norm"]) for r in steps],
+            "val": [float(r["val_loss"]) for r in rows if r["val_loss"]],
+            "scale": [float(r["loss_scale"]) for r in steps if r["loss_scale"]],
+            "skipped": [int(r["skipped"]) for r in steps]}
+
+
+def assert_same_run(got: Path, want: Path, rtol: float = RELATIVE) -> None:
+    a, b = curve(got), curve(want)
+    assert len(a["loss"]) == len(b["loss"]) == STEPS
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=rtol, atol=0)
+    np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=100 * rtol, atol=0)  # clipping is active
+    np.testing.assert_allclose(a["val"][-1], b["val"][-1], rtol=rtol, atol=0)  # a resumed run has two
+    assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
+    x, y = read_tensors(got / MODEL_FILE), read_tensors(want / MODEL_FILE)
+    assert x.keys() == y.keys()
+    errors = {name: float((x[name] - y[name]).norm() / y[name].norm()) for name in x
+              if not name.endswith("k_proj.bias")}  # gradient 0 in exact arithmetic: Adam turns rounding
+    assert max(errors.values()) < 10 * rtol, errors  # into updates; elsewhere 12 Adam steps amplify it a little
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    monkeypatch = pytest.MonkeyPatch()
+    path = setup_env(monkeypatch, tmp_path_factory)
+    os.environ["QKV_CACHE"] = str(shared_dir(tmp_path_factory, "cache"))  # the launched ranks read it too
+    yield path
+    monkeypatch.undo()
+
+
+@pytest.fixture(scope="module")
+def single(text, tmp_path_factory) -> Path:
+    """The oracle: the same command in one process."""
+    out = tmp_path_factory.mktemp("layouts") / "single"
+    assert main(args(text, out)) == 0
+    return out
+
+
+LAYOUTS = {  # name: (processes, settings)
+    "pp2_gpipe": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"]),
+    "dp2_pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "dp2_tp2_zero2": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2"]),
+    "dp2_zero1": (2, ["parallel.dp=2", "parallel.zero=1"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_equals_one_process(name, text, single, tmp_path):
+    processes, sets = LAYOUTS[name]
+    launch(processes, args(text, tmp_path / name, *sets))
+    assert_same_run(tmp_path / name, single)
+
+
+def test_pipeline_fp16_overflows_and_skips_like_one_process(text, tmp_path):
+    """fp16 with the loss scale doubling after every good step: overflows happen, and the pipeline's two
+    stages skip them together, as one process does (its micro-batches as small as the pipeline's: 4 of 2
+    rows, so the fp16 backward sees the same magnitudes)."""
+    fp16 = ["train.precision=fp16", "train.loss_scale_window=1"]
+    assert main(args(text, tmp_path / "one", *fp16, "train.accumulation=4")) == 0
+    launch(2, args(text, tmp_path / "pp", *fp16, "parallel.pp=2", "parallel.microbatches=2"))
+    assert_same_run(tmp_path / "pp", tmp_path / "one", rtol=1e-4)  # fp16 products: measured 3e-5 apart at the end
+    assert curve(tmp_path / "one")["skipped"][-1] >= 2  # the test exercises the skips
+
+
+def test_checkpoints_move_between_pipeline_and_one_process(text, single, tmp_path):
+    """6 steps under pp=2, resumed in one process to 12; and 6 steps in one process, resumed under pp=2:
+    both equal 12 uninterrupted steps (weights, Adam moments, data position and RNG came through)."""
+    half = ["--max-steps", str(STEPS // 2)]
+    pp = ["parallel.pp=2", "parallel.microbatches=2"]
+    launch(2, args(text, tmp_path / "from_pp", *pp) + half)
+    assert main(args(text, tmp_path / "from_pp")[:1] + ["--out", str(tmp_path / "from_pp"), "--resume", "--quiet",
+                                                        "--no-sample", "--max-steps", str(STEPS),
+                                                        "--set", "parallel.pp=1"]) == 0
+    assert_same_run(tmp_path / "from_pp", single)
+    assert main(args(text, tmp_path / "to_pp") + half) == 0
+    launch(2, ["train", "--out", str(tmp_path / "to_pp"), "--resume", "--quiet", "--no-sample", "--max-steps", str(STEPS),
+               *[item for s in pp for item in ("--set", s)]])
+    assert_same_run(tmp_path / "to_pp", single)
