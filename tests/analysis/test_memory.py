@@ -71,14 +71,33 @@ def test_live_bytes_counts_allocations_and_frees():
 def test_model_states_per_precision_and_zero():
     n = 1000
     fp32 = memory.model_states(n, memory.Setup(precision="fp32"))
-    mixed = memory.model_states(n, memory.Setup(precision="bf16"))
-    assert sum(fp32.values()) == sum(mixed.values()) == 16 * n  # 4+4+8 and 2+2+4+8
-    assert mixed["master_weights"] == 4 * n and fp32["master_weights"] == 0
+    mixed = memory.model_states(n, memory.Setup(precision="bf16", layout="textbook"))
+    autocast = memory.model_states(n, memory.Setup(precision="bf16"))  # qkv's own layout
+    assert sum(fp32.values()) == sum(mixed.values()) == sum(autocast.values()) == 16 * n  # 4+4+8, 2+2+4+8
+    assert mixed["master_weights"] == 4 * n and fp32["master_weights"] == 0 and autocast == fp32
     for stage, sharded in ((1, ("master_weights", "optimizer_states")), (2, ("gradients",)), (3, ("weights",))):
-        states = memory.model_states(n, memory.Setup(precision="fp16", zero=stage, gpus=8))
+        states = memory.model_states(n, memory.Setup(precision="fp16", zero=stage, gpus=8, layout="textbook"))
         for name in sharded:
             assert states[name] == mixed[name] / 8
     assert sum(memory.model_states(n, memory.Setup(precision="fp16", zero=3, gpus=8)).values()) == 16 * n / 8
+
+
+def test_tensor_and_pipeline_parallel_split_the_model_states():
+    """tp divides the projections and the vocabulary tables, norms stay whole; pp stages hold their
+    layers, the first the embedding and the last the head (a tied W_E on both)."""
+    cfg = ModelConfig(**{**BASE, "n_layers": 4})
+    parts = params.breakdown(cfg)
+    one = memory.rank_params(cfg, memory.Setup())
+    tp = memory.rank_params(cfg, memory.Setup(tp=2))
+    split = parts["attention"] + parts["ffn"] + parts["embedding"]
+    assert one == parts["total"] and tp == parts["total"] - split / 2
+    pp = memory.rank_params(cfg, memory.Setup(pp=2))
+    layers = (parts["attention"] + parts["ffn"] + parts["norms"]) / 2
+    first = layers + parts["embedding"] + parts["positional"]
+    last = layers + parts["final_norm"] + parts["embedding"]  # tied: the head reads W_E
+    assert pp == max(first, last)
+    with pytest.raises(QkvError, match="tp=0"):
+        memory.Setup(tp=0).check()
 
 
 def test_checkpointing_keeps_layer_inputs_only():
@@ -108,5 +127,5 @@ def test_gpt3_mixed_precision_is_16_bytes_per_param():
     from qkv import presets
 
     n = params.count(presets.get("gpt3-175b").model)
-    states = memory.model_states(n, memory.Setup(precision="fp16"))
+    states = memory.model_states(n, memory.Setup(precision="fp16", layout="textbook"))
     assert sum(states.values()) / 1e12 == pytest.approx(2.79, abs=0.01)

@@ -12,6 +12,7 @@ from qkv.checks import check_run
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
+from qkv.analysis import params
 from qkv.train import parallel, pipeline
 from tests.train.model_parallel_worker import CASES, results
 
@@ -65,7 +66,7 @@ def test_stages_chained_in_one_process_equal_the_model(tiny_cfg, positional):
     a parameter of the first stage only (later stages take the identity hooks)."""
     model = build_model(dataclasses.replace(tiny_cfg, n_layers=3, positional=positional, attention="naive"))
     stages = [pipeline.Stage(model, layers, first=s == 0, last=s == 2)
-              for s, layers in enumerate(pipeline.stage_layers(3, 3))]
+              for s, layers in enumerate(params.stage_layers(3, 3))]
     ids = torch.randint(tiny_cfg.vocab_size, (2, 7))
     x = ids
     for stage in stages:
@@ -77,9 +78,9 @@ def test_stages_chained_in_one_process_equal_the_model(tiny_cfg, positional):
 
 
 def test_stage_split():
-    assert pipeline.stage_layers(3, 2) == [range(0, 2), range(2, 3)]
-    assert pipeline.stage_layers(5, 3) == [range(0, 2), range(2, 3), range(3, 5)]
-    assert [len(r) for r in pipeline.stage_layers(12, 4)] == [3, 3, 3, 3]
+    assert params.stage_layers(3, 2) == [range(0, 2), range(2, 3)]
+    assert params.stage_layers(5, 3) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert [len(r) for r in params.stage_layers(12, 4)] == [3, 3, 3, 3]
 
 
 def test_layouts_that_cannot_run_are_refused():

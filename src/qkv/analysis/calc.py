@@ -36,7 +36,7 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     tc, pc = cfg.train, cfg.parallel
     default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp)), seq=tc.seq_len,
                    precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
-                   checkpointing=tc.activation_checkpointing)
+                   checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp)
     chosen = {key: value for key, value in given.items() if value not in (None, False)}
     return memory.Setup(**{**default, **chosen}).check()
 
@@ -50,7 +50,7 @@ def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float |
     counts = params.breakdown(model)
     flop_table = flops.table(model, batch=setup.batch, seq=setup.seq)
     mem = memory.training(model, setup)
-    weight, grad, master, _ = memory.PRECISION_BYTES[setup.precision]
+    weight, grad, master, activation = setup.bytes
     result = {
         "model": {k: v for k, v in asdict(model).items()},
         "setup": asdict(setup),
@@ -63,7 +63,7 @@ def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float |
         "memory": {"bytes_per_param": weight + grad + master + memory.OPTIMIZER_BYTES[setup.optimizer],
                    "bytes": mem},
         "kv_cache_bytes": memory.kv_cache(model, batch=setup.batch, seq=setup.seq,
-                                          bytes_per_element=memory.PRECISION_BYTES[setup.precision][3]),
+                                          bytes_per_element=activation),
     }
     if tokens is not None:
         result["compute"] = {"tokens": tokens, "six_nd": flops.six_nd(counts["active"], tokens),

@@ -48,6 +48,11 @@ def add_parsers(sub) -> None:
     calc.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "muon"), help="default train.optimizer")
     calc.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default parallel.zero)")
     calc.add_argument("--gpus", type=_count, help="data-parallel GPUs (default parallel.dp)")
+    calc.add_argument("--tp", type=_count, help="tensor-parallel ranks (default parallel.tp)")
+    calc.add_argument("--pp", type=_count, help="pipeline stages (default parallel.pp)")
+    calc.add_argument("--layout", choices=("qkv", "textbook"),
+                      help="mixed-precision layout: qkv's fp32 weights and gradients under autocast (default), "
+                           "or low-precision weights and gradients with an fp32 master copy")
     calc.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
     calc.add_argument("--tokens", type=_number, help="training tokens D: report 6ND and the exact count")
     calc.add_argument("--step-time", type=_number, help="measured seconds per optimizer step: report MFU")
@@ -111,7 +116,8 @@ def cmd_calc(args) -> int:
 
     cfg = calc.resolve(args.preset, args.config, args.set)
     result = calc.calculate(cfg, seq=args.seq, batch=args.batch, precision=args.precision,
-                            optimizer=args.optimizer, zero=args.zero, gpus=args.gpus,
+                            optimizer=args.optimizer, zero=args.zero, gpus=args.gpus, tp=args.tp, pp=args.pp,
+                            layout=args.layout,
                             checkpointing=args.checkpointing, tokens=args.tokens,
                             step_time=args.step_time, peak_flops=args.peak_flops)
     print(json.dumps(result) if args.json else report.calc_text(result))

@@ -1,14 +1,22 @@
 """Training and inference memory from a ModelConfig (note 000 LLM §5.3, §6.2, §7.3, §8.1; SPEC F1, claims 23-24).
 
 Model states, bytes per parameter (P parameters, tied weights once):
-                 weights  gradients  fp32 master  optimizer (Adam m and v in fp32)
-    fp32            4         4           -            8           = 16
-    bf16 / fp16     2         2           4            8           = 16   (mixed precision, fp32 master
-                                                                            weights: Micikevicius et al. 2018)
+                                  weights  gradients  fp32 master  optimizer (Adam m and v in fp32)
+    fp32                             4         4           -            8           = 16
+    bf16 / fp16, qkv (autocast)      4         4           -            8           = 16   (the fp32 weights are
+                                                                                         the master copy)
+    bf16 / fp16, textbook            2         2           4            8           = 16   (Micikevicius et al.
+                                                                                         2018: layout="textbook")
+qkv trains with fp32 weights and gradients and runs the matmuls in bf16 / fp16 under autocast, so its own
+layout is the default; the textbook one is what the notes' analysis (and claims 23-24) assume.
 Note 000 LLM §8.1 counts "Adam 175B x 2 x 2 bytes": fp16 moments and no master copy, half of the truth
 (claim 23). SGD with momentum keeps one fp32 state (4 bytes), no optimizer state at all without momentum.
 ZeRO (Rajbhandari et al. 2020; note 000 LLM §7.3) over N data-parallel GPUs divides by N: stage 1 the
 optimizer states and master weights, stage 2 also the gradients, stage 3 also the weights.
+Tensor parallel over t ranks (qkv.train.tensor_parallel) splits the blocks' projections and the
+vocabulary-parallel W_E / head by t and replicates norms and positional tables; pipeline parallel over p
+stages (qkv.train.pipeline) gives each rank its layers, the first stage the embedding, the last the final
+norm and the head (W_E again when tied). The figures are those of the most loaded rank.
 
 Activations are the tensors autograd keeps for the backward pass of qkv's layers (qkv.nn), per layer
 for B sequences of T tokens, in elements (a = activation bytes; softmax probabilities stay fp32):
@@ -28,11 +36,13 @@ from qkv.analysis import params
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 
-PRECISION_BYTES = {  # weights, gradients, master weights, activations
+PRECISION_BYTES = {  # weights, gradients, master weights, activations: qkv's layout (fp32 under autocast)
     "fp32": (4, 4, 0, 4),
-    "bf16": (2, 2, 4, 2),
-    "fp16": (2, 2, 4, 2),
+    "bf16": (4, 4, 0, 2),
+    "fp16": (4, 4, 0, 2),
 }
+TEXTBOOK_BYTES = {**PRECISION_BYTES, "bf16": (2, 2, 4, 2), "fp16": (2, 2, 4, 2)}  # low-precision weights + master
+LAYOUTS = {"qkv": PRECISION_BYTES, "textbook": TEXTBOOK_BYTES}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "muon": 8}  # fp32 states per parameter (muon: at most; its matrices keep 4)
 FP32 = 4
 
@@ -46,8 +56,16 @@ class Setup:
     precision: str = "fp32"
     optimizer: str = "adamw"
     zero: int = 0
-    gpus: int = 1
+    gpus: int = 1  # data-parallel ranks (ZeRO shards over them)
     checkpointing: bool = False
+    tp: int = 1
+    pp: int = 1
+    layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
+
+    @property
+    def bytes(self) -> tuple[int, int, int, int]:
+        """(weights, gradients, master weights, activations) bytes per element."""
+        return LAYOUTS[self.layout][self.precision]
 
     def check(self) -> "Setup":
         if self.precision not in PRECISION_BYTES:
@@ -56,7 +74,9 @@ class Setup:
             raise QkvError(f"optimizer={self.optimizer!r} is not allowed; choose from: {', '.join(OPTIMIZER_BYTES)}")
         if self.zero not in (0, 1, 2, 3):
             raise QkvError(f"zero={self.zero} is not allowed; choose from: 0, 1, 2, 3")
-        for name in ("batch", "gpus"):
+        if self.layout not in LAYOUTS:
+            raise QkvError(f"layout={self.layout!r} is not allowed; choose from: {', '.join(LAYOUTS)}")
+        for name in ("batch", "gpus", "tp", "pp"):
             if getattr(self, name) <= 0:
                 raise QkvError(f"{name}={getattr(self, name)} must be positive")
         if self.seq < 0:
@@ -64,13 +84,32 @@ class Setup:
         return self
 
 
-def model_states(n_params: int, setup: Setup) -> dict[str, float]:
-    """Bytes per GPU of weights, gradients, master weights and optimizer states under ZeRO."""
-    weight, grad, master, _ = PRECISION_BYTES[setup.precision]
+def model_states(n_params: float, setup: Setup) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients, master weights and optimizer states of `n_params` parameters
+    under ZeRO."""
+    weight, grad, master, _ = setup.bytes
     shard = lambda stage: setup.gpus if setup.zero >= stage else 1  # noqa: E731
     return {"weights": n_params * weight / shard(3), "gradients": n_params * grad / shard(2),
             "master_weights": n_params * master / shard(1),
             "optimizer_states": n_params * OPTIMIZER_BYTES[setup.optimizer] / shard(1)}
+
+
+def rank_params(cfg: ModelConfig, setup: Setup) -> float:
+    """Parameters held by the most loaded rank of the tp x pp grid (before ZeRO's sharding over dp)."""
+    parts = params.breakdown(cfg)
+    if cfg.arch != "decoder" or (setup.tp == 1 and setup.pp == 1):
+        return parts["total"]
+    t = setup.tp
+    split = {"attention": parts["attention"] / t, "ffn": parts["ffn"] / t, "embedding": parts["embedding"] / t,
+             "lm_head": parts["lm_head"] / t}  # row-parallel biases are replicated: counted split (D per layer)
+    layer = (split["attention"] + split["ffn"] + parts["norms"]) / cfg.n_layers
+    embed = split["embedding"] + (parts["positional"] if cfg.positional == "learned" else 0)
+    shared = 0 if cfg.positional == "learned" else parts["positional"]  # every layer reads it: every stage
+    head = parts["final_norm"] + split["lm_head"] + parts.get("embed_norm", 0)
+    stages = params.stage_layers(cfg.n_layers, setup.pp)
+    return max(len(layers) * layer + shared + (embed if s == 0 else 0)
+               + (head + (split["embedding"] if cfg.tie_embeddings and s > 0 else 0) if s == len(stages) - 1 else 0)
+               for s, layers in enumerate(stages))
 
 
 def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
@@ -132,7 +171,7 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int) -> float:
 
 def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     B, T = setup.batch, setup.seq or cfg.max_seq_len
-    a = PRECISION_BYTES[setup.precision][3]
+    a = setup.bytes[3]
     per_layer = [layer_activations(cfg, B, t, a, s) for t, s in _layers(cfg, T)]
     head = head_activations(cfg, B, T, a)
     if not setup.checkpointing:  # the peak is at the start of the backward: everything is alive
@@ -146,7 +185,7 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
 def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     """{part: bytes per GPU} and the total, for one training step's peak."""
     setup.check()
-    parts = {**model_states(params.count(cfg), setup), **activations(cfg, setup)}
+    parts = {**model_states(rank_params(cfg, setup), setup), **activations(cfg, setup)}
     return {**parts, "total": sum(parts.values())}
 
 

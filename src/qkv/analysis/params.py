@@ -170,3 +170,10 @@ def breakdown(cfg: ModelConfig) -> dict[str, int]:
 
 def count(cfg: ModelConfig) -> int:
     return breakdown(cfg)["total"]
+
+
+def stage_layers(n_layers: int, stages: int) -> list[range]:
+    """Pipeline parallel's split (qkv.train.pipeline): contiguous blocks per stage, sizes differing by at
+    most one (earlier stages get the extra ones)."""
+    bounds = [round(s * n_layers / stages) for s in range(stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]

@@ -16,7 +16,7 @@ def gpt3() -> Result:
     counts = params.breakdown(cfg)
     N, D = counts["total"], 300e9
     note_bytes = {"weights": 175e9 * 2, "gradients": 175e9 * 2, "adam": 175e9 * 2 * 2}
-    states = memory.model_states(N, memory.Setup(precision="fp16"))
+    states = memory.model_states(N, memory.Setup(precision="fp16", layout="textbook"))
     tokens_per_day = 1024 * 312e12 * 86400  # 1024 A100s at their bf16/fp16 dense peak
     measured = {
         "parameters (qkv.analysis.params)": N, "12 L d^2": 12 * 96 * 12288 ** 2,
@@ -41,8 +41,8 @@ def gpt3() -> Result:
 def zero() -> Result:
     psi, measured = 7.5e9, {}
     for gpus in (64, 1024, 10**6):
-        base = sum(memory.model_states(psi, memory.Setup(precision="fp16", gpus=gpus, zero=0)).values())
-        per_stage = [sum(memory.model_states(psi, memory.Setup(precision="fp16", gpus=gpus, zero=z)).values())
+        base = sum(memory.model_states(psi, memory.Setup(precision="fp16", gpus=gpus, zero=0, layout="textbook")).values())
+        per_stage = [sum(memory.model_states(psi, memory.Setup(precision="fp16", gpus=gpus, zero=z, layout="textbook")).values())
                      for z in (1, 2, 3)]
         if gpus == 64:
             measured["GB per GPU, stage 0-3, psi=7.5B, N=64"] = [round(b / GB, 1) for b in (base, *per_stage)]

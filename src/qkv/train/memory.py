@@ -54,3 +54,21 @@ def _checkpointed(block: Block, forward, save_attention: bool, *args, **kwargs):
         context = functools.partial(create_selective_checkpoint_contexts, _save_attention_policy)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the weights, their gradients and the optimizer's per-parameter states:
+    a sharded (DTensor) tensor counts its local shard, a pipeline's meta parameter nothing, a ZeRO-1
+    optimizer its own partition; scalar step counters are left out (qkv calc counts them as 0)."""
+    from qkv.nn.hooks import is_dtensor
+
+    def size(tensor) -> int:
+        tensor = tensor.to_local() if is_dtensor(tensor) else tensor
+        return 0 if tensor.is_meta else tensor.numel() * tensor.element_size()
+
+    params = list(model.parameters())
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps this rank's partition
+    return {"weights": sum(size(p) for p in params),
+            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer_states": sum(size(value) for state in inner.state.values() for value in state.values()
+                                    if torch.is_tensor(value) and value.dim() > 0)}

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from qkv import files
+from qkv.analysis.params import stage_layers  # the split, shared with the calculator
 from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.models.context import self_context
@@ -81,12 +82,6 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
         raise QkvError(f"parallel.microbatches={pc.microbatches} must be at least parallel.pp={pc.pp} and divide "
                        f"the {rows} rows of a schedule's batch on each pipeline "
                        f"(train.batch_size / parallel.dp / train.accumulation)")
-
-
-def stage_layers(n_layers: int, stages: int) -> list[range]:
-    """Contiguous blocks per stage, sizes differing by at most one (earlier stages get the extra ones)."""
-    bounds = [round(s * n_layers / stages) for s in range(stages + 1)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
 class Stage(nn.Module):
