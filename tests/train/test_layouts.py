@@ -6,6 +6,7 @@ active. Each layout's loss curve, final validation loss and weights equal one pr
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +32,19 @@ def args(text: Path, out: Path, *sets: str) -> list[str]:
             *[item for s in common for item in ("--set", s)]]
 
 
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
 def launch(processes: int, cli: list[str]) -> None:
     """`torchrun --standalone --nproc-per-node processes -m qkv <cli>`; every rank must exit 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(processes), "-m", "qkv", *cli], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(processes), "-m", "qkv", *cli], cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, **ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def curve(run: Path) -> dict[str, list[float]]:
@@ -123,3 +129,19 @@ def test_checkpoints_move_between_pipeline_and_one_process(text, single, tmp_pat
     launch(2, ["train", "--out", str(tmp_path / "to_pp"), "--resume", "--quiet", "--no-sample", "--max-steps", str(STEPS),
                *[item for s in pp for item in ("--set", s)]])
     assert_same_run(tmp_path / "to_pp", single)
+
+
+def test_two_nodes_as_users_launch_them(text, single, tmp_path):
+    """Two torchrun agents, `--nnodes 2 --node-rank 0|1` with the rendezvous on 127.0.0.1 (two "nodes" on
+    this machine, one process each), a pipeline stage per node: the same run as one process."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cli = args(text, tmp_path / "nodes", "parallel.pp=2", "parallel.microbatches=2")
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                "-m", "qkv", *cli], cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    logs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert_same_run(tmp_path / "nodes", single)

@@ -42,7 +42,7 @@ def calc_text(r: dict) -> str:
     title = (f"training memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO {s['zero']}, {s['gpus']} GPU(s)"
              f"{grid}, micro-batch {s['batch']} x {s['seq']}{', checkpointing' if s['checkpointing'] else ''}; "
              f"{mem['bytes_per_param']} bytes/param before sharding)")
-    lines += _rows(title, [(k, nbytes(v)) for k, v in mem["bytes"].items()])
+    lines += _rows(title, [(k, nbytes(v)) for k, v in mem["bytes"].items()])[:-1]
     if s["precision"] != "fp32":
         lines += ["  (qkv's layout: fp32 weights and gradients under autocast, the weights being the master copy; "
                   "--layout textbook: 2-byte weights and gradients + an fp32 master)"
@@ -51,6 +51,7 @@ def calc_text(r: dict) -> str:
                   "fp32 weights and gradients under autocast)"]
     if grid:
         lines += ["  (model states of the most loaded rank; activations as on one rank, not yet split by tp / pp)"]
+    lines += [""]
     lines += [f"inference KV cache for {s['batch']} x {s['seq']} tokens: {nbytes(r['kv_cache_bytes'])}", ""]
     if "compute" in r:
         c = r["compute"]
