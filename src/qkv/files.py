@@ -96,10 +96,10 @@ def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], o
             raise QkvError(f"{origin}: {name} has shape {tuple(tensors[name].shape)}, "
                            f"config.json needs {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(_like(tensors[name], param))
+            param.copy_(shard_like(tensors[name], param))
 
 
-def _like(value: "torch.Tensor", param: "torch.Tensor") -> "torch.Tensor":
+def shard_like(value: "torch.Tensor", param: "torch.Tensor") -> "torch.Tensor":
     """A full tensor laid out as `param`: its own shard of a sharded (DTensor) parameter under FSDP2 or
     tensor parallel, cut locally (every rank read the same file: no communication)."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no parameter is a DTensor

@@ -1,7 +1,8 @@
 """Every layout through the real CLI: `torchrun --nproc-per-node N -m qkv train ...` (gloo, CPU) against the
 same `qkv train` in one process, on the tiny preset for 12 steps with 2-step accumulation and clipping
-active. Each layout's loss curve, final validation loss and weights equal one process's within 1e-5 relative
-(note 000 LLM §7: each layout computes the gradient of the same batch); checkpoints move between layouts.
+active. Each layout's loss curve and final validation loss equal one process's within 1e-5 relative (note 000
+LLM §7: each layout computes the gradient of the same batch), up to dp x tp x pp on 8 processes;
+checkpoints move between layouts; two torchrun agents act as two nodes.
 """
 from __future__ import annotations
 
@@ -87,13 +88,13 @@ def single(text, tmp_path_factory) -> Path:
     return out
 
 
-LAYOUTS = {  # name: (processes, settings)
-    "pp2_gpipe": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
-    "pp2_1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"]),
-    "dp2_pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+LAYOUTS = {  # name: (processes, settings); 1-D, 2-D and 3-D (torchtitan's FSDP x TP x PP)
+    "pp2": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
     "tp2": (2, ["parallel.tp=2"]),
-    "dp2_tp2_zero2": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2"]),
-    "dp2_zero1": (2, ["parallel.dp=2", "parallel.zero=1"]),
+    "dp2_pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"]),
+    "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+    "dp2_tp2_pp2_zero3": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3",
+                              "parallel.microbatches=2"]),
 }
 
 
@@ -116,18 +117,17 @@ def test_pipeline_fp16_overflows_and_skips_like_one_process(text, tmp_path):
 
 
 def test_checkpoints_move_between_pipeline_and_one_process(text, single, tmp_path):
-    """6 steps under pp=2, resumed in one process to 12; and 6 steps in one process, resumed under pp=2:
-    both equal 12 uninterrupted steps (weights, Adam moments, data position and RNG came through)."""
+    """6 steps under pp=2, resumed in one process to 12; and 6 steps in one process, resumed under
+    dp=2 x pp=2 with zero=3 (FSDP2 over each stage): both equal 12 uninterrupted steps (weights, Adam
+    moments, data position and RNG came through, gathered from and cut back into shards)."""
     half = ["--max-steps", str(STEPS // 2)]
-    pp = ["parallel.pp=2", "parallel.microbatches=2"]
-    launch(2, args(text, tmp_path / "from_pp", *pp) + half)
-    assert main(args(text, tmp_path / "from_pp")[:1] + ["--out", str(tmp_path / "from_pp"), "--resume", "--quiet",
-                                                        "--no-sample", "--max-steps", str(STEPS),
-                                                        "--set", "parallel.pp=1"]) == 0
+    resume = ["--resume", "--quiet", "--no-sample", "--max-steps", str(STEPS)]
+    launch(2, args(text, tmp_path / "from_pp", "parallel.pp=2", "parallel.microbatches=2") + half)
+    assert main(["train", "--out", str(tmp_path / "from_pp"), *resume, "--set", "parallel.pp=1"]) == 0
     assert_same_run(tmp_path / "from_pp", single)
     assert main(args(text, tmp_path / "to_pp") + half) == 0
-    launch(2, ["train", "--out", str(tmp_path / "to_pp"), "--resume", "--quiet", "--no-sample", "--max-steps", str(STEPS),
-               *[item for s in pp for item in ("--set", s)]])
+    to_pp = ["parallel.dp=2", "parallel.zero=3", "parallel.pp=2", "parallel.microbatches=2"]
+    launch(4, ["train", "--out", str(tmp_path / "to_pp"), *resume, *[item for s in to_pp for item in ("--set", s)]])
     assert_same_run(tmp_path / "to_pp", single)
 
 

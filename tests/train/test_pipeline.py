@@ -65,7 +65,7 @@ def test_stages_chained_in_one_process_equal_the_model(tiny_cfg, positional):
     """Stage 0 -> stage 1 -> stage 2 is the decoder's forward: same logits, and a learned table is
     a parameter of the first stage only (later stages take the identity hooks)."""
     model = build_model(dataclasses.replace(tiny_cfg, n_layers=3, positional=positional, attention="naive"))
-    stages = [pipeline.Stage(model, layers, first=s == 0, last=s == 2)
+    stages = [pipeline.Stage(model, layers, first=s == 0, last=s == 2, tokens=7)
               for s, layers in enumerate(params.stage_layers(3, 3))]
     ids = torch.randint(tiny_cfg.vocab_size, (2, 7))
     x = ids
@@ -91,7 +91,7 @@ def test_layouts_that_cannot_run_are_refused():
              (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 must be at least parallel.pp=2"),
              (["parallel.pp=2", "train.accumulation=4", "parallel.microbatches=4"], "divide the 2 rows"),
              (["parallel.pp=2", "train.batch_warmup_steps=5"], "train.batch_warmup_steps=5"),
-             (["parallel.pp=2", "parallel.tp=2"], "tp x pp and ZeRO are not supported"),
+             (["parallel.pp=2", "parallel.zero=1"], "parallel.zero=1: shard a pipeline"),
              (["parallel.pp=2", "model.arch=encoder"], "decoder LM only"))
     for assignments, message in cases:
         with pytest.raises(QkvError, match=re.escape(message)):

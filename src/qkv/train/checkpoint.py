@@ -29,7 +29,6 @@ from torch import nn
 from qkv.errors import QkvError
 from qkv.files import (CHECKPOINT_FILES, MODEL_FILE, RECORD_FILE, SET_FILES, STATE_JSON, STATE_TENSORS,
                        load_model_tensors, model_tensors, read_json, read_tensors)
-from qkv.train import parallel
 
 
 @dataclass
@@ -52,11 +51,11 @@ class State:
 class Checkpoints:
     """A run dir's checkpoint set as a training run in any layout sees it: every rank reads the same
     complete set on resume; rank 0 writes the single-process files, the full tensors gathered
-    (docs/distributed.md), gathered by the step runner's `full_state` (a pipeline's from its stages)."""
+    (docs/distributed.md), gathered by the step runner (a pipeline's from its stages), and loaded back through it."""
 
-    def __init__(self, model: nn.Module, optimizer, scaler, batches, layout, full_state, log):
+    def __init__(self, model: nn.Module, optimizer, scaler, batches, layout, runner, log):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.batches, self.layout, self.full_state, self.log = batches, layout, full_state, log
+        self.batches, self.layout, self.runner, self.log = batches, layout, runner, log
 
     def resume(self, run_dir: Path, tc) -> "State | None":
         """The saved State, with the weights, moments, loss scale, data position and RNG restored; None when
@@ -75,7 +74,7 @@ class Checkpoints:
         state_tensors, raw = load_state(run_dir)
         check_state_json(raw, run_dir / STATE_JSON)
         check_optimizer_state(self.optimizer, state_tensors, raw, run_dir / STATE_TENSORS)
-        parallel.load_full_optimizer(self.model, self.optimizer, state_tensors, raw["optimizer"], self.layout)
+        self.runner.load_optimizer(self.optimizer, state_tensors, raw["optimizer"])  # cut to this layout
         try:
             if "scaler" in raw:
                 self.scaler.load_state_dict(raw["scaler"])
@@ -97,7 +96,7 @@ class Checkpoints:
         state.batches = self.batches.state()
         rng_json, rng_tensors = capture_rng()
         state.rng = rng_json
-        weights, optim_tensors, groups = self.full_state(self.optimizer)  # the runner's, gathered on rank 0
+        weights, optim_tensors, groups = self.runner.full_state(self.optimizer)  # gathered on rank 0
         raw = {"step": state.step, "trainer": vars(state), "optimizer": groups, "scaler": self.scaler.state_dict()}
         if self.layout.is_main:
             bad = next((name for name, t in {**weights, **optim_tensors}.items()

@@ -78,7 +78,7 @@ class Trainer:
         self.state = State(horizon=self.tc.max_steps)
         self.guards = StepGuards(self.tc, lambda message: self.log(message))  # self.log as it is then
         self.checkpoints = checkpoint.Checkpoints(self.model, self.optimizer, self.scaler, self.batches, self.layout,
-                                                  self.runner.full_state, lambda message: self.log(message))
+                                                  self.runner, lambda message: self.log(message))
         self.saved_step: int | None = None  # the step of the last complete checkpoint, None before one
 
     # ---- state -------------------------------------------------------------------------------

@@ -176,12 +176,12 @@ def shutdown() -> None:
 
 
 # ---- wrapping a finished model ---------------------------------------------------------------------
-def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout) -> nn.Module:
+def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: bool = True) -> nn.Module:
     """Tensor parallel, activation checkpointing, then data parallel (torchtitan's order). Returns the
     module to call in the training forward: the DDP wrapper, or `model` itself (FSDP2 and tensor parallel
     change it in place). Parameter names never change. The pipeline split (parallel.pp) is done by
-    qkv.train.pipeline before this, on each stage's module."""
-    if layout.tp > 1:
+    qkv.train.pipeline before this, on each stage's module (`tensor=False`: the whole model is already split)."""
+    if layout.tp > 1 and tensor:
         from qkv.train import tensor_parallel
 
         tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)

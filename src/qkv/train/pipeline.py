@@ -68,9 +68,9 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
                        f"(model.arch='decoder', train.objective='lm'), not {model.arch!r} / {tc.objective!r}")
     if pc.pp > model.n_layers:
         raise QkvError(f"parallel.pp={pc.pp} is larger than model.n_layers={model.n_layers}: each stage needs a layer")
-    if pc.tp > 1 or pc.zero:
-        raise QkvError(f"parallel.pp={pc.pp} with parallel.tp={pc.tp}, parallel.zero={pc.zero}: pipeline parallel "
-                       f"combines with plain data parallel only (dp x pp, zero=0); tp x pp and ZeRO are not supported")
+    if pc.zero == 1:
+        raise QkvError(f"parallel.pp={pc.pp} with parallel.zero=1: shard a pipeline's data-parallel dimension with "
+                       f"parallel.zero=2 or 3 (FSDP2), or keep parallel.zero=0 (DDP)")
     unsupported = [(name, value) for name, value, off in (
         ("model.moe_experts", model.moe_experts, 0), ("train.batch_warmup_steps", tc.batch_warmup_steps, 0))
         if value != off]
@@ -86,11 +86,12 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
 
 class Stage(nn.Module):
     """Blocks `layers` of a DecoderLM (the same modules, keyed by their index in the model), with the
-    embedding when `first` and the final norm and LM head when `last`."""
+    embedding when `first` and the final norm and LM head when `last`. `tokens` is the sequence length T
+    (a later stage's input under tensor parallel holds only T / tp positions)."""
 
-    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool):
+    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool, tokens: int):
         super().__init__()
-        self.first, self.last = first, last
+        self.first, self.last, self.tokens = first, last, tokens
         # the positional hooks act in every layer; a learned table serves the embedding only, so later
         # stages take the identity hooks instead (every parameter of a stage gets a gradient, as DDP needs)
         keeps_table = first or not isinstance(model.positional, Learned)
@@ -103,15 +104,16 @@ class Stage(nn.Module):
             self.final_norm, self.lm_head = model.final_norm, model.lm_head
 
     def forward(self, x: Tensor) -> Tensor:
-        """first: (B, T) ids; else (B, T, D) hidden states. -> (B, T, D), or (B, T, V) fp32 logits on the last."""
-        B, T = x.shape[:2]
+        """first: (B, T) ids; else (B, T, D) hidden states (T / tp of them under tensor parallel, which
+        splits the stream over the sequence). -> (B, T, D), or (B, T, V) fp32 logits on the last."""
+        B = x.shape[0]
         # the lm objective has no padding: positions 0..T-1 and the causal mask depend on the shape only
-        ids = x if self.first else torch.zeros(B, T, dtype=torch.long, device=x.device)
+        ids = x if self.first else torch.zeros(B, self.tokens, dtype=torch.long, device=x.device)
         ctx = self_context(self.positional, ids, None, None, causal=True)
         if self.first:
             x = self.embed(x, ctx.positions)  # H0 (B, T, D)
         for block in self.blocks.values():
-            x = block(x, ctx)
+            x = block(x, ctx, None)  # no cache: (x, ctx, cache) as the decoder calls it
         if self.last:
             x = self.lm_head(self.final_norm(x)).float()  # (B, T, V): the loss reads fp32
         return x
@@ -120,11 +122,12 @@ class Stage(nn.Module):
 class Pipeline:
     """This rank's stage of `model` on the pp dimension of a mesh, and the schedule that trains it.
 
-    `wrap` (e.g. data parallel) is applied to the stage module before the pipeline stage is built; `scaler`
-    is the run's GradScaler (fp16 scales each micro-batch's loss by it)."""
+    `model` may already be split by tensor parallel (DTensor parameters); `wrap` (data parallel: DDP, or
+    FSDP2 for zero 2 / 3) is applied to the stage module before the pipeline stage is built; `scaler` is the
+    run's GradScaler (fp16 scales each micro-batch's loss by it). `tp` is the tensor-parallel size."""
 
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, cfg: RunConfig, device: torch.device,
-                 *, dp: int = 1, wrap=lambda module: module, scaler: torch.amp.GradScaler | None = None):
+                 *, dp: int = 1, tp: int = 1, wrap=lambda module: module, scaler: torch.amp.GradScaler | None = None):
         validate(cfg, dp)
         pc, tc = cfg.parallel, cfg.train
         self.model, self.group, self.device, self.precision = model, pp_mesh.get_group(), device, tc.precision
@@ -133,30 +136,33 @@ class Pipeline:
             scaler.scale(torch.zeros((), device=device))  # so every stage's scaler starts with it now
         self.stages, self.index = pp_mesh.size(), pp_mesh.get_local_rank()
         self.ranks = dist.get_process_group_ranks(self.group)  # global rank of each stage
-        self.gathers = self.ranks[0] == 0  # rank 0's pipeline brings the whole model to rank 0
+        self.main = self.ranks[0] == 0  # rank 0's pipeline: its stages send to rank 0 (at dp 0, tp 0)
         splits = stage_layers(len(model.blocks), self.stages)
-        modules = [Stage(model, layers, first=s == 0, last=s == self.stages - 1) for s, layers in enumerate(splits)]
+        modules = [Stage(model, layers, first=s == 0, last=s == self.stages - 1, tokens=tc.seq_len)
+                   for s, layers in enumerate(splits)]
         self.stage_module = modules[self.index]
         # owners[i]: the stages that use parameter i of the model (named_parameters order, a tied one once)
         holders = [{id(p) for p in module.parameters()} for module in modules]
         self.owners = [[s for s in range(self.stages) if id(p) in holders[s]] for p in model.parameters()]
         release(model, holders[self.index])  # the other stages' parameters: meta tensors, no storage
-        self.named = list(model.named_parameters())
-        self.params = [p for _, p in self.named]
-        self.shared = [p for p, owners in zip(self.params, self.owners) if len(owners) > 1]
-        self.d_model, self.vocab_size = cfg.model.d_model, cfg.model.vocab_size
+        self.d_model, self.vocab_size, self.tp = cfg.model.d_model, cfg.model.vocab_size, tp
+        self.shared_groups = self.owner_groups()
         rows = tc.batch_size // dp // tc.accumulation // pc.microbatches
-        shape = (rows, tc.seq_len)
         # the shapes each stage sends and receives, given so that no metadata is exchanged at run time
-        # (received activations and sent outputs carry gradients back)
-        inputs = torch.empty(shape, dtype=torch.long, device="meta") if self.index == 0 else \
-            torch.empty(*shape, self.d_model, device="meta", requires_grad=True)
-        width = self.vocab_size if self.is_last else self.d_model
-        outputs = torch.empty(*shape, width, device="meta", requires_grad=True)
+        # (received activations and sent outputs carry gradients back); tp splits the stream over T
+        inputs = torch.empty(rows, tc.seq_len, dtype=torch.long, device="meta") if self.index == 0 else \
+            torch.empty(rows, self.local_tokens(tc.seq_len), self.d_model, device="meta", requires_grad=True)
+        outputs = torch.empty(rows, tc.seq_len, self.vocab_size, device="meta", requires_grad=True) if self.is_last \
+            else torch.empty(rows, self.local_tokens(tc.seq_len), self.d_model, device="meta", requires_grad=True)
         from torch.distributed import pipelining  # a second to import: only once a pipeline is built
 
-        self.stage = pipelining.PipelineStage(wrap(self.stage_module), self.index, self.stages, device,
+        entries = {(id(m), n): p for m in model.modules() for n, p in m._parameters.items() if p is not None}
+        wrapped = wrap(self.stage_module)
+        retie(model, self.stage_module, entries)  # FSDP2 replaced the stage's parameters: the model's too
+        self.stage = pipelining.PipelineStage(wrapped, self.index, self.stages, device,
                                               input_args=inputs, output_args=outputs, group=self.group)
+        self.named = list(model.named_parameters())  # after the wrap: FSDP2's sharded parameters
+        self.params = [p for _, p in self.named]
         self.weight = 1.0 / (pc.microbatches * tc.accumulation)  # each micro-batch's share of the step
         self.schedule = getattr(pipelining, SCHEDULES.get(pc.schedule))(
             self.stage, n_microbatches=pc.microbatches, loss_fn=self.micro_loss, scale_grads=False)
@@ -165,10 +171,33 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.index == self.stages - 1
 
+    def local_tokens(self, tokens: int) -> int:
+        """Positions of a (B, T, D) stream this rank holds between blocks: its torch.chunk of T over the tp
+        ranks (sequence parallel; tp is the innermost mesh dimension)."""
+        size = -(-tokens // self.tp)
+        return max(0, min(size, tokens - (dist.get_rank() % self.tp) * size))
+
+    def pipelines(self) -> list[tuple[int, ...]]:
+        """Every pipeline's global ranks in stage order, the same list on every rank."""
+        mine = torch.tensor(self.ranks, dtype=torch.long, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return sorted({tuple(t.tolist()) for t in every})
+
+    def owner_groups(self) -> list:
+        """For each shared parameter, the process group of the stages that hold it in this rank's pipeline
+        (created alike on every rank, as torch.distributed requires)."""
+        groups = {}
+        for owners in sorted({tuple(o) for o in self.owners if len(o) > 1}):
+            for ranks in self.pipelines():
+                group = dist.new_group([ranks[s] for s in owners])
+                if tuple(ranks) == tuple(self.ranks):
+                    groups[owners] = group
+        return [(i, groups[tuple(o)]) for i, o in enumerate(self.owners) if len(o) > 1 and self.index in o]
+
     def named_parameters(self):
         """(name in the whole model, parameter) for this stage's parameters."""
-        mine = {id(p) for p in self.stage_module.parameters()}
-        return [(name, p) for name, p in self.named if id(p) in mine]
+        return [(name, p) for name, p in self.named if not p.is_meta]
 
     def micro_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """One micro-batch's mean cross-entropy times its share 1 / (m * accumulation) (and fp16's S)."""
@@ -206,27 +235,26 @@ class Pipeline:
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def sum_shared_grads(self) -> None:
-        """g_shared = sum over stages of each stage's gradient (zero where a stage does not hold it: a stage
-        between two that share W_E adds a temporary zero tensor)."""
-        for param in self.shared:
-            if param.is_meta:
-                dist.all_reduce(torch.zeros(param.shape, dtype=param.dtype, device=self.device), group=self.group)
-                continue
+        """g_shared = sum over the stages that hold it of each one's gradient (one all-reduce among them)."""
+        for i, group in self.shared_groups:
+            param = self.params[i]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(local(param.grad), group=self.group)
+            if is_dtensor(param.grad) and param.grad.placements != param.placements:  # tensor parallel's
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)  # embedding: Replicate
+            dist.all_reduce(local(param.grad), group=group)
 
     def agree_on_overflow(self) -> None:
-        """fp16: an inf or NaN in any stage's gradient is an overflow of the step, so every stage's scaler
-        must see one (each unscales its own gradients): a stage whose gradients are finite gets an inf."""
+        """fp16: an inf or NaN in any rank's gradient is an overflow of the step, so every stage's scaler
+        must see one (each unscales its own gradients): a rank whose gradients are finite gets an inf."""
         if self.scaler is None or not self.scaler.is_enabled():
             return
-        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.stage_module.parameters() if p.grad is not None]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         bad = torch.tensor(float(not finite), device=self.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item() and finite and grads:
-            local(grads[0]).view(-1)[0] = math.inf
+            grads[0].view(-1)[0] = math.inf
 
     def clip(self, max_norm: float) -> Tensor:
         """Global-norm clipping (note 000 LLM §4.3) of the whole model's gradient: each stage's sum of squares
@@ -247,22 +275,18 @@ class Pipeline:
         """The module evaluation calls: the stages one after the other on each batch."""
         return StagedForward(self)
 
-    # ---- the whole model on rank 0 -----------------------------------------------------------------
+    # ---- checkpoints: the whole model on rank 0, and back ------------------------------------------
     @torch.no_grad()
     def full_weights(self) -> dict[str, Tensor]:
         """The whole model's tensors as one process's files hold them, on rank 0 ({} elsewhere): each
-        parameter from its first stage, the persistent buffers (never released) rank 0's own. Collective
-        over rank 0's pipeline."""
-        if not self.gathers:
-            return {}
+        parameter gathered on its first stage (a sharded one over its mesh) and sent to rank 0; the
+        persistent buffers are rank 0's own. Collective."""
         weights = {}
         for (name, param), owners in zip(self.named, self.owners):
-            value = self.to_main(None if param.is_meta else param, owners[0], param.shape, param.dtype)
+            value = self.to_main(param if self.index == owners[0] else None, owners[0], param.shape, param.dtype)
             if value is not None:
                 weights[name] = value.cpu().contiguous()
-        if self.index:
-            return {}
-        return {**weights, **files.persistent_buffers(self.model)}
+        return {**weights, **files.persistent_buffers(self.model)} if dist.get_rank() == 0 else {}
 
     @torch.no_grad()
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
@@ -271,18 +295,15 @@ class Pipeline:
         from qkv.train.checkpoint import optimizer_tensors
 
         weights = self.full_weights()
-        if not self.gathers:
-            return {}, {}, []
         position = {id(p): i for i, p in enumerate(self.params)}
         tensors = {}
-        order = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, param in enumerate(order):
+        for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
             owner = self.owners[position[id(param)]][0]
             state = optimizer.state.get(param, {}) if self.index == owner else {}
             flags = [key in state for key in STATE_KEYS]  # the owner's; rank 0 receives them
             present = torch.tensor([float(flag) for flag in flags], device=self.device)
-            received = self.to_main(present, owner, present.shape, present.dtype)
-            if self.index == 0:
+            received = self.to_main(present if self.index == owner else None, owner, present.shape, present.dtype)
+            if dist.get_rank() == 0:
                 flags = [bool(flag) for flag in received.tolist()]
             elif self.index != owner:
                 continue
@@ -292,21 +313,38 @@ class Pipeline:
                     value = self.to_main(state.get(key), owner, shape, dtype)
                     if value is not None:
                         tensors[f"optim.{index}.{key}"] = value.cpu().contiguous()
-        if self.index:
+        if dist.get_rank():
             return {}, {}, []
         return weights, tensors, optimizer_tensors(optimizer)[1]
 
     def to_main(self, value: Tensor | None, owner: int, shape, dtype) -> Tensor | None:
-        """`value` from stage `owner` onto the first stage (global rank 0): the value there, None elsewhere."""
-        if owner == 0:
-            return value if self.index == 0 else None
-        if self.index == owner:
-            dist.send(local(value).to(self.device).contiguous(), dst=self.ranks[0])
-        elif self.index == 0:
+        """`value` of stage `owner` on global rank 0 (None elsewhere). Every rank of that stage takes part in
+        gathering a sharded value; its (dp 0, tp 0) rank sends it, unless it is rank 0 itself."""
+        if self.index == owner and value is not None and is_dtensor(value):
+            value = value.full_tensor()  # over the stage's dp x tp ranks
+        if dist.get_rank() == 0:
+            if owner == 0:
+                return value
             box = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(box, src=self.ranks[owner])
             return box
+        if self.index == owner and self.main:
+            dist.send(value.to(self.device).contiguous(), dst=0)
         return None
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
+        """A single-process optimizer state into this stage: each moment of a stage parameter cut to its
+        shard (every rank read the same file), the other stages' dropped."""
+        from qkv.train.checkpoint import load_optimizer
+
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        mine = {}
+        for key, value in tensors.items():
+            if key.startswith("optim."):
+                param = order[int(key.split(".")[1])]
+                if not param.is_meta:
+                    mine[key] = files.shard_like(value, param) if value.dim() else value
+        load_optimizer(optimizer, mine, groups)
 
 
 class StagedForward(nn.Module):
@@ -320,11 +358,16 @@ class StagedForward(nn.Module):
     @torch.no_grad()
     def forward(self, inputs: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
         p = self.pipeline
+        B, T = inputs.shape
         x = inputs
-        if p.index > 0:  # (B, T, D) from the previous stage
-            x = torch.empty(*inputs.shape, p.d_model, device=p.device)
+        if p.index > 0:  # (B, T, D) from the previous stage (T / tp positions under tensor parallel)
+            x = torch.empty(B, p.local_tokens(T), p.d_model, device=p.device)
             dist.recv(x, src=p.ranks[p.index - 1])
-        x = self.stage(x)
+        tokens, self.stage.tokens = self.stage.tokens, T
+        try:
+            x = self.stage(x)
+        finally:
+            self.stage.tokens = tokens
         if p.is_last:
             loss = cross_entropy(x, targets, label_smoothing)
         else:
@@ -332,6 +375,19 @@ class StagedForward(nn.Module):
             loss = torch.zeros((), device=p.device)
         dist.broadcast(loss, src=p.ranks[-1], group=p.group)
         return loss
+
+
+def retie(model: nn.Module, stage: nn.Module, entries: dict[tuple[int, str], nn.Parameter]) -> None:
+    """After `stage`'s parameters were replaced (FSDP2's sharded ones), point every other reference in
+    `model` to the replacement: a weight tied across the stage's edge (W_E, read by the last stage's head
+    and held by the embedding module outside it) stays one parameter. `entries`: (module, name) -> the
+    parameter before (held, so that no id is reused while this runs)."""
+    replaced = {id(entries[(id(m), n)]): p for m in stage.modules() for n, p in m._parameters.items()
+                if p is not None and (id(m), n) in entries and entries[(id(m), n)] is not p}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced and param is entries.get((id(module), name)):
+                module._parameters[name] = replaced[id(param)]
 
 
 def release(model: nn.Module, keep: set[int]) -> None:
@@ -343,8 +399,8 @@ def release(model: nn.Module, keep: set[int]) -> None:
             if param is None or id(param) in keep:
                 continue
             if id(param) not in meta:
-                meta[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
-                                               requires_grad=param.requires_grad)
+                meta[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                               requires_grad=param.requires_grad)  # a DTensor's global shape
             module._parameters[name] = meta[id(param)]
 
 

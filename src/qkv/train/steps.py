@@ -7,6 +7,7 @@ A runner has these methods:
     evaluator() -> module                              what evaluation calls (the model, or the pipeline's stages)
     full_weights() -> tensors                          the whole model as one process's files hold it, on rank 0
     full_state(optimizer) -> (weights, tensors, groups)  and the optimizer's state likewise (collective)
+    load_optimizer(optimizer, tensors, groups)         a single-process optimizer state into this layout
 
 `MicroBatches` serves one process, data parallel (DDP, ZeRO via FSDP2) and tensor parallel: the batch (this
 rank's b / dp rows) in micro-batches of batch_size / accumulation / dp rows, each weighted by its share b_i / b
@@ -61,12 +62,20 @@ class MicroBatches:
         return (parallel.full_model_state(self.model, self.layout),
                 *parallel.full_optimizer_state(self.model, optimizer, self.layout))
 
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
+        parallel.load_full_optimizer(self.model, optimizer, tensors, groups, self.layout)
+
 
 def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler=None):
-    """parallel.pp > 1: this rank's pipeline stage under its schedule; else micro-batches."""
+    """parallel.pp > 1: this rank's pipeline stage under its schedule (tensor parallel splits the whole
+    model first, data parallel wraps the stage); else micro-batches."""
     if layout.pp > 1:
         from qkv.train.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
 
-        return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, scaler=scaler,
-                        wrap=lambda stage: parallel.parallelize(stage, cfg, layout))
+        if layout.tp > 1:
+            from qkv.train import tensor_parallel
+
+            tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
+        return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, tp=layout.tp, scaler=scaler,
+                        wrap=lambda stage: parallel.parallelize(stage, cfg, layout, tensor=False))
     return MicroBatches(model, cfg, layout)
