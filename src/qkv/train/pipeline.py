@@ -44,12 +44,11 @@ from qkv import files
 from qkv.analysis.params import stage_layers  # the split, shared with the calculator
 from qkv.config import RunConfig
 from qkv.errors import QkvError
-from qkv.models.context import self_context
 from qkv.nn.hooks import is_dtensor
 from qkv.nn.linear_cross_entropy import cross_entropy
-from qkv.nn.positional import Learned, Positional
 from qkv.registry import Registry
 from qkv.train.precision import autocast
+from qkv.train.stages import Stage, StagedForward, release, retie
 
 # parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
 # package takes over a second to import, and a config check only needs the names)
@@ -82,41 +81,6 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
         raise QkvError(f"parallel.microbatches={pc.microbatches} must be at least parallel.pp={pc.pp} and divide "
                        f"the {rows} rows of a schedule's batch on each pipeline "
                        f"(train.batch_size / parallel.dp / train.accumulation)")
-
-
-class Stage(nn.Module):
-    """Blocks `layers` of a DecoderLM (the same modules, keyed by their index in the model), with the
-    embedding when `first` and the final norm and LM head when `last`. `tokens` is the sequence length T
-    (a later stage's input under tensor parallel holds only T / tp positions)."""
-
-    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool, tokens: int):
-        super().__init__()
-        self.first, self.last, self.tokens = first, last, tokens
-        # the positional hooks act in every layer; a learned table serves the embedding only, so later
-        # stages take the identity hooks instead (every parameter of a stage gets a gradient, as DDP needs)
-        keeps_table = first or not isinstance(model.positional, Learned)
-        self.positional = model.positional if keeps_table else Positional()
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if first:
-            self.tok_emb, self.dropout = model.tok_emb, model.dropout
-            self.embed = model.embed  # the model's embedding equation (qkv.nn.embedding), on these modules
-        if last:
-            self.final_norm, self.lm_head = model.final_norm, model.lm_head
-
-    def forward(self, x: Tensor) -> Tensor:
-        """first: (B, T) ids; else (B, T, D) hidden states (T / tp of them under tensor parallel, which
-        splits the stream over the sequence). -> (B, T, D), or (B, T, V) fp32 logits on the last."""
-        B = x.shape[0]
-        # the lm objective has no padding: positions 0..T-1 and the causal mask depend on the shape only
-        ids = x if self.first else torch.zeros(B, self.tokens, dtype=torch.long, device=x.device)
-        ctx = self_context(self.positional, ids, None, None, causal=True)
-        if self.first:
-            x = self.embed(x, ctx.positions)  # H0 (B, T, D)
-        for block in self.blocks.values():
-            x = block(x, ctx, None)  # no cache: (x, ctx, cache) as the decoder calls it
-        if self.last:
-            x = self.lm_head(self.final_norm(x)).float()  # (B, T, V): the loss reads fp32
-        return x
 
 
 class Pipeline:
@@ -345,63 +309,6 @@ class Pipeline:
                 if not param.is_meta:
                     mine[key] = files.shard_like(value, param) if value.dim() else value
         load_optimizer(optimizer, mine, groups)
-
-
-class StagedForward(nn.Module):
-    """The whole model's loss computed stage after stage on one batch (evaluation: no schedule, no
-    gradient). Every rank of the pipeline calls it with the same batch; each gets the loss."""
-
-    def __init__(self, pipeline: Pipeline):
-        super().__init__()
-        self.pipeline, self.stage = pipeline, pipeline.stage_module
-
-    @torch.no_grad()
-    def forward(self, inputs: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
-        p = self.pipeline
-        B, T = inputs.shape
-        x = inputs
-        if p.index > 0:  # (B, T, D) from the previous stage (T / tp positions under tensor parallel)
-            x = torch.empty(B, p.local_tokens(T), p.d_model, device=p.device)
-            dist.recv(x, src=p.ranks[p.index - 1])
-        tokens, self.stage.tokens = self.stage.tokens, T
-        try:
-            x = self.stage(x)
-        finally:
-            self.stage.tokens = tokens
-        if p.is_last:
-            loss = cross_entropy(x, targets, label_smoothing)
-        else:
-            dist.send(x.float().contiguous(), dst=p.ranks[p.index + 1])
-            loss = torch.zeros((), device=p.device)
-        dist.broadcast(loss, src=p.ranks[-1], group=p.group)
-        return loss
-
-
-def retie(model: nn.Module, stage: nn.Module, entries: dict[tuple[int, str], nn.Parameter]) -> None:
-    """After `stage`'s parameters were replaced (FSDP2's sharded ones), point every other reference in
-    `model` to the replacement: a weight tied across the stage's edge (W_E, read by the last stage's head
-    and held by the embedding module outside it) stays one parameter. `entries`: (module, name) -> the
-    parameter before (held, so that no id is reused while this runs)."""
-    replaced = {id(entries[(id(m), n)]): p for m in stage.modules() for n, p in m._parameters.items()
-                if p is not None and (id(m), n) in entries and entries[(id(m), n)] is not p}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and id(param) in replaced and param is entries.get((id(module), name)):
-                module._parameters[name] = replaced[id(param)]
-
-
-def release(model: nn.Module, keep: set[int]) -> None:
-    """Replace each parameter of `model` whose id is not in `keep` by a meta tensor of its shape (one per
-    parameter, so a tied pair stays tied): its storage is freed; names and order are unchanged."""
-    meta: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or id(param) in keep:
-                continue
-            if id(param) not in meta:
-                meta[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                               requires_grad=param.requires_grad)  # a DTensor's global shape
-            module._parameters[name] = meta[id(param)]
 
 
 # the per-parameter state tensors of qkv's optimizers (qkv.train.optim: AdamW, Adam, SGD)
