@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 from qkv import files
 from qkv.errors import QkvError
 from qkv.train import checkpoint
+from qkv.config import RunConfig
 from qkv.train.parallel import Layout
+from qkv.train.steps import MicroBatches
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def test_a_diverged_model_never_replaces_a_finite_checkpoint(tmp_path):
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
     saver = checkpoint.Checkpoints(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), Batches(),
-                                   Layout(), sync=lambda opt: None, log=print)
+                                   Layout(), MicroBatches(model, RunConfig(), Layout()), log=print)
     saver.save(tmp_path, checkpoint.State(step=1))
     before = snapshot(tmp_path)
     with torch.no_grad():

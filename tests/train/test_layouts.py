@@ -57,9 +57,9 @@ def curve(run: Path) -> dict[str, list[float]]:
             "skipped": [int(r["skipped"]) for r in steps]}
 
 
-def assert_same_run(got: Path, want: Path, rtol: float = RELATIVE) -> None:
+def assert_same_run(got: Path, want: Path, rtol: float = RELATIVE, steps: int = STEPS) -> None:
     a, b = curve(got), curve(want)
-    assert len(a["loss"]) == len(b["loss"]) == STEPS
+    assert len(a["loss"]) == len(b["loss"]) == steps
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=rtol, atol=0)
     np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=100 * rtol, atol=0)  # clipping is active
     np.testing.assert_allclose(a["val"][-1], b["val"][-1], rtol=rtol, atol=0)  # a resumed run has two
@@ -88,14 +88,13 @@ def single(text, tmp_path_factory) -> Path:
     return out
 
 
-LAYOUTS = {  # name: (processes, settings); 1-D, 2-D and 3-D (torchtitan's FSDP x TP x PP)
-    "pp2": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
+# name: (processes, settings); 1-D, 2-D and 3-D (torchtitan's FSDP x TP x PP, which holds tp x pp and dp x tp);
+# pp alone: the fp16 and two-node tests below; dp alone: tests/train/test_parallel.py
+LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "dp2_pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"]),
-    "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
-    "dp2_tp2_pp2_zero3": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3",
-                              "parallel.microbatches=2"]),
 }
+THREE_D = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3", "parallel.microbatches=2"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -103,6 +102,14 @@ def test_layout_equals_one_process(name, text, single, tmp_path):
     processes, sets = LAYOUTS[name]
     launch(processes, args(text, tmp_path / name, *sets))
     assert_same_run(tmp_path / name, single)
+
+
+def test_dp_tp_pp_on_8_processes_equals_one_process(text, tmp_path):
+    """The 3-D layout (FSDP2 x TP x PP, 8 processes: 48 s for 12 steps on 2 cores, so 4 here) against 4 steps
+    in one process."""
+    assert main(args(text, tmp_path / "one") + ["--max-steps", "4"]) == 0
+    launch(8, args(text, tmp_path / "3d", *THREE_D) + ["--max-steps", "4"])
+    assert_same_run(tmp_path / "3d", tmp_path / "one", steps=4)
 
 
 def test_pipeline_fp16_overflows_and_skips_like_one_process(text, tmp_path):
@@ -116,18 +123,15 @@ def test_pipeline_fp16_overflows_and_skips_like_one_process(text, tmp_path):
     assert curve(tmp_path / "one")["skipped"][-1] >= 2  # the test exercises the skips
 
 
-def test_checkpoints_move_between_pipeline_and_one_process(text, single, tmp_path):
-    """6 steps under pp=2, resumed in one process to 12; and 6 steps in one process, resumed under
-    dp=2 x pp=2 with zero=3 (FSDP2 over each stage): both equal 12 uninterrupted steps (weights, Adam
-    moments, data position and RNG came through, gathered from and cut back into shards)."""
-    half = ["--max-steps", str(STEPS // 2)]
-    resume = ["--resume", "--quiet", "--no-sample", "--max-steps", str(STEPS)]
-    launch(2, args(text, tmp_path / "from_pp", "parallel.pp=2", "parallel.microbatches=2") + half)
-    assert main(["train", "--out", str(tmp_path / "from_pp"), *resume, "--set", "parallel.pp=1"]) == 0
-    assert_same_run(tmp_path / "from_pp", single)
-    assert main(args(text, tmp_path / "to_pp") + half) == 0
+def test_a_checkpoint_moves_into_a_pipeline(text, single, tmp_path):
+    """6 steps in one process, resumed under dp=2 x pp=2 with zero=3 (FSDP2 over each stage) to 12: equal
+    to 12 uninterrupted steps (weights and Adam moments cut into each stage's shards, data position and RNG
+    came through; the gathered final checkpoint is one process's). The other way, pp to one process:
+    tests/train/test_pipeline.py (gathered state) and test_parallel.py (zero 3 to one process)."""
+    assert main(args(text, tmp_path / "to_pp") + ["--max-steps", str(STEPS // 2)]) == 0
     to_pp = ["parallel.dp=2", "parallel.zero=3", "parallel.pp=2", "parallel.microbatches=2"]
-    launch(4, ["train", "--out", str(tmp_path / "to_pp"), *resume, *[item for s in to_pp for item in ("--set", s)]])
+    launch(4, ["train", "--out", str(tmp_path / "to_pp"), "--resume", "--quiet", "--no-sample", "--max-steps",
+               str(STEPS), *[item for s in to_pp for item in ("--set", s)]])
     assert_same_run(tmp_path / "to_pp", single)
 
 
