@@ -56,6 +56,26 @@ def test_sparse_kernels_scores_are_the_ones_computed(kernel, T, S, window):
     assert counted == flops.attention_scores(cfg, 1, T, S)  # (local with w = T/2 computes more than T x S)
 
 
+@pytest.mark.parametrize("T, S", [(128, 128), (300, 300), (512, 512), (40, 300), (1, 200)])
+def test_flash_counts_the_tiles_it_computes_under_the_causal_triangle(T, S):
+    """flash skips, per key tile, the queries before its first key: the FLOP counter on the kernel's forward
+    equals calc's causal score FLOPs (cached keys T < S too; one tile, or keys all before the queries, skip
+    nothing; 0.625 of T x S at T = S = 512 with 128-column tiles), and without a causal mask every pair is
+    computed."""
+    from qkv.nn.kernels import kernel_for
+
+    cfg = ModelConfig(**{**BASE, "attention": "flash", "n_heads": 1, "d_model": 8, "max_seq_len": 512})
+    q, k = torch.randn(1, 1, T, 8, requires_grad=True), torch.randn(1, 1, S, 8)
+    fn = kernel_for("flash")
+    counted, _ = count_flops(lambda: fn(q, k, k, mask=None, causal=True, bias=None, scale=0.3))
+    assert counted == flops.attention_scores(cfg, 1, T, S, causal=True)
+    assert counted <= flops.attention_scores(cfg, 1, T, S)
+    if T == S == 512:
+        assert counted == 0.625 * flops.attention_scores(cfg, 1, T, S)  # (4 + 3 + 2 + 1) / 16 of the tiles
+    full, _ = count_flops(lambda: fn(q, k, k, mask=None, causal=False, bias=None, scale=0.3))
+    assert full == flops.attention_scores(cfg, 1, T, S)
+
+
 def test_sparse_kernel_model_flops_match_the_counter():
     cfg = ModelConfig(**{**BASE, "attention": "dilated", "window": 4})
     model = qkv.build_model(cfg)

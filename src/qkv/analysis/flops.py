@@ -5,8 +5,9 @@ counts. The notes count multiply-adds ("complexity"): note 000 §10.1.4's attent
 2n^2 d + 4 n d^2 per layer is (4 n^2 d + 8 n d^2) FLOPs here, and §9.3's FFN 8 n d^2 is 16 n d^2 FLOPs.
 Only matrix products are counted (as the FLOP counter does): softmax, norms, activations and residual
 additions are O(n d) and left out. The scores counted are those the kernel computes (its registry entry's
-`score_pairs`: local's band, dilated's residue classes); for the others the full T x S, as the naive and
-sdpa kernels compute it (a kernel that skips masked blocks does about half of that in a causal layer).
+`score_pairs`: local's band, dilated's residue classes; under a causal mask `causal_pairs`: flash's tiles
+skip the rows the triangle hides, about half); for the others the full T x S, as the naive and sdpa kernels
+compute it.
 
 Per layer, B sequences of T queries over S keys (S = T for self-attention), FLOPs forward:
     projections   2 B T D (H Dh) + 2 B S D (2 Hkv Dh) + 2 B T (H Dh) D       (W^Q; W^K, W^V; W^O)
@@ -32,21 +33,24 @@ def attention_projections(cfg: ModelConfig, tokens: int, source_tokens: int) -> 
                   + tokens * q_width * cfg.d_model)
 
 
-def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int) -> int:
+def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int, causal: bool = False) -> int:
     """Q K^T and A V over every head; linear attention (note 000 §15.2) instead does phi(K)^T V and
     phi(Q) (phi(K)^T V), 2 x 2 B H T Dh^2, plus its normaliser."""
     H, Dh = cfg.n_heads, cfg.head_dim
     if cfg.attention == "linear":
         return MAC * batch * H * (2 * S * Dh * Dh + T * Dh * Dh + T * Dh)
-    return MAC * 2 * batch * H * score_pairs(cfg.attention, T, S, cfg.window) * Dh
+    return MAC * 2 * batch * H * score_pairs(cfg.attention, T, S, cfg.window, causal) * Dh
 
 
-def score_pairs(kernel: str, T: int, S: int, window: int) -> int:
-    """(query, key) scores per head that `kernel` computes for T queries over S keys."""
+def score_pairs(kernel: str, T: int, S: int, window: int, causal: bool = False) -> int:
+    """(query, key) scores per head that `kernel` computes for T queries over S keys (under the causal
+    triangle when `causal`: a kernel that skips what it hides says how many it computes)."""
     from qkv.nn.kernels import KERNELS  # torch: the kernel's registry entry says it
 
-    counted = KERNELS.get(kernel).score_pairs
-    return T * S if counted is None else counted(T, S, window)
+    spec = KERNELS.get(kernel)
+    if causal and spec.causal_pairs is not None:
+        return spec.causal_pairs(T, S)
+    return T * S if spec.score_pairs is None else spec.score_pairs(T, S, window)
 
 
 def ffn(cfg: ModelConfig, tokens: int) -> int:
@@ -71,10 +75,11 @@ def encoder_head(cfg: ModelConfig, batch: int, T: int) -> int:
     return MAC * batch * (D * D + D * cfg.n_classes)
 
 
-def _stack(cfg: ModelConfig, layers: int, batch: int, T: int, prefix: str, source: int = 0) -> dict[str, int]:
+def _stack(cfg: ModelConfig, layers: int, batch: int, T: int, prefix: str, source: int = 0,
+           causal: bool = False) -> dict[str, int]:
     tokens = batch * T
     parts = {f"{prefix}attention_projections": layers * attention_projections(cfg, tokens, tokens),
-             f"{prefix}attention_scores": layers * attention_scores(cfg, batch, T, T)}
+             f"{prefix}attention_scores": layers * attention_scores(cfg, batch, T, T, causal)}
     if source:
         parts[f"{prefix}cross_attention_projections"] = layers * attention_projections(cfg, tokens, batch * source)
         parts[f"{prefix}cross_attention_scores"] = layers * attention_scores(cfg, batch, T, source)
@@ -90,11 +95,12 @@ def forward(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_
     if batch <= 0 or T <= 0 or S <= 0:
         raise QkvError(f"batch={batch} and seq={T} must be positive")
     if cfg.arch == "decoder":
-        return {**_stack(cfg, cfg.decoder_layers, batch, T, ""), "lm_head": lm_head(cfg, batch * T)}
+        return {**_stack(cfg, cfg.decoder_layers, batch, T, "", causal=True), "lm_head": lm_head(cfg, batch * T)}
     if cfg.arch == "encoder":
         return {**_stack(cfg, cfg.encoder_layers, batch, T, ""), "head": encoder_head(cfg, batch, T)}
     return {**_stack(cfg, cfg.encoder_layers, batch, S, "encoder."),
-            **_stack(cfg, cfg.decoder_layers, batch, T, "decoder.", source=S), "lm_head": lm_head(cfg, batch * T)}
+            **_stack(cfg, cfg.decoder_layers, batch, T, "decoder.", source=S, causal=True),
+            "lm_head": lm_head(cfg, batch * T)}
 
 
 def table(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_seq: int | None = None) -> dict:

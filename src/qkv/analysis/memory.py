@@ -124,6 +124,16 @@ def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
     return probabilities, 0 if spec.copied_rows is None else spec.copied_rows(T, S, cfg.window)
 
 
+def dense_fixed_bias(cfg: ModelConfig) -> bool:
+    """A dense kernel given a fixed (B, H, T, S) score bias (ALiBi) keeps that bias for its backward: one
+    fp32 (B, H, T, S) tensor per layer (measured: exactly that for sdpa and flash; a kernel that keeps A
+    needs no bias in its backward). Learned or content biases (T5, Shaw, XL) are not modelled."""
+    from qkv.nn.kernels import KERNELS
+    from qkv.nn.positional import POSITIONALS
+
+    return POSITIONALS.get(cfg.positional).fixed_score_bias and KERNELS.get(cfg.attention).score_pairs is None
+
+
 def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
     """Bytes one attention sub-layer keeps (self-attention: S = T)."""
     D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
@@ -132,6 +142,7 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
     probabilities, copied = kernel_saves(cfg, T, S)
     if not probabilities:
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
+        kernel += FP32 * B * H * T * S if dense_fixed_bias(cfg) else 0  # ALiBi's bias, saved by sdpa / flash
     else:
         kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
     masks = (B * T * D + B * H * probabilities) if cfg.dropout else 0

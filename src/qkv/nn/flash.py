@@ -235,5 +235,13 @@ def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
                  value_bias=value_bias)
 
 
+def causal_pairs(T: int, S: int) -> int:
+    """Scores flash computes under the causal triangle (`key_tiles`): each key tile of BLOCK columns from
+    `start` meets only the queries from its first key on, T - (start - (S - T)) of them."""
+    return sum(min(BLOCK, S - start) * (T - max(0, start - (S - T))) for start in range(0, S, BLOCK)
+               if start - (S - T) < T)
+
+
 # flash keeps out and L only; the calculator's model of it (qkv calc) counts no (T, S) probabilities
-KERNELS.register("flash")(KernelSpec(fn=flash, weights=attention_weights, keeps_probabilities=False))
+KERNELS.register("flash")(KernelSpec(fn=flash, weights=attention_weights, keeps_probabilities=False,
+                                     causal_pairs=causal_pairs))

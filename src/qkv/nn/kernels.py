@@ -55,6 +55,9 @@ class KernelSpec:
     # score_pairs(T, S, window) -> how many (query, key) scores the kernel computes per head (qkv calc's
     # FLOPs); None: all T x S
     score_pairs: Callable[[int, int, int], int] | None = None
+    # causal_pairs(T, S) -> the scores it computes under the plain causal triangle when it skips what the
+    # triangle hides (flash's tiles); None: as score_pairs
+    causal_pairs: Callable[[int, int], int] | None = None
     # copied_rows(T, S, window) -> Dh-wide rows of q, k, v copies (gathered bands, regrouped classes) the kernel
     # saves for the backward per head, beyond the layer's own Q, K, V (qkv calc's memory); None: none
     copied_rows: Callable[[int, int, int], int] | None = None

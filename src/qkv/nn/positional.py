@@ -12,7 +12,8 @@
 Each class states its properties beside its hooks: `shift_invariant` (positions are seen only through
 differences, so a rolling cache may generate past max_seq_len: qkv.generate.families), `decoder_twin` (the
 registry name of its form in an encoder-decoder's decoder, or None for the same) and `even_head_dim`
-(rotates pairs of head coordinates).
+(rotates pairs of head coordinates), `fixed_score_bias` (builds a dense (B, H, T, S) score bias with no
+parameters in every layer, which a kernel that keeps no probabilities saves for its backward: qkv calc).
 
 Every encoding takes the same keyword arguments (d_model, n_heads, head_dim, max_seq_len,
 rope_theta, max_distance) and ignores the ones it does not use. Positions are (B, T) integer
@@ -38,6 +39,7 @@ class Positional(nn.Module):
     shift_invariant = True  # positions only through differences (here: not at all)
     decoder_twin: str | None = None  # the encoder-decoder's decoder uses this registry entry instead
     even_head_dim = False  # needs an even head width
+    fixed_score_bias = False  # a dense (B, H, T, S) bias without parameters in every layer
 
     def __init__(self, **dims):
         super().__init__()
@@ -146,6 +148,8 @@ def alibi_slopes(n_heads: int) -> Tensor:
 @POSITIONALS.register("alibi")
 class ALiBi(Positional):
     """Attention with linear biases (beyond the notes): score_ij -= m_h * |i - j|."""
+
+    fixed_score_bias = True
 
     def __init__(self, *, n_heads: int, **dims):
         super().__init__()
