@@ -79,7 +79,17 @@ def flash_check() -> dict:
 
     reference = run("naive", torch.float32)
     gap = lambda got: max(float((a - b).abs().max()) for a, b in zip(got, reference))  # noqa: E731
-    result = {"naive_bf16": gap(run("naive", torch.bfloat16)), "flash_tiled_bf16": gap(run("flash", torch.bfloat16))}
+    from qkv.nn import flash
+
+    before = dict(flash.BACKENDS_RUN)
+    result = {"naive_bf16": gap(run("naive", torch.bfloat16)), "flash_bf16": gap(run("flash", torch.bfloat16)),
+              "flash_fp32": gap(run("flash", torch.float32))}
+    result["flash_backends"] = {name: n - before.get(name, 0) for name, n in flash.BACKENDS_RUN.items()
+                                if n != before.get(name, 0)}  # which kernels qkv's flash dispatched to
+    masked = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]  # a bias keeps it tiled
+    bias = torch.zeros(1, shape[1], shape[2], shape[2], device="cuda")
+    KERNELS.get("flash").fn(*masked, mask=None, causal=True, bias=bias, scale=shape[-1] ** -0.5)
+    result["flash_with_bias_backend"] = "tiled" if flash.BACKENDS_RUN["tiled"] > before.get("tiled", 0) else "fused"
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             result["sdpa_flash_bf16"] = gap(run("sdpa", torch.bfloat16))

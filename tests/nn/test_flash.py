@@ -115,3 +115,36 @@ def test_tiles_are_computed_in_the_wide_dtype_under_autocast():
     torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
     for got, want in zip(mixed_grads, plain_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fused_dispatch_rules(monkeypatch):
+    """On CUDA, `flash` hands a call to torch's fused kernels only when they compute exactly what the tiled
+    kernel does: no bias, value term or padding mask, causal only with T = S (torch aligns it top-left) or
+    one query; "flash" for fp16 / bf16 on compute capability 8.0+, else "efficient". On CPU: always tiled.
+    (The rules, with a stand-in CUDA tensor; the fused kernels themselves run only in benchmarks/gpu.py.)"""
+    from types import SimpleNamespace
+
+    from qkv.nn import flash as module
+
+    def fake(T, S=None, dtype=torch.bfloat16, Dh=64):
+        cuda = torch.device("cuda")
+        return (SimpleNamespace(device=cuda, dtype=dtype, shape=(2, 4, T, Dh)),
+                SimpleNamespace(device=cuda, dtype=dtype, shape=(2, 4, S or T, Dh)))
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    pick = lambda q, k, **kw: module.fused_backend(q, k, **{**dict(mask=None, causal=True, bias=None,  # noqa: E731
+                                                                    value_bias=None), **kw})
+    assert pick(*fake(128)) == "flash"
+    assert pick(*fake(128, dtype=torch.float32)) == "efficient"
+    assert pick(*fake(1, 300)) == "flash" and pick(*fake(40, 300)) is None  # one cached query; T < S causal
+    assert pick(*fake(40, 300), causal=False) == "flash"
+    assert pick(*fake(128), bias=object()) is None and pick(*fake(128), mask=object()) is None
+    assert pick(*fake(128), value_bias=object()) is None
+    assert pick(*fake(128, Dh=12)) is None  # neither fused kernel takes a width that is not a multiple of 8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert pick(*fake(128)) == "efficient"
+    q = torch.randn(1, 2, 16, 8)
+    assert module.fused_backend(q, q, mask=None, causal=True, bias=None, value_bias=None) is None
+    before = module.BACKENDS_RUN["tiled"]
+    module.flash(q, q, q, mask=None, causal=True, bias=None, scale=0.3)
+    assert module.BACKENDS_RUN["tiled"] == before + 1

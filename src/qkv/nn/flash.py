@@ -23,6 +23,7 @@ the kernel.
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable, Iterator
 
 import torch
@@ -228,11 +229,44 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
     return FlashAttention.apply(q, k, v, bias, table, index, mask, causal, scale, pattern, block, dropout, seed)
 
 
+# how many calls each path ran in this process: "tiled", or torch's fused "flash" / "efficient" CUDA kernels
+BACKENDS_RUN: collections.Counter = collections.Counter()
+
+
+def fused_backend(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
+                  value_bias: RelativeValues | None) -> str | None:
+    """Which of torch's fused CUDA kernels computes this call exactly as the tiled kernel does, or None.
+
+    Both keep out and the log-sum-exp only (O(n) memory, as the tiled kernel): "flash" (FlashAttention-2)
+    for fp16 / bf16 on compute capability 8.0+ with head width <= 256, else "efficient" (the
+    memory-efficient kernel, any float dtype). Neither takes a score bias, a value term or a padding mask
+    here, and torch aligns `is_causal` top-left, so a causal call with cached keys (T < S, T > 1) stays tiled."""
+    T, S, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
+    if q.device.type != "cuda" or bias is not None or value_bias is not None or mask is not None:
+        return None
+    if causal and T != S and T > 1:
+        return None
+    if q.dtype in (torch.float16, torch.bfloat16) and Dh <= 256 and Dh % 8 == 0 \
+            and torch.cuda.get_device_capability(q.device) >= (8, 0):
+        return "flash"
+    return "efficient" if Dh % 8 == 0 else None
+
+
 def flash(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
           scale: float, dropout: float = 0.0, value_bias: RelativeValues | None = None) -> Tensor:
-    """Exact softmax attention, tiled: O(n) extra memory forward and backward (note 002; SPEC claim 18)."""
-    return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
-                 value_bias=value_bias)
+    """Exact softmax attention in O(n) extra memory, forward and backward (note 002; SPEC claim 18): torch's
+    fused flash / memory-efficient CUDA kernel where one applies (`fused_backend`), else the tiled kernel."""
+    backend = fused_backend(q, k, mask=mask, causal=causal, bias=bias, value_bias=value_bias)
+    BACKENDS_RUN[backend or "tiled"] += 1
+    if backend is None:
+        return tiled(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, dropout=dropout,
+                     value_bias=value_bias)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.EFFICIENT_ATTENTION
+    with sdpa_kernel([chosen]):  # that kernel or an error, never torch's O(n^2) math fallback
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=causal and q.shape[-2] > 1, scale=scale)  # K, V: H heads
 
 
 def causal_pairs(T: int, S: int) -> int:
