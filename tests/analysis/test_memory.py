@@ -20,7 +20,9 @@ def checkpoint_blocks(model) -> None:
         block.forward = lambda *a, f=forward, **k: checkpoint(f, *a, use_reentrant=False, **k)
 
 
-def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool) -> int:
+def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool, precision: str = "fp32") -> int:
+    """The peak tensor bytes of one AdamW step as qkv.train.loop runs it: the model's head-and-loss on the
+    targets (chunked in fp32), under bf16 autocast for precision bf16."""
     torch.manual_seed(0)
     model = qkv.build_model(cfg)
     if checkpointing:
@@ -29,8 +31,9 @@ def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool) -
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
 
     def step():
-        # as qkv.train.loop: no name holds the logits, so the loss's log-probabilities replace them
-        torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -143,3 +146,16 @@ def test_a_dense_kernel_keeps_alibis_bias(kernel, seq):
     bias = 4 * 2 * cfg.n_heads * seq * seq * cfg.n_layers
     assert estimate == pytest.approx(measured, rel=0.10)
     assert abs(estimate - bias - measured) > abs(estimate - measured)  # the bias term is what makes it agree
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash", "naive"])
+@pytest.mark.parametrize("seq", [128, 384])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_follows_the_step_across_lengths_and_precisions(kernel, seq, precision):
+    """qkv's own step at two lengths and both precisions: fp32 with the chunked head-and-loss, bf16 under
+    autocast (fp32 residual stream and norms, low-precision matmul inputs and outputs and weight copies,
+    the logits path). Measured 0.93-1.16 of the peak; the textbook bf16 layout (everything 2 bytes) was
+    0.65-0.93."""
+    cfg = ModelConfig(**{**BASE, "max_seq_len": 384, "attention": kernel})
+    estimate = memory.training(cfg, memory.Setup(batch=2, seq=seq, precision=precision))["total"]
+    assert estimate == pytest.approx(measured_peak(cfg, 2, seq, False, precision), rel=0.20)

@@ -19,12 +19,17 @@ stages (qkv.train.pipeline) gives each rank its layers, the first stage the embe
 norm and the head (W_E again when tied). The figures are those of the most loaded rank.
 
 Activations are the tensors autograd keeps for the backward pass of qkv's layers (qkv.nn), per layer
-for B sequences of T tokens, in elements (a = activation bytes; softmax probabilities stay fp32):
+for B sequences of T tokens, in elements (a = activation bytes; softmax probabilities stay fp32; under
+qkv's bf16 / fp16 autocast the residual stream x and the norms stay fp32, the matmuls' inputs and outputs
+are 2 bytes, and each multiplied matrix has a 2-byte copy kept for the backward):
     attention block   x, LN(x), Q, K, V (K, V repeated to H heads for GQA), concat(heads), + the
                       kernel's own: out and logsumexp (fused sdpa) or A = softmax(QK^T) (B H T S, naive)
     FFN block         x, LN(x), act input and output (mlp: 2 B T F; glu: gate, act(gate), up, product 4 B T F)
     dropout masks     1 byte per element where dropout > 0
-The LM head keeps LN(x), and the loss its fp32 log-probabilities (B T V) and their gradient.
+The LM head keeps LN(x); in fp32 qkv's training step runs the head and its loss in row chunks, which keep
+dloss/dH (B T D) and dloss/dW (V D) only; otherwise (autocast, or chunked_head=False) the loss keeps its
+fp32 log-probabilities (B T V) and their gradient. The peak comes in the last layer's backward, so its
+score gradients count too (dA, dS for a kernel that keeps A; one tile's for flash).
 With activation checkpointing (LLM §6.2) only each layer's input survives the forward; one layer's
 activations are rebuilt at a time in the backward.
 """
@@ -61,6 +66,7 @@ class Setup:
     tp: int = 1
     pp: int = 1
     layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
+    chunked_head: bool = True  # the LM head and its loss in row chunks, as qkv's training step runs them
 
     @property
     def bytes(self) -> tuple[int, int, int, int]:
@@ -134,11 +140,11 @@ def dense_fixed_bias(cfg: ModelConfig) -> bool:
     return POSITIONALS.get(cfg.positional).fixed_score_bias and KERNELS.get(cfg.attention).score_pairs is None
 
 
-def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
-    """Bytes one attention sub-layer keeps (self-attention: S = T)."""
+def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int) -> float:
+    """Bytes one attention sub-layer keeps (self-attention: S = T); `stream`: bytes of the residual stream."""
     D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
-    elements = 2 * B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # x, LN(x), Q, K+V, concat(heads)
+    elements = B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # LN(x), Q, K+V, concat(heads); + x below
     probabilities, copied = kernel_saves(cfg, T, S)
     if not probabilities:
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
@@ -146,22 +152,23 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int) -> float:
     else:
         kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
     masks = (B * T * D + B * H * probabilities) if cfg.dropout else 0
-    return a * (elements + B * H * Dh * copied) + kernel + masks
+    return stream * B * T * D + a * (elements + B * H * Dh * copied) + kernel + masks
 
 
-def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int) -> float:
+def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int) -> float:
     D, F = cfg.d_model, cfg.d_ff
     hidden = (4 if cfg.ffn == "glu" else 2) * B * T * F
     if cfg.moe_experts:  # each token's hidden activations exist once per chosen expert, + router
         hidden = hidden * cfg.moe_top_k + B * T * cfg.moe_experts * (a + FP32)
     masks = B * T * D if cfg.dropout else 0
-    return a * (2 * B * T * D + hidden) + masks
+    return stream * B * T * D + a * (B * T * D + hidden) + masks  # x, LN(x), the hidden units
 
 
-def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0) -> float:
+def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0, stream: int | None = None) -> float:
     """One layer's saved activations; a decoder layer of an encoder-decoder adds cross-attention."""
-    total = _attention_layer(cfg, B, T, T, a) + _ffn_layer(cfg, B, T, a)
-    return total + (_attention_layer(cfg, B, T, source, a) if source else 0)
+    stream = a if stream is None else stream
+    total = _attention_layer(cfg, B, T, T, a, stream) + _ffn_layer(cfg, B, T, a, stream)
+    return total + (_attention_layer(cfg, B, T, source, a, stream) if source else 0)
 
 
 def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
@@ -173,20 +180,55 @@ def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
     return [(T, 0)] * cfg.decoder_layers
 
 
-def head_activations(cfg: ModelConfig, B: int, T: int, a: int) -> float:
-    """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V)."""
+def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = False,
+                     chunked: bool = False) -> float:
+    """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V); under autocast
+    also the low-precision logits. `chunked`: the training step's head-and-loss in row chunks
+    (qkv.nn.linear_cross_entropy, fp32 only): no (B, T, V) survives the forward, which keeps dloss/dH
+    (B, T, D) and dloss/dW (V, D) in fp32 instead."""
     if cfg.arch == "encoder" and cfg.head == "none":
         return a * B * T * cfg.d_model
-    return a * 2 * B * T * cfg.d_model + 2 * FP32 * B * T * cfg.vocab_size
+    D, V = cfg.d_model, cfg.vocab_size
+    if chunked and not autocast and cfg.arch == "decoder":
+        return a * 2 * B * T * D + FP32 * (B * T * D + V * D)
+    logits = a * B * T * V if autocast else 0
+    return a * 2 * B * T * D + 2 * FP32 * B * T * V + logits
+
+
+def attention_backward(cfg: ModelConfig, B: int, T: int) -> float:
+    """The fp32 score gradients the last layer's attention backward forms while everything saved is still
+    alive: dA and dS (B, H, T, S) for a kernel that keeps A; flash's P, dP, dS of one (B, H, T, BLOCK) tile."""
+    from qkv.nn.kernels import KERNELS
+
+    spec = KERNELS.get(cfg.attention)
+    if cfg.attention == "linear" or not spec.full:
+        return 0
+    if spec.keeps_probabilities:
+        return 2 * FP32 * B * cfg.n_heads * T * T
+    from qkv.nn.flash import BLOCK
+
+    return 3 * FP32 * B * cfg.n_heads * T * min(BLOCK, T) if cfg.attention == "flash" else 0
+
+
+def weight_copies(cfg: ModelConfig, a: int) -> float:
+    """Autocast's low-precision copies of the matrices the forward multiplies, kept for the backward's
+    dx = dy W^T: the blocks' projections and the head (W_E when tied)."""
+    parts = params.breakdown(cfg)
+    matrices = sum(n for name, n in parts.items() if name.endswith(("attention", "ffn")))
+    return a * (matrices + cfg.vocab_size * cfg.d_model)
 
 
 def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     B, T = setup.batch, setup.seq or cfg.max_seq_len
     a = setup.bytes[3]
-    per_layer = [layer_activations(cfg, B, t, a, s) for t, s in _layers(cfg, T)]
-    head = head_activations(cfg, B, T, a)
-    if not setup.checkpointing:  # the peak is at the start of the backward: everything is alive
-        return {"activations": sum(per_layer) + head}
+    # qkv's autocast: the residual stream and the norms stay fp32, the matmuls' inputs and outputs are
+    # low precision, and each multiplied matrix gets a low-precision copy (weight_copies)
+    autocast = setup.layout == "qkv" and setup.precision != "fp32"
+    stream = FP32 if autocast else a
+    per_layer = [layer_activations(cfg, B, t, a, s, stream) for t, s in _layers(cfg, T)]
+    head = head_activations(cfg, B, T, a, autocast, setup.chunked_head) + (weight_copies(cfg, a) if autocast else 0)
+    if not setup.checkpointing:  # the peak is in the last layer's backward: everything saved is alive,
+        return {"activations": sum(per_layer) + head + attention_backward(cfg, B, T)}  # and its gradients
     # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the
     # gradient flowing into it), so the peak is the larger of the two on top of the inputs
     inputs = a * B * T * cfg.d_model * len(per_layer)
