@@ -33,8 +33,7 @@ CONFIGS = {
 
 def step_fn(model, ids, optimizer):
     def step():
-        # as qkv.train.loop: no name holds the logits, so the loss's log-probabilities replace them
-        torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        model(ids[:, :-1], targets=ids[:, 1:]).backward()  # as qkv.train.loop: the chunked head-and-loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
