@@ -30,6 +30,14 @@ def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -
     return cfg
 
 
+def trained_model(cfg: RunConfig):
+    """The model a new `qkv train` run of `cfg` builds: its vocabulary is the tokenizer's it trains,
+    data.vocab_size tokens (the model section's vocab_size is a placeholder then), or the model's if larger."""
+    import dataclasses
+
+    return dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size))
+
+
 def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     """Options given on the command line, else the config's: the micro-batch per GPU is
     batch_size / (accumulation x dp), the GPUs are parallel.dp."""
@@ -43,7 +51,7 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
 
 def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float | None = None,
               peak_flops: float | None = None, **options) -> dict:
-    model = cfg.model
+    model = trained_model(cfg)
     setup = setup_from(cfg, **options)
     if setup.seq > model.max_seq_len and model.positional == "learned":
         raise QkvError(f"--seq={setup.seq} exceeds model.max_seq_len={model.max_seq_len} (learned positions)")

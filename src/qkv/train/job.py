@@ -94,7 +94,7 @@ def check_fits(cfg: RunConfig) -> None:
     activations for this batch, precision, ZeRO stage and checkpointing)."""
     from qkv.analysis import calc, memory
 
-    model = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size))
+    model = calc.trained_model(cfg)
     setup = calc.setup_from(cfg)
     need = memory.training(model, setup)["total"]
     device = parallel.resolve_device(cfg.train.device)
