@@ -60,10 +60,11 @@ def test_an_imported_gpt2_page_has_transformers_logits(tmp_path):
 
 
 def test_the_default_jobs_shape_at_64_tokens_fits_the_budget(tmp_path):
-    """4 layers x 64 tokens, 128 wide, 4 heads, FFN 512, 2,048-token vocabulary: every array, nothing sampled."""
+    """4 layers x 64 tokens, 128 wide, 4 heads, FFN 512, 2,048-token vocabulary, rotary positions (the
+    shakespeare preset's model): every array, nothing sampled."""
     tok = Tokenizer.train([TEXT * 20 + HAMLET * 5], 2048)
     run = write_run(tmp_path / "run", tok, vocab_size=2048, d_model=128, n_heads=4, n_layers=4, d_ff=512,
-                    max_seq_len=256, init_std=0.02)
+                    max_seq_len=256, init_std=0.02, positional="rope")
     text = HAMLET * 2
     code, _, err = cli("explain", str(run), "--text", text, "--out", str(tmp_path / "p.html"))
     assert code == 0, err
