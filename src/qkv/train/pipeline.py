@@ -151,9 +151,9 @@ class Pipeline:
     def owner_groups(self) -> list:
         """For each shared parameter, the process group of the stages that hold it in this rank's pipeline
         (created alike on every rank, as torch.distributed requires)."""
-        groups = {}
+        groups, pipelines = {}, self.pipelines()
         for owners in sorted({tuple(o) for o in self.owners if len(o) > 1}):
-            for ranks in self.pipelines():
+            for ranks in pipelines:
                 group = dist.new_group([ranks[s] for s in owners])
                 if tuple(ranks) == tuple(self.ranks):
                     groups[owners] = group
