@@ -38,6 +38,13 @@ def test_options_reach_the_calculators():
     assert sharded["memory"]["bytes"]["weights"] == plain["memory"]["bytes"]["weights"] / 4
     assert sharded["memory"]["bytes"]["activations"] < plain["memory"]["bytes"]["activations"]
     assert sharded["setup"]["checkpointing"] is True
+    staged = calc_json("--preset", "tiny", "--pp", "2", "--tp", "2")  # the most loaded rank of the grid
+    assert staged["setup"]["pp"] == staged["setup"]["tp"] == 2
+    assert staged["memory"]["bytes"]["weights"] < plain["memory"]["bytes"]["weights"] / 2 * 1.5
+    own = calc_json("--preset", "tiny", "--precision", "bf16")["memory"]["bytes"]  # fp32 weights under autocast
+    textbook = calc_json("--preset", "tiny", "--precision", "bf16", "--layout", "textbook")["memory"]["bytes"]
+    assert own["master_weights"] == 0 and own["weights"] == plain["memory"]["bytes"]["weights"]
+    assert textbook["master_weights"] == 2 * textbook["weights"] == plain["memory"]["bytes"]["weights"]
     mfu = calc_json("--preset", "tiny", "--step-time", "0.5", "--peak-flops", "1e12")["mfu"]
     assert mfu["mfu"] == pytest.approx(mfu["model_flops_per_s"] / 1e12)
 

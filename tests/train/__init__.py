@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 WORDS = ("moon sea night doth sing upon silver wind where golden crowns lie sleeping under stars love "
@@ -71,3 +74,22 @@ def trained_run(tmp_path_factory) -> tuple[Path, dict]:
 
 
 _SUMMARIES: dict[str, dict] = {}
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a launched process: one torch thread, the tests package importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def torchrun(processes: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node processes <args>` from the repository root (args such as
+    ["-m", "qkv", "train", ...]); every rank must exit 0."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(processes), *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

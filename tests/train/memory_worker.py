@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from qkv import presets
 from qkv.data.sources import prepare_data
 from qkv.train.loop import Trainer
@@ -52,8 +54,6 @@ def measure(run_dir: Path, cfg) -> dict[str, int]:
 
     trainer.runner.clip = measured_clip
     batch = [trainer.layout.shard(a) for a in trainer.batches.next()]
-    import torch
-
     trainer.step(*(torch.from_numpy(a) for a in batch), lr=1e-3)
     hook.remove()
     states = state_bytes(trainer.model, trainer.optimizer)

@@ -18,9 +18,8 @@ import pytest
 from qkv.cli import main
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
-from tests.train import setup_env, shared_dir
+from tests.train import REPO, launch_env, setup_env, shared_dir, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 RELATIVE = 1e-5
 
@@ -33,19 +32,9 @@ def args(text: Path, out: Path, *sets: str) -> list[str]:
             *[item for s in common for item in ("--set", s)]]
 
 
-ENV = {"OMP_NUM_THREADS": "1"}
-
-
 def launch(processes: int, cli: list[str]) -> None:
     """`torchrun --standalone --nproc-per-node processes -m qkv <cli>`; every rank must exit 0."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(processes), "-m", "qkv", *cli], cwd=REPO, env=environment(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def environment() -> dict[str, str]:
-    return {**os.environ, **ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    torchrun(processes, ["-m", "qkv", *cli])
 
 
 def curve(run: Path) -> dict[str, list[float]]:
@@ -144,7 +133,7 @@ def test_two_nodes_as_users_launch_them(text, single, tmp_path):
     cli = args(text, tmp_path / "nodes", "parallel.pp=2", "parallel.microbatches=2")
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                "-m", "qkv", *cli], cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                                "-m", "qkv", *cli], cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     logs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], logs[0][-2000:] + logs[1][-2000:]

@@ -109,7 +109,7 @@ def test_two_data_parallel_processes_train_like_one(tmp_path_factory, tmp_path, 
     import sys
     from pathlib import Path
 
-    from tests.train import setup_env
+    from tests.train import setup_env, torchrun
 
     text = setup_env(monkeypatch, tmp_path_factory)
     repo = Path(__file__).resolve().parents[2]
@@ -123,6 +123,6 @@ def test_two_data_parallel_processes_train_like_one(tmp_path_factory, tmp_path, 
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     one = final([sys.executable, *args, "--out", str(tmp_path / "one")])
-    two = final([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args,
-                 "--set", "parallel.dp=2", "--out", str(tmp_path / "two")])
+    two = json.loads(torchrun(2, [*args, "--set", "parallel.dp=2", "--out", str(tmp_path / "two")])
+                     .stdout.strip().splitlines()[-1])
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)

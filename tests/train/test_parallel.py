@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +21,9 @@ from qkv.files import CONFIG_FILE
 from qkv.train import parallel
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
-from tests.train import setup_env, shared_dir
+from tests.train import setup_env, shared_dir, torchrun
 from tests.train.parallel_worker import CHECKPOINT_STEP, STEPS, ZEROS, cli_args, run_config, train_recorded
 
-REPO = Path(__file__).resolve().parents[2]
 RELATIVE = 1e-5  # fp32; the ranks sum the same products in another order
 
 
@@ -39,12 +36,10 @@ def launched(tmp_path_factory) -> dict:
     text = setup_env(monkeypatch, tmp_path_factory)
     out = shared_dir(tmp_path_factory, "parallel")
     single = train_recorded(out / "single", run_config(str(text)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "tests.train.parallel_worker", str(out), str(text)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    monkeypatch.undo()
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        torchrun(2, ["-m", "tests.train.parallel_worker", str(out), str(text)])
+    finally:
+        monkeypatch.undo()
     ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
     return {"ranks": ranks, "single": single, "text": text, "out": out}
 

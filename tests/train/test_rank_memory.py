@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from qkv import presets
 from qkv.analysis import memory
-from tests.train import setup_env, shared_dir
+from tests.train import setup_env, shared_dir, torchrun
 from tests.train.memory_worker import LAYOUTS, PRECISIONS
 
-REPO = Path(__file__).resolve().parents[2]
 PARTS = ("weights", "gradients", "optimizer_states")
 
 
@@ -28,12 +23,10 @@ def measured(tmp_path_factory) -> list[dict]:
     monkeypatch = pytest.MonkeyPatch()
     text = setup_env(monkeypatch, tmp_path_factory)
     out = shared_dir(tmp_path_factory, "rank-memory")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "tests.train.memory_worker", str(out), str(text)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    monkeypatch.undo()
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        torchrun(2, ["-m", "tests.train.memory_worker", str(out), str(text)])
+    finally:
+        monkeypatch.undo()
     return [json.loads((out / f"memory{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -197,17 +197,12 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = 
 
 def attention_backward(cfg: ModelConfig, B: int, T: int) -> float:
     """The fp32 score gradients the last layer's attention backward forms while everything saved is still
-    alive: dA and dS (B, H, T, S) for a kernel that keeps A; flash's P, dP, dS of one (B, H, T, BLOCK) tile."""
+    alive: its kernel's `backward_scores` per head (dA and dS for a kernel that keeps A; one tile's P, dP,
+    dS for flash; none counted for sdpa, the sparse and the linear kernels)."""
     from qkv.nn.kernels import KERNELS
 
     spec = KERNELS.get(cfg.attention)
-    if cfg.attention == "linear" or not spec.full:
-        return 0
-    if spec.keeps_probabilities:
-        return 2 * FP32 * B * cfg.n_heads * T * T
-    from qkv.nn.flash import BLOCK
-
-    return 3 * FP32 * B * cfg.n_heads * T * min(BLOCK, T) if cfg.attention == "flash" else 0
+    return 0 if spec.backward_scores is None else FP32 * B * cfg.n_heads * spec.backward_scores(T, T)
 
 
 def weight_copies(cfg: ModelConfig, a: int) -> float:

@@ -58,6 +58,9 @@ class KernelSpec:
     # causal_pairs(T, S) -> the scores it computes under the plain causal triangle when it skips what the
     # triangle hides (flash's tiles); None: as score_pairs
     causal_pairs: Callable[[int, int], int] | None = None
+    # backward_scores(T, S) -> the fp32 scores per head its backward forms at once beside what it saved (qkv
+    # calc's peak: naive's dA and dS, flash's one tile); None: none counted
+    backward_scores: Callable[[int, int], int] | None = None
     # copied_rows(T, S, window) -> Dh-wide rows of q, k, v copies (gathered bands, regrouped classes) the kernel
     # saves for the backward per head, beyond the layer's own Q, K, V (qkv calc's memory); None: none
     copied_rows: Callable[[int, int, int], int] | None = None
@@ -188,5 +191,6 @@ def record_attention(model: torch.nn.Module) -> Iterator[list]:
             layer.kernel = kernel
 
 
-KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights))
+KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights,
+                                     backward_scores=lambda T, S: 2 * T * S))  # dA and dS
 KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False))

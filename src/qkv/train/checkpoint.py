@@ -319,8 +319,6 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise QkvError(f"optimizer state does not match the model ({exc})") from None
-    for param in [p for p in optimizer.state if p.is_meta]:  # a pipeline stage keeps its own moments only
-        del optimizer.state[param]
 
 
 def seed_everything(seed: int) -> None:

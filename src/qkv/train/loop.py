@@ -225,7 +225,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         tc = self.tc
-        loss = objectives.evaluate(self.objective, self.runner.evaluator(), self.data.val, self.data.tokenizer, self.cfg,
+        model = self.runner.evaluator()  # the model, or a pipeline's stages in turn
+        loss = objectives.evaluate(self.objective, model, self.data.val, self.data.tokenizer, self.cfg,
                                    batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
                                    seed=tc.seed + 1, device=self.device)
         self.state.best_val = min(self.state.best_val, loss)

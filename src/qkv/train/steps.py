@@ -59,8 +59,7 @@ class MicroBatches:
         return parallel.full_model_state(self.model, self.layout)
 
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
-        return (parallel.full_model_state(self.model, self.layout),
-                *parallel.full_optimizer_state(self.model, optimizer, self.layout))
+        return (self.full_weights(), *parallel.full_optimizer_state(self.model, optimizer, self.layout))
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
         parallel.load_full_optimizer(self.model, optimizer, tensors, groups, self.layout)
