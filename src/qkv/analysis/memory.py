@@ -30,6 +30,8 @@ The LM head keeps LN(x); in fp32 qkv's training step runs the head and its loss 
 dloss/dH (B T D) and dloss/dW (V D) only; otherwise (autocast, or chunked_head=False) the loss keeps its
 fp32 log-probabilities (B T V) and their gradient. The peak comes in the last layer's backward, so its
 score gradients count too (dA, dS for a kernel that keeps A; one tile's for flash).
+A score bias adds what its positional's hooks keep (`hook_saves`: indices, q-dependent rows) and, for a
+kernel that keeps no A, the dense (B, H, T, S) bias; a learned one its gradient at the peak (`hook_backward`).
 With activation checkpointing (LLM §6.2) only each layer's input survives the forward; one layer's
 activations are rebuilt at a time in the backward.
 """
@@ -118,29 +120,54 @@ def rank_params(cfg: ModelConfig, setup: Setup) -> float:
                for s, layers in enumerate(stages))
 
 
+def running_kernel(cfg: ModelConfig) -> str:
+    """The kernel that runs: sdpa hands a value term (Shaw) to the naive kernel."""
+    from qkv.nn.kernels import KERNELS  # torch: only when a memory estimate is asked for
+    from qkv.nn.positional import POSITIONALS
+
+    spec = KERNELS.get(cfg.attention)
+    if POSITIONALS.get(cfg.positional).value_term and spec.value_term_kernel:
+        return spec.value_term_kernel
+    return cfg.attention
+
+
+def kernel_spec(cfg: ModelConfig):
+    from qkv.nn.kernels import KERNELS
+
+    return KERNELS.get(running_kernel(cfg))
+
+
 def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
     """(probabilities, copied Dh-wide rows) the attention kernel saves per head for its backward (its registry
     entry): the scores it computes when it keeps them (else none: a flash-style kernel keeps one log-sum-exp
     per row), and its gathered or regrouped copies of q, k, v."""
     from qkv.analysis.flops import score_pairs
-    from qkv.nn.kernels import KERNELS  # torch: only when a memory estimate is asked for
 
-    spec = KERNELS.get(cfg.attention)
-    probabilities = score_pairs(cfg.attention, T, S, cfg.window) if spec.keeps_probabilities else 0
+    spec = kernel_spec(cfg)
+    probabilities = score_pairs(running_kernel(cfg), T, S, cfg.window) if spec.keeps_probabilities else 0
     return probabilities, 0 if spec.copied_rows is None else spec.copied_rows(T, S, cfg.window)
 
 
-def dense_fixed_bias(cfg: ModelConfig) -> bool:
-    """A dense kernel given a fixed (B, H, T, S) score bias (ALiBi) keeps that bias for its backward: one
-    fp32 (B, H, T, S) tensor per layer (measured: exactly that for sdpa and flash; a kernel that keeps A
-    needs no bias in its backward). Learned or content biases (T5, Shaw, XL) are not modelled."""
-    from qkv.nn.kernels import KERNELS
+def score_bias_bytes(cfg: ModelConfig, B: int, T: int, S: int, a: int, self_attention: bool) -> float:
+    """What the positional's score and value hooks keep in one attention sub-layer (its `hook_saves`), and
+    the dense (B, H, T, S) bias a kernel that keeps no probabilities saves for its backward (measured:
+    exactly that for sdpa and flash; a kernel that keeps A needs no bias in its backward). The bias is
+    fp32 when made from positions (ALiBi) or a table (T5), in q's precision when made from q (Shaw, XL).
+    Cross-attention has no positional hooks."""
     from qkv.nn.positional import POSITIONALS
 
-    return POSITIONALS.get(cfg.positional).fixed_score_bias and KERNELS.get(cfg.attention).score_pairs is None
+    positional = POSITIONALS.get(cfg.positional)
+    if not self_attention or positional.score_bias_kind is None:
+        return 0
+    spec, H = kernel_spec(cfg), cfg.n_heads
+    hooks = positional.hook_saves(B, H, T, S, a=a, head_dim=cfg.head_dim, max_distance=cfg.max_distance,
+                                  value_buckets=spec.keeps_value_buckets)
+    dense = spec.score_pairs is None and not spec.keeps_probabilities
+    element = a if positional.score_bias_kind == "content" else FP32
+    return hooks + (element * B * H * T * S if dense else 0)
 
 
-def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int) -> float:
+def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int, self_attention: bool = True) -> float:
     """Bytes one attention sub-layer keeps (self-attention: S = T); `stream`: bytes of the residual stream."""
     D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
@@ -148,9 +175,9 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: i
     probabilities, copied = kernel_saves(cfg, T, S)
     if not probabilities:
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
-        kernel += FP32 * B * H * T * S if dense_fixed_bias(cfg) else 0  # ALiBi's bias, saved by sdpa / flash
     else:
         kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
+    kernel += score_bias_bytes(cfg, B, T, S, a, self_attention)
     masks = (B * T * D + B * H * probabilities) if cfg.dropout else 0
     return stream * B * T * D + a * (elements + B * H * Dh * copied) + kernel + masks
 
@@ -168,7 +195,7 @@ def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0,
     """One layer's saved activations; a decoder layer of an encoder-decoder adds cross-attention."""
     stream = a if stream is None else stream
     total = _attention_layer(cfg, B, T, T, a, stream) + _ffn_layer(cfg, B, T, a, stream)
-    return total + (_attention_layer(cfg, B, T, source, a, stream) if source else 0)
+    return total + (_attention_layer(cfg, B, T, source, a, stream, self_attention=False) if source else 0)
 
 
 def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
@@ -195,14 +222,22 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = 
     return a * 2 * B * T * D + 2 * FP32 * B * T * V + logits
 
 
-def attention_backward(cfg: ModelConfig, B: int, T: int) -> float:
+def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
     """The fp32 score gradients the last layer's attention backward forms while everything saved is still
     alive: its kernel's `backward_scores` per head (dA and dS for a kernel that keeps A; one tile's P, dP,
-    dS for flash; none counted for sdpa, the sparse and the linear kernels)."""
-    from qkv.nn.kernels import KERNELS
+    dS for flash; none counted for sdpa, the sparse and the linear kernels); a score bias with parameters
+    adds its gradient (B, H, T, S) where the kernel keeps no A (whose dS it is) and what the positional's
+    `hook_backward` forms from it."""
+    from qkv.nn.positional import POSITIONALS
 
-    spec = KERNELS.get(cfg.attention)
-    return 0 if spec.backward_scores is None else FP32 * B * cfg.n_heads * spec.backward_scores(T, T)
+    spec, H = kernel_spec(cfg), cfg.n_heads
+    scores = 0 if spec.backward_scores is None else FP32 * B * H * spec.backward_scores(T, T)
+    positional = POSITIONALS.get(cfg.positional)
+    if positional.score_bias_kind not in ("learned", "content"):
+        return scores
+    a = FP32 if positional.score_bias_kind == "learned" else a
+    gradient = a * B * H * T * T if spec.score_pairs is None and not spec.keeps_probabilities else 0
+    return scores + gradient + positional.hook_backward(B, H, T, T, a=a, max_distance=cfg.max_distance)
 
 
 def weight_copies(cfg: ModelConfig, a: int) -> float:
@@ -223,7 +258,7 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     per_layer = [layer_activations(cfg, B, t, a, s, stream) for t, s in _layers(cfg, T)]
     head = head_activations(cfg, B, T, a, autocast, setup.chunked_head) + (weight_copies(cfg, a) if autocast else 0)
     if not setup.checkpointing:  # the peak is in the last layer's backward: everything saved is alive,
-        return {"activations": sum(per_layer) + head + attention_backward(cfg, B, T)}  # and its gradients
+        return {"activations": sum(per_layer) + head + attention_backward(cfg, B, T, a)}  # and its gradients
     # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the
     # gradient flowing into it), so the peak is the larger of the two on top of the inputs
     inputs = a * B * T * cfg.d_model * len(per_layer)

@@ -278,5 +278,6 @@ def causal_pairs(T: int, S: int) -> int:
 
 # flash keeps out and L only; the calculator's model of it (qkv calc) counts no (T, S) probabilities
 KERNELS.register("flash")(KernelSpec(fn=flash, weights=attention_weights, keeps_probabilities=False,
+                                     keeps_value_buckets=False,
                                      causal_pairs=causal_pairs,
                                      backward_scores=lambda T, S: 3 * T * min(BLOCK, S)))  # one tile's P, dP, dS

@@ -52,6 +52,8 @@ class KernelSpec:
     full: bool = True  # softmax over every allowed key; cross-attention always uses a full kernel
     exact: bool = True  # the exact softmax of its pattern (False: an approximation, linear attention)
     keeps_probabilities: bool = True  # stores the (B, H, T, S) probabilities for the backward (qkv calc)
+    keeps_value_buckets: bool = True  # stores a value term's per-row buckets (B, H, T, R) (qkv calc)
+    value_term_kernel: str | None = None  # the kernel that runs in its place when a value term is given
     # score_pairs(T, S, window) -> how many (query, key) scores the kernel computes per head (qkv calc's
     # FLOPs); None: all T x S
     score_pairs: Callable[[int, int, int], int] | None = None
@@ -193,4 +195,5 @@ def record_attention(model: torch.nn.Module) -> Iterator[list]:
 
 KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights,
                                      backward_scores=lambda T, S: 2 * T * S))  # dA and dS
-KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False))
+KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False,
+                                    value_term_kernel="naive"))

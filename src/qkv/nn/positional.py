@@ -12,8 +12,11 @@
 Each class states its properties beside its hooks: `shift_invariant` (positions are seen only through
 differences, so a rolling cache may generate past max_seq_len: qkv.generate.families), `decoder_twin` (the
 registry name of its form in an encoder-decoder's decoder, or None for the same) and `even_head_dim`
-(rotates pairs of head coordinates), `fixed_score_bias` (builds a dense (B, H, T, S) score bias with no
-parameters in every layer, which a kernel that keeps no probabilities saves for its backward: qkv calc).
+(rotates pairs of head coordinates), `score_bias_kind` (what its dense (B, H, T, S) score bias is made
+from: None, "fixed" (no parameters), "learned" (a table) or "content" (q and k); a kernel that keeps no
+probabilities saves it for its backward), `value_term` (has a value_bias), `hook_saves` and
+`hook_backward` (the bytes its hooks keep for the backward per layer, and form in it): the last four are
+qkv calc's.
 
 Every encoding takes the same keyword arguments (d_model, n_heads, head_dim, max_seq_len,
 rope_theta, max_distance) and ignores the ones it does not use. Positions are (B, T) integer
@@ -39,7 +42,8 @@ class Positional(nn.Module):
     shift_invariant = True  # positions only through differences (here: not at all)
     decoder_twin: str | None = None  # the encoder-decoder's decoder uses this registry entry instead
     even_head_dim = False  # needs an even head width
-    fixed_score_bias = False  # a dense (B, H, T, S) bias without parameters in every layer
+    score_bias_kind: str | None = None  # "fixed", "learned", "content": what its (B, H, T, S) bias is made from
+    value_term = False  # adds a RelativeValues term to the weighted values
 
     def __init__(self, **dims):
         super().__init__()
@@ -56,6 +60,19 @@ class Positional(nn.Module):
 
     def value_bias(self, q_positions: Tensor, k_positions: Tensor) -> RelativeValues | None:
         return None
+
+    @staticmethod
+    def hook_saves(B: int, H: int, T: int, S: int, *, a: int, head_dim: int, max_distance: int,
+                   value_buckets: bool) -> int:
+        """Bytes its score and value hooks keep for the backward in one layer, beyond the dense bias the
+        kernel may keep (measured with saved_tensors_hooks: tests/analysis/test_memory.py); `a`: bytes of
+        q's elements, `value_buckets`: the kernel keeps a value term's per-row buckets (all but flash)."""
+        return 0
+
+    @staticmethod
+    def hook_backward(B: int, H: int, T: int, S: int, *, a: int, max_distance: int) -> int:
+        """Bytes its hooks' backward forms at once from the bias gradient (B, H, T, S) (qkv calc's peak)."""
+        return 0
 
 
 POSITIONALS.register("none")(Positional)
@@ -149,7 +166,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
 class ALiBi(Positional):
     """Attention with linear biases (beyond the notes): score_ij -= m_h * |i - j|."""
 
-    fixed_score_bias = True
+    score_bias_kind = "fixed"
 
     def __init__(self, *, n_heads: int, **dims):
         super().__init__()

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from qkv.nn.kernels import RelativeValues
 from qkv.nn.positional import POSITIONALS, Positional, sinusoidal_table
 
+INDEX = 8  # bytes of a long index element
 T5_BUCKETS = 32  # T5's default relative_attention_num_buckets (model.t5_buckets); the bucket range is
 # model.max_distance (T5: 128)
 
@@ -34,6 +35,22 @@ class ShawRelative(Positional):
     k = model.max_distance; the tables (2k + 1, Dh) are shared by the heads (as in the paper). The note
     writes r_{i-j}; the paper indexes j - i: the same table read backwards.
     """
+
+    score_bias_kind = "content"
+    value_term = True
+
+    @staticmethod
+    def hook_saves(B, H, T, S, *, a, head_dim, max_distance, value_buckets):
+        """The matmul's copy of q (B H T, Dh), the gather's (B, T, S) index and its input q . w^K (B, H, T,
+        2k+1); the value term's index and, where the kernel forms A, its fp32 buckets (B, H, T, 2k+1)."""
+        rows = 2 * max_distance + 1
+        value = INDEX * B * T * S + (4 * B * H * T * rows if value_buckets else 0)
+        return a * B * H * T * head_dim + INDEX * B * T * S + a * B * H * T * rows + value
+
+    @staticmethod
+    def hook_backward(B, H, T, S, *, a, max_distance):
+        """The scaled bias gradient and the gather's scattered (B, H, T, 2k+1) gradient."""
+        return a * B * H * T * S + a * B * H * T * (2 * max_distance + 1)
 
     def __init__(self, *, head_dim: int, max_distance: int, **dims):
         super().__init__()
@@ -71,6 +88,21 @@ class TransformerXL(Positional):
     of M columns. The cached keys are W_K h of the previous segment's states, as in the paper, but held
     fixed rather than recomputed with the current W_K: no gradient reaches W_K through the memory.
     """
+
+    score_bias_kind = "content"
+
+    @staticmethod
+    def hook_saves(B, H, T, S, *, a, head_dim, max_distance, value_buckets):
+        """For the matmuls: q + v (B, H, T, Dh), W_R R_d over the T + S - 1 distances and its copy per
+        sequence, k's copy for u . k_j; the gather's (B, T, S) index and its input (B, H, T, T + S - 1)."""
+        R = T + S - 1
+        matmuls = a * B * H * (T + S) * head_dim + a * (B + 1) * H * head_dim * R
+        return matmuls + INDEX * B * T * S + a * B * H * T * R
+
+    @staticmethod
+    def hook_backward(B, H, T, S, *, a, max_distance):
+        """The scaled bias gradient and the gather's scattered (B, H, T, T + S - 1) gradient."""
+        return a * B * H * T * S + a * B * H * T * (T + S - 1)
 
     def __init__(self, *, d_model: int, n_heads: int, head_dim: int, **dims):
         super().__init__()
@@ -122,6 +154,17 @@ class T5Bias(Positional):
 
     bidirectional = True
     decoder_twin = "t5_causal"
+    score_bias_kind = "learned"
+
+    @staticmethod
+    def hook_saves(B, H, T, S, *, a, head_dim, max_distance, value_buckets):
+        """The embedding's (B, T, S) bucket index."""
+        return INDEX * B * T * S
+
+    @staticmethod
+    def hook_backward(B, H, T, S, *, a, max_distance):
+        """The bias gradient laid out (B, T, S, H) for the embedding's backward (fp32, as the bias)."""
+        return 4 * B * H * T * S
 
     def __init__(self, *, n_heads: int, max_distance: int, t5_buckets: int = T5_BUCKETS, **dims):
         super().__init__()
