@@ -1,8 +1,9 @@
 """Memory per rank, measured against `qkv calc`: 2 gloo processes (tests/train/memory_worker.py) train one
 step of each layout (ZeRO 0-3 over dp=2, tp=2, pp=2) in fp32 and bf16 and record the bytes each rank holds
 of weights (at the end of the forward), gradients (after the backward) and optimizer states (after the
-update); beside them the calculator's figure for the most loaded rank (qkv.analysis.memory). A Markdown
-table on stdout (docs/distributed.md).
+update), then the whole step's peak for dp=2, tp=2 and pp=2 (1F1B and GPipe); beside them the
+calculator's figure for the most loaded rank (qkv.analysis.memory). Markdown tables on stdout
+(docs/distributed.md).
 
     PYTHONPATH=src:. python benchmarks/rank_memory.py [--set model.d_model=256 ...]
 """
@@ -18,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 from qkv import presets
-from qkv.analysis import memory
+from qkv.analysis import calc, memory
 from tests.train import verse
-from tests.train.memory_worker import LAYOUTS, PRECISIONS
+from tests.train.memory_worker import LAYOUTS, PEAK_LAYOUTS, PEAK_SHAPE, PRECISIONS
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("weights", "gradients", "optimizer_states")
@@ -61,6 +62,19 @@ def main() -> None:
                 cells.append(f"{got[0] / 2**20:.3f} / {got[1] / 2**20:.3f} MiB | {est[part] / 2**20:.3f} MiB "
                              f"({est[part] / max(got):.3f})")
             print(f"| {name} | {precision} | " + " | ".join(cells) + " |")
+    print("\nthe step's peak per rank (weights, states, gradients, activations; 16 x 64 tokens), rank 0 / rank 1, "
+          "and `qkv calc`'s for the most loaded rank\n")
+    print("| layout | precision | measured | calc |")
+    print("|---|---|---|---|")
+    for name, settings in PEAK_LAYOUTS.items():
+        for precision in PRECISIONS:
+            key = f"{name}/{precision}"
+            cfg = presets.get("tiny").override([*args.set, *PEAK_SHAPE, f"train.precision={precision}", *settings])
+            model = dataclasses.replace(cfg.model, vocab_size=ranks[0]["zero0/fp32"]["vocab_size"])
+            est = memory.training(model, calc.setup_from(cfg))["total"]
+            got = [rank["peak"][key] for rank in ranks]
+            print(f"| {name} | {precision} | {got[0] / 2**20:.2f} / {got[1] / 2**20:.2f} MiB | "
+                  f"{est / 2**20:.2f} MiB ({est / max(got):.2f}) |")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,11 @@ def test_options_reach_the_calculators():
     staged = calc_json("--preset", "tiny", "--pp", "2", "--tp", "2")  # the most loaded rank of the grid
     assert staged["setup"]["pp"] == staged["setup"]["tp"] == 2
     assert staged["memory"]["bytes"]["weights"] < plain["memory"]["bytes"]["weights"] / 2 * 1.5
+    assert staged["setup"]["microbatches"] == 4 and staged["setup"]["batch"] == 2  # parallel.microbatches: 8 / 4
+    gpipe = calc_json("--preset", "tiny", "--pp", "2", "--schedule", "gpipe", "--microbatches", "2")
+    assert gpipe["setup"]["batch"] == 4 and gpipe["setup"]["schedule"] == "gpipe"
+    # GPipe's last stage holds both micro-batches of 4 where 1F1B (4 of 2) holds one of 2
+    assert gpipe["memory"]["bytes"]["activations"] > 2 * staged["memory"]["bytes"]["activations"]
     own = calc_json("--preset", "tiny", "--precision", "bf16")["memory"]["bytes"]  # fp32 weights under autocast
     textbook = calc_json("--preset", "tiny", "--precision", "bf16", "--layout", "textbook")["memory"]["bytes"]
     assert own["master_weights"] == 0 and own["weights"] == plain["memory"]["bytes"]["weights"]
@@ -64,6 +69,8 @@ def test_text_report():
     (["--tokens", "lots"], "not a number"),
     (["--step-time", "1"], "--peak-flops"),
     (["--preset", "tiny", "--seq", "1000"], "max_seq_len"),
+    (["--preset", "tiny", "--microbatches", "4"], "--pp > 1"),
+    (["--preset", "tiny", "--schedule", "gpipe"], "--pp > 1"),
 ])
 def test_bad_input_is_one_line(argv, needle):
     rc, out, err = run_cli("calc", *argv)

@@ -40,11 +40,17 @@ def trained_model(cfg: RunConfig):
 
 def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     """Options given on the command line, else the config's: the micro-batch per GPU is
-    batch_size / (accumulation x dp), the GPUs are parallel.dp."""
+    batch_size / (accumulation x dp), and / parallel.microbatches in a pipeline; the GPUs are parallel.dp."""
     tc, pc = cfg.train, cfg.parallel
-    default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp)), seq=tc.seq_len,
+    pipeline = given.get("pp") or pc.pp
+    for name in ("microbatches", "schedule"):
+        if given.get(name) and pipeline == 1:
+            raise QkvError(f"--{name} applies to a pipeline: give --pp > 1 (or parallel.pp)")
+    micro = (given.get("microbatches") or pc.microbatches) if pipeline > 1 else 1
+    default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp * micro)), seq=tc.seq_len,
                    precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
-                   checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp)
+                   checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
+                   microbatches=micro, schedule=pc.schedule)
     chosen = {key: value for key, value in given.items() if value not in (None, False)}
     return memory.Setup(**{**default, **chosen}).check()
 

@@ -50,6 +50,9 @@ def add_parsers(sub) -> None:
     calc.add_argument("--gpus", type=_count, help="data-parallel GPUs (default parallel.dp)")
     calc.add_argument("--tp", type=_count, help="tensor-parallel ranks (default parallel.tp)")
     calc.add_argument("--pp", type=_count, help="pipeline stages (default parallel.pp)")
+    calc.add_argument("--microbatches", type=_count, help="pipeline micro-batches per step (default "
+                      "parallel.microbatches; --batch is one micro-batch)")
+    calc.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pipeline schedule (default parallel.schedule)")
     calc.add_argument("--layout", choices=("qkv", "textbook"),
                       help="mixed-precision layout: qkv's fp32 weights and gradients under autocast (default), "
                            "or low-precision weights and gradients with an fp32 master copy")
@@ -117,7 +120,7 @@ def cmd_calc(args) -> int:
     cfg = calc.resolve(args.preset, args.config, args.set)
     result = calc.calculate(cfg, seq=args.seq, batch=args.batch, precision=args.precision,
                             optimizer=args.optimizer, zero=args.zero, gpus=args.gpus, tp=args.tp, pp=args.pp,
-                            layout=args.layout,
+                            microbatches=args.microbatches, schedule=args.schedule, layout=args.layout,
                             checkpointing=args.checkpointing, tokens=args.tokens,
                             step_time=args.step_time, peak_flops=args.peak_flops)
     print(json.dumps(result) if args.json else report.calc_text(result))

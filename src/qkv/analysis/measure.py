@@ -26,7 +26,7 @@ class LiveBytes(TorchDispatchMode):
         self.known: set[int] = set()
         self.baseline = 0
         for tensor in existing:
-            storage = tensor.untyped_storage()
+            storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
             if storage._cdata not in self.known:
                 self.known.add(storage._cdata)
                 self.baseline += storage.nbytes()
@@ -38,6 +38,7 @@ class LiveBytes(TorchDispatchMode):
         self.current -= nbytes
 
     def _track(self, tensor: torch.Tensor) -> None:
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self.known or key in self.live:

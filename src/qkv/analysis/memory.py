@@ -52,6 +52,10 @@ TEXTBOOK_BYTES = {**PRECISION_BYTES, "bf16": (2, 2, 4, 2), "fp16": (2, 2, 4, 2)}
 LAYOUTS = {"qkv": PRECISION_BYTES, "textbook": TEXTBOOK_BYTES}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "muon": 8}  # fp32 states per parameter (muon: at most; its matrices keep 4)
 FP32 = 4
+# pipeline schedule -> (m micro-batches, p stages, stage s) -> the micro-batches whose activations stage s
+# holds at once: every one under GPipe (all forwards before any backward), p - s under 1F1B (its warm-up
+# forwards), at most m (Narayanan et al. 2021, §2.2)
+IN_FLIGHT = {"gpipe": lambda m, p, s: m, "1f1b": lambda m, p, s: min(p - s, m)}
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class Setup:
     pp: int = 1
     layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
     chunked_head: bool = True  # the LM head and its loss in row chunks, as qkv's training step runs them
+    microbatches: int = 1  # pp > 1: the pipeline's micro-batches per schedule (batch is one micro-batch)
+    schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b
 
     @property
     def bytes(self) -> tuple[int, int, int, int]:
@@ -84,7 +90,9 @@ class Setup:
             raise QkvError(f"zero={self.zero} is not allowed; choose from: 0, 1, 2, 3")
         if self.layout not in LAYOUTS:
             raise QkvError(f"layout={self.layout!r} is not allowed; choose from: {', '.join(LAYOUTS)}")
-        for name in ("batch", "gpus", "tp", "pp"):
+        if self.schedule not in IN_FLIGHT:
+            raise QkvError(f"schedule={self.schedule!r} is not allowed; choose from: {', '.join(IN_FLIGHT)}")
+        for name in ("batch", "gpus", "tp", "pp", "microbatches"):
             if getattr(self, name) <= 0:
                 raise QkvError(f"{name}={getattr(self, name)} must be positive")
         if self.seq < 0:
@@ -167,9 +175,12 @@ def score_bias_bytes(cfg: ModelConfig, B: int, T: int, S: int, a: int, self_atte
     return hooks + (element * B * H * T * S if dense else 0)
 
 
-def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int, self_attention: bool = True) -> float:
-    """Bytes one attention sub-layer keeps (self-attention: S = T); `stream`: bytes of the residual stream."""
-    D, H, Dh = cfg.d_model, cfg.n_heads, cfg.head_dim
+def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int, self_attention: bool = True,
+                     t: int = 1) -> float:
+    """Bytes one attention sub-layer keeps (self-attention: S = T); `stream`: bytes of the residual stream.
+    Over t tensor-parallel ranks (sequence parallel): x holds T/t positions, LN(x) is gathered whole for
+    the column-split projections, each rank keeps H/t heads."""
+    D, H, Dh = cfg.d_model, cfg.n_heads // t, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
     elements = B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # LN(x), Q, K+V, concat(heads); + x below
     probabilities, copied = kernel_saves(cfg, T, S)
@@ -177,24 +188,26 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: i
         kernel = FP32 * B * H * T  # logsumexp; its output, laid out (B, T, H, Dh), is concat(heads)
     else:
         kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
-    kernel += score_bias_bytes(cfg, B, T, S, a, self_attention)
-    masks = (B * T * D + B * H * probabilities) if cfg.dropout else 0
-    return stream * B * T * D + a * (elements + B * H * Dh * copied) + kernel + masks
+    kernel += score_bias_bytes(cfg, B, T, S, a, self_attention) / t
+    masks = (B * T * D / t + B * H * probabilities) if cfg.dropout else 0
+    return stream * B * T * D / t + a * (elements + B * H * Dh * copied) + kernel + masks
 
 
-def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int) -> float:
-    D, F = cfg.d_model, cfg.d_ff
+def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int, t: int = 1) -> float:
+    D, F = cfg.d_model, cfg.d_ff // t
     hidden = (4 if cfg.ffn == "glu" else 2) * B * T * F
     if cfg.moe_experts:  # each token's hidden activations exist once per chosen expert, + router
         hidden = hidden * cfg.moe_top_k + B * T * cfg.moe_experts * (a + FP32)
-    masks = B * T * D if cfg.dropout else 0
-    return stream * B * T * D + a * (B * T * D + hidden) + masks  # x, LN(x), the hidden units
+    masks = B * T * D / t if cfg.dropout else 0
+    return stream * B * T * D / t + a * (B * T * D + hidden) + masks  # x, LN(x) (gathered), the hidden units
 
 
-def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0, stream: int | None = None) -> float:
-    """One layer's saved activations; a decoder layer of an encoder-decoder adds cross-attention."""
+def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0, stream: int | None = None,
+                      t: int = 1) -> float:
+    """One layer's saved activations (on one of t tensor-parallel ranks); a decoder layer of an
+    encoder-decoder adds cross-attention."""
     stream = a if stream is None else stream
-    total = _attention_layer(cfg, B, T, T, a, stream) + _ffn_layer(cfg, B, T, a, stream)
+    total = _attention_layer(cfg, B, T, T, a, stream, t=t) + _ffn_layer(cfg, B, T, a, stream, t)
     return total + (_attention_layer(cfg, B, T, source, a, stream, self_attention=False) if source else 0)
 
 
@@ -208,18 +221,29 @@ def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
 
 
 def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = False,
-                     chunked: bool = False) -> float:
+                     chunked: bool = False, t: int = 1) -> float:
     """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V); under autocast
     also the low-precision logits. `chunked`: the training step's head-and-loss in row chunks
     (qkv.nn.linear_cross_entropy, fp32 only): no (B, T, V) survives the forward, which keeps dloss/dH
-    (B, T, D) and dloss/dW (V, D) in fp32 instead."""
+    (B, T, D) and dloss/dW (V, D) in fp32 instead. Under t tensor-parallel ranks the norm's input holds
+    T/t positions and the vocabulary-split logits are gathered whole for the loss (never chunked)."""
     if cfg.arch == "encoder" and cfg.head == "none":
         return a * B * T * cfg.d_model
     D, V = cfg.d_model, cfg.vocab_size
     if chunked and not autocast and cfg.arch == "decoder":
         return a * 2 * B * T * D + FP32 * (B * T * D + V * D)
     logits = a * B * T * V if autocast else 0
-    return a * 2 * B * T * D + 2 * FP32 * B * T * V + logits
+    return a * (1 + 1 / t) * B * T * D + 2 * FP32 * B * T * V + logits
+
+
+def head_chunk(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool, chunked: bool) -> float:
+    """The chunked head-and-loss's one chunk of fp32 logits (C x V, C = chunk_rows(V)), alive in the forward
+    beside everything saved; none when the head is not chunked."""
+    from qkv.nn.linear_cross_entropy import chunk_rows
+
+    if not (chunked and not autocast and cfg.arch == "decoder"):
+        return 0
+    return FP32 * min(B * T, chunk_rows(cfg.vocab_size)) * cfg.vocab_size
 
 
 def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
@@ -240,6 +264,14 @@ def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
     return scores + gradient + positional.hook_backward(B, H, T, T, a=a, max_distance=cfg.max_distance)
 
 
+def layer_backward(cfg: ModelConfig, B: int, T: int, a: int, t: int = 1) -> float:
+    """The activation gradients the last layer's FFN backward holds at once, beside everything saved: of
+    its activation's output and input (four hidden-sized ones for a GLU) and of its input, on one of t
+    tensor-parallel ranks (the peak when no kernel's score gradients are larger)."""
+    hidden = (4 if cfg.ffn == "glu" else 2) * cfg.d_ff / t
+    return a * B * T * (hidden + cfg.d_model)
+
+
 def weight_copies(cfg: ModelConfig, a: int) -> float:
     """Autocast's low-precision copies of the matrices the forward multiplies, kept for the backward's
     dx = dy W^T: the blocks' projections and the head (W_E when tied)."""
@@ -249,20 +281,52 @@ def weight_copies(cfg: ModelConfig, a: int) -> float:
 
 
 def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
+    """Bytes of the most loaded rank at the step's peak: one micro-batch of setup.batch sequences, its
+    layers split over tp ranks and pp stages (decoders; each stage holding `in_flight` micro-batches)."""
     B, T = setup.batch, setup.seq or cfg.max_seq_len
     a = setup.bytes[3]
     # qkv's autocast: the residual stream and the norms stay fp32, the matmuls' inputs and outputs are
     # low precision, and each multiplied matrix gets a low-precision copy (weight_copies)
     autocast = setup.layout == "qkv" and setup.precision != "fp32"
     stream = FP32 if autocast else a
-    per_layer = [layer_activations(cfg, B, t, a, s, stream) for t, s in _layers(cfg, T)]
-    head = head_activations(cfg, B, T, a, autocast, setup.chunked_head) + (weight_copies(cfg, a) if autocast else 0)
-    if not setup.checkpointing:  # the peak is in the last layer's backward: everything saved is alive,
-        return {"activations": sum(per_layer) + head + attention_backward(cfg, B, T, a)}  # and its gradients
-    # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the
-    # gradient flowing into it), so the peak is the larger of the two on top of the inputs
-    inputs = a * B * T * cfg.d_model * len(per_layer)
-    return {"activations": inputs + max(head, max(per_layer) + a * B * T * cfg.d_model)}
+    decoder = cfg.arch == "decoder"
+    t, p = (setup.tp, setup.pp) if decoder else (1, 1)
+    chunked = setup.chunked_head and t == 1 and p == 1  # tp's DTensor head and the pipeline's loss: whole logits
+    per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
+    head = head_activations(cfg, B, T, a, autocast, chunked, t)
+    copies = weight_copies(cfg, a) / t if autocast else 0
+    transient = max(head_chunk(cfg, B, T, a, autocast, chunked), attention_backward(cfg, B, T, a) / t,
+                    layer_backward(cfg, B, T, a, t))
+    if setup.checkpointing:
+        # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the
+        # gradient flowing into it), so the peak is the larger of the two on top of the inputs
+        inputs = a * B * T * cfg.d_model / t
+        return {"activations": inputs * len(per_layer) + max(head, max(per_layer) + inputs) + copies}
+    # everything saved is alive at the head's last chunk and in the last layer's backward (with its score
+    # gradients): the peak is the larger
+    if p == 1:
+        return {"activations": sum(per_layer) + head + copies + transient}
+    return {"activations": max(stage_activations(cfg, setup, per_layer[0], head, transient, autocast))}
+
+
+def stage_activations(cfg: ModelConfig, setup: Setup, layer: float, head: float, transient: float,
+                      autocast: bool) -> list[float]:
+    """Each pipeline stage's peak: its layers' (and the last stage's head's) activations for the
+    micro-batches it holds at once, + the backward's transient and autocast's copies of its own matrices
+    (W_E on both ends); the last stage also holds what its loss keeps beyond the head's saved tensors: the
+    stage output the schedule keeps until the backward and the loss backward's second (B, T, V) gradient."""
+    in_flight, p, a = IN_FLIGHT[setup.schedule], setup.pp, setup.bytes[3]
+    T, V, D = setup.seq or cfg.max_seq_len, cfg.vocab_size, cfg.d_model
+    ends = a * V * D if autocast else 0
+    per_layer_copies = (weight_copies(cfg, a) - ends) / cfg.n_layers if autocast else 0
+    logits = 2 * FP32 * setup.batch * T * V
+    peaks = []
+    for s, layers in enumerate(params.stage_layers(cfg.n_layers, p)):
+        last = s == p - 1
+        held = in_flight(setup.microbatches, p, s) * (len(layers) * layer + (head if last else 0))
+        copies = len(layers) * per_layer_copies + (ends if s in (0, p - 1) else 0)
+        peaks.append(held + transient + copies + (logits if last else 0))
+    return peaks
 
 
 def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:

@@ -39,6 +39,7 @@ def calc_text(r: dict) -> str:
     lines += [""]
     mem = r["memory"]
     grid = "".join(f", {name} {s[name]}" for name in ("tp", "pp") if s.get(name, 1) > 1)
+    grid += f" ({s['schedule']}, {s['microbatches']} micro-batches)" if s.get("pp", 1) > 1 else ""
     title = (f"training memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO {s['zero']}, {s['gpus']} GPU(s)"
              f"{grid}, micro-batch {s['batch']} x {s['seq']}{', checkpointing' if s['checkpointing'] else ''}; "
              f"{mem['bytes_per_param']} bytes/param before sharding)")
@@ -50,7 +51,8 @@ def calc_text(r: dict) -> str:
                   "  (textbook layout: 2-byte weights and gradients + an fp32 master copy; qkv itself trains with "
                   "fp32 weights and gradients under autocast)"]
     if grid:
-        lines += ["  (model states of the most loaded rank; activations as on one rank, not yet split by tp / pp)"]
+        lines += ["  (each part for its most loaded rank: tp splits heads, hidden units and T/tp stream positions; "
+                  "a pipeline stage holds its micro-batches in flight)"]
     lines += [""]
     lines += [f"inference KV cache for {s['batch']} x {s['seq']} tokens: {nbytes(r['kv_cache_bytes'])}", ""]
     if "compute" in r:
