@@ -154,7 +154,7 @@ def test_a_dense_kernel_keeps_alibis_bias(kernel, seq):
 def test_estimate_follows_the_step_across_lengths_and_precisions(kernel, seq, precision):
     """qkv's own step at two lengths and both precisions: fp32 with the chunked head-and-loss, bf16 under
     autocast (fp32 residual stream and norms, low-precision matmul inputs and outputs and weight copies,
-    the logits path). Measured 0.93-1.16 of the peak; the textbook bf16 layout (everything 2 bytes) was
+    the logits path). Measured 0.98-1.16 of the peak; the textbook bf16 layout (everything 2 bytes) was
     0.65-0.93."""
     cfg = ModelConfig(**{**BASE, "max_seq_len": 384, "attention": kernel})
     estimate = memory.training(cfg, memory.Setup(batch=2, seq=seq, precision=precision))["total"]

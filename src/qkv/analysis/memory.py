@@ -34,6 +34,9 @@ A score bias adds what its positional's hooks keep (`hook_saves`: indices, q-dep
 kernel that keeps no A, the dense (B, H, T, S) bias; a learned one its gradient at the peak (`hook_backward`).
 With activation checkpointing (LLM §6.2) only each layer's input survives the forward; one layer's
 activations are rebuilt at a time in the backward.
+Per rank (`activations`): tensor parallel with sequence parallel keeps T/tp stream positions, H/tp heads
+and F/tp hidden units (LN(x) and the logits gathered whole); pipeline stage s keeps its layers for the
+micro-batches in flight (IN_FLIGHT). Measured against each rank's peak: docs/distributed.md.
 """
 from __future__ import annotations
 
