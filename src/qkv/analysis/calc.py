@@ -50,7 +50,7 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp * micro)), seq=tc.seq_len,
                    precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
                    checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
-                   microbatches=micro, schedule=pc.schedule)
+                   microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation)
     chosen = {key: value for key, value in given.items() if value not in (None, False)}
     return memory.Setup(**{**default, **chosen}).check()
 
@@ -90,7 +90,8 @@ def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float |
 def _mfu(model, setup: memory.Setup, step_time: float | None, peak_flops: float | None) -> dict:
     if step_time is None or peak_flops is None:
         raise QkvError("MFU needs both --step-time SECONDS and --peak-flops FLOPS")
-    tokens_per_step = setup.batch * setup.seq * setup.gpus
+    # one optimizer step: every micro-batch of every accumulation step and pipeline schedule, on every dp rank
+    tokens_per_step = setup.batch * setup.seq * setup.gpus * setup.microbatches * setup.accumulation
     tokens_per_s = tokens_per_step / step_time
     return {"step_time": step_time, "peak_flops": peak_flops, "tokens_per_step": tokens_per_step,
             "tokens_per_s": tokens_per_s, "model_flops_per_s": flops.train_flops_per_token(model, setup.seq)

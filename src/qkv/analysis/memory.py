@@ -77,6 +77,7 @@ class Setup:
     layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
     chunked_head: bool = True  # the LM head and its loss in row chunks, as qkv's training step runs them
     microbatches: int = 1  # pp > 1: the pipeline's micro-batches per schedule (batch is one micro-batch)
+    accumulation: int = 1  # micro-batches (or schedules) accumulated per optimizer step: MFU's tokens only
     schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b
 
     @property
@@ -95,7 +96,7 @@ class Setup:
             raise QkvError(f"layout={self.layout!r} is not allowed; choose from: {', '.join(LAYOUTS)}")
         if self.schedule not in IN_FLIGHT:
             raise QkvError(f"schedule={self.schedule!r} is not allowed; choose from: {', '.join(IN_FLIGHT)}")
-        for name in ("batch", "gpus", "tp", "pp", "microbatches"):
+        for name in ("batch", "gpus", "tp", "pp", "microbatches", "accumulation"):
             if getattr(self, name) <= 0:
                 raise QkvError(f"{name}={getattr(self, name)} must be positive")
         if self.seq < 0:

@@ -1,0 +1,40 @@
+"""`qkv calc`'s setup from a run's config (qkv.analysis.calc): the micro-batch each GPU runs, the refusals
+of options that do not apply, and MFU over the tokens of one optimizer step."""
+import pytest
+
+from qkv import presets
+from qkv.analysis import calc, flops
+from qkv.errors import QkvError
+
+
+def test_the_micro_batch_divides_the_batch_by_accumulation_dp_and_pipeline_micro_batches():
+    cfg = presets.get("tiny").override(["train.batch_size=32", "train.accumulation=2", "parallel.dp=2",
+                                        "parallel.pp=2", "parallel.microbatches=4"])
+    setup = calc.setup_from(cfg)
+    assert (setup.batch, setup.gpus, setup.microbatches, setup.accumulation) == (2, 2, 4, 2)
+    assert calc.setup_from(presets.get("tiny").override(["train.batch_size=32", "parallel.dp=2"])).batch == 16
+    assert calc.setup_from(cfg, batch=3).batch == 3  # given on the command line: as given
+
+
+@pytest.mark.parametrize("option", ["microbatches", "schedule"])
+def test_pipeline_options_without_a_pipeline_are_refused(option):
+    with pytest.raises(QkvError, match="--pp > 1"):
+        calc.setup_from(presets.get("tiny"), **{option: 4 if option == "microbatches" else "gpipe"})
+
+
+def test_mfu_counts_every_token_of_an_optimizer_step():
+    """32 sequences per step however they are split (dp 2 x accumulation 2 x 4 micro-batches of 2): MFU =
+    6N-with-attention FLOPs per token x 32 x 32 tokens / step time / (peak x 2 GPUs)."""
+    cfg = presets.get("tiny").override(["train.batch_size=32", "train.accumulation=2", "parallel.dp=2",
+                                        "parallel.pp=2", "parallel.microbatches=4"])
+    result = calc.calculate(cfg, step_time=0.5, peak_flops=1e12)
+    model = calc.trained_model(cfg)
+    assert result["mfu"]["tokens_per_step"] == 32 * 32
+    want = flops.train_flops_per_token(model, 32) * 32 * 32 / 0.5 / 2e12
+    assert result["mfu"]["mfu"] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_trained_model_has_the_tokenizer_vocabulary():
+    """A new run trains a tokenizer of data.vocab_size tokens: the calculators count that vocabulary."""
+    cfg = presets.get("tiny").override(["data.vocab_size=1000", "model.vocab_size=300"])
+    assert calc.trained_model(cfg).vocab_size == 1000
