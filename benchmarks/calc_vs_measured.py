@@ -19,6 +19,7 @@ import qkv
 from qkv.analysis import flops, memory, params
 from qkv.analysis.measure import count_flops, peak_step_bytes
 from qkv.config import ModelConfig
+from qkv.train.objectives import lm_loss
 
 BASE = dict(vocab_size=2048, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=256, attention="naive")
 CONFIGS = {
@@ -33,7 +34,7 @@ CONFIGS = {
 
 def step_fn(model, ids, optimizer):
     def step():
-        model(ids[:, :-1], targets=ids[:, 1:]).backward()  # as qkv.train.loop: the chunked head-and-loss
+        lm_loss(model, (ids[:, :-1], ids[:, 1:]), 0.0).backward()  # as qkv.train.loop: the chunked head-and-loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step

@@ -9,6 +9,7 @@ from qkv.analysis import memory, params
 from qkv.analysis.measure import LiveBytes, peak_step_bytes
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
+from qkv.train.objectives import lm_loss
 
 BASE = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=256, max_seq_len=128)
 
@@ -32,7 +33,7 @@ def measured_peak(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool, p
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = model(ids[:, :-1], targets=ids[:, 1:])
+            loss = lm_loss(model, (ids[:, :-1], ids[:, 1:]), 0.0)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -191,7 +192,7 @@ def test_hook_saves_are_what_autograd_saves():
                 seen[storage._cdata] = storage.nbytes()
             return tensor
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids[:, :-1], targets=ids[:, 1:])
+            lm_loss(model, (ids[:, :-1], ids[:, 1:]), 0.0)
         return sum(seen.values())
 
     for positional, kernel in [("t5_causal", "sdpa"), ("shaw", "flash"), ("shaw", "naive"), ("xl", "sdpa")]:

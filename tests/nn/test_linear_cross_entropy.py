@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.nn import linear_cross_entropy as lce
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, linear_cross_entropy
+from qkv.train.objectives import lm_loss, mlm_loss, seq2seq_loss
 
 
 def reference(hidden, weight, bias, targets, eps):
@@ -79,7 +80,8 @@ def test_every_target_ignored_gives_nan_as_cross_entropy():
 
 
 def assert_same_loss_and_gradients(model, fused_loss, plain_logits, targets, eps=0.0):
-    """model(..., targets=) against F.cross_entropy of model(...)'s logits: the loss and every gradient."""
+    """The objective's loss (the model's hidden states, then the head and the loss in chunks on the rows
+    with a target) against F.cross_entropy of model(...)'s logits: the loss and every gradient."""
     fused = fused_loss()
     fused.backward()
     fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -98,7 +100,7 @@ def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
     assert model.lm_head.weight is model.tok_emb.weight  # tied: the head's gradient joins the embedding's
     ids, targets = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
     targets[1, :3] = -100
-    assert_same_loss_and_gradients(model, lambda: model(ids, targets=targets, label_smoothing=0.1),
+    assert_same_loss_and_gradients(model, lambda: lm_loss(model, (ids, targets), 0.1),
                                    lambda: model(ids), targets, 0.1)
 
 
@@ -128,7 +130,7 @@ def test_mlm_loss_on_the_masked_rows_equals_the_full_logits_loss(hooked):
     ids = torch.randint(0, 40, (3, 12))
     targets = torch.full((3, 12), -100)
     targets[0, 2], targets[1, 5], targets[1, 9], targets[2, 0] = 4, 7, 39, 11  # BERT's sparse targets
-    assert_same_loss_and_gradients(model, lambda: model(ids, targets=targets, label_smoothing=0.1),
+    assert_same_loss_and_gradients(model, lambda: mlm_loss(model, (ids, targets), 0.1),
                                    lambda: model(ids), targets, 0.1)
     assert seen == ([(3, 12, 40)] * 2 if hooked else [])
 
@@ -146,7 +148,7 @@ def test_seq2seq_loss_on_the_target_rows_equals_the_full_logits_loss(hooked):
     src_mask, tgt_mask = torch.ones(2, 9, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
     src_mask[1, 6:], tgt_mask[1, 4:] = 0, 0  # right padding, as qkv.data.seq2seq pads
     labels = torch.randint(0, 30, (2, 7)).masked_fill(tgt_mask == 0, -100)
-    assert_same_loss_and_gradients(model, lambda: model(src, tgt, src_mask, tgt_mask, targets=labels),
+    assert_same_loss_and_gradients(model, lambda: seq2seq_loss(model, (src, src_mask, tgt, tgt_mask, labels), 0.0),
                                    lambda: model(src, tgt, src_mask, tgt_mask), labels)
     assert seen == ([(2, 7, 30)] * 2 if hooked else [])
 

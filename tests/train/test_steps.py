@@ -58,4 +58,4 @@ def test_clip_is_the_global_norm_and_the_full_state_is_the_model():
         torch.testing.assert_close(p.grad, g / 4, rtol=1e-6, atol=1e-12)  # scaled to the max norm
     weights = runner.full_weights()  # one process: the model's own tensors, as its files hold them
     assert all(torch.equal(before[name], weights[name]) for name, p in model.named_parameters())
-    assert runner.evaluator() is model
+    assert runner.evaluator() == (model, None)

@@ -12,7 +12,8 @@ layout is the default; the textbook one is what the notes' analysis (and claims 
 Note 000 LLM §8.1 counts "Adam 175B x 2 x 2 bytes": fp16 moments and no master copy, half of the truth
 (claim 23). SGD with momentum keeps one fp32 state (4 bytes), no optimizer state at all without momentum.
 ZeRO (Rajbhandari et al. 2020; note 000 LLM §7.3) over N data-parallel GPUs divides by N: stage 1 the
-optimizer states and master weights, stage 2 also the gradients, stage 3 also the weights.
+optimizer states and master weights, stage 2 also the gradients, stage 3 also the weights (qkv's FSDP2
+keeps its root unit, everything outside the blocks, gathered through the step: `root_params`).
 Tensor parallel over t ranks (qkv.train.tensor_parallel) splits the blocks' projections and the
 vocabulary-parallel W_E / head by t and replicates norms and positional tables; pipeline parallel over p
 stages (qkv.train.pipeline) gives each rank its layers, the first stage the embedding, the last the final
@@ -104,12 +105,13 @@ class Setup:
         return self
 
 
-def model_states(n_params: float, setup: Setup) -> dict[str, float]:
+def model_states(n_params: float, setup: Setup, gathered: float = 0) -> dict[str, float]:
     """Bytes per GPU of weights, gradients, master weights and optimizer states of `n_params` parameters
-    under ZeRO."""
+    under ZeRO; `gathered` of them held whole under ZeRO-3 (FSDP2's root unit, `root_params`)."""
     weight, grad, master, _ = setup.bytes
     shard = lambda stage: setup.gpus if setup.zero >= stage else 1  # noqa: E731
-    return {"weights": n_params * weight / shard(3), "gradients": n_params * grad / shard(2),
+    kept = gathered if setup.zero == 3 else 0
+    return {"weights": ((n_params - kept) / shard(3) + kept) * weight, "gradients": n_params * grad / shard(2),
             "master_weights": n_params * master / shard(1),
             "optimizer_states": n_params * OPTIMIZER_BYTES[setup.optimizer] / shard(1)}
 
@@ -147,6 +149,19 @@ def kernel_spec(cfg: ModelConfig):
     from qkv.nn.kernels import KERNELS
 
     return KERNELS.get(running_kernel(cfg))
+
+
+def root_params(cfg: ModelConfig, setup: Setup) -> float:
+    """Parameters outside the blocks (embeddings, final norm, head; a pipeline stage's own, the larger of
+    the first's and the last's): FSDP2's root unit (qkv.train.parallel.shard_fully), which stays gathered
+    from the forward into the backward under ZeRO-3 (the head and the loss run on the model's output)."""
+    parts = params.breakdown(cfg)
+    blocks = sum(n for name, n in parts.items() if name.split(".")[-1] in ("attention", "cross_attention", "ffn", "norms"))
+    outside = parts["total"] - blocks
+    if setup.pp > 1 and cfg.arch == "decoder":
+        first = parts["embedding"] + (parts["positional"] if cfg.positional == "learned" else 0)
+        outside = max(first, outside - first + (parts["embedding"] if cfg.tie_embeddings else 0))
+    return outside / (setup.tp if cfg.arch == "decoder" else 1)
 
 
 def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
@@ -336,7 +351,7 @@ def stage_activations(cfg: ModelConfig, setup: Setup, layer: float, head: float,
 def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     """{part: bytes per GPU} and the total, for one training step's peak."""
     setup.check()
-    parts = {**model_states(rank_params(cfg, setup), setup), **activations(cfg, setup)}
+    parts = {**model_states(rank_params(cfg, setup), setup, root_params(cfg, setup)), **activations(cfg, setup)}
     return {**parts, "total": sum(parts.values())}
 
 

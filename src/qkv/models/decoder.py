@@ -12,7 +12,6 @@ from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.embedding import Embeddings
-from qkv.nn.linear_cross_entropy import head_cross_entropy
 from qkv.nn.positional import Positional
 
 
@@ -27,20 +26,18 @@ class DecoderLM(Embeddings):
         self.max_seq_len = max_seq_len
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None, *, targets: Tensor | None = None,
-                label_smoothing: float = 0.0) -> Tensor:
+                cache: KVCache | None = None, *, head: bool = True) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding.
 
-        With `targets` (B, T) (-100: ignored) it returns the mean cross-entropy instead, the head and the
-        loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
+        head=False: the final norm's output (B, T, D) instead, which the LM objective hands to the head and
+        the loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
         ctx = self.context(input_ids, attention_mask, cache)
         x = self.embed(input_ids, ctx.positions)  # H0 (B, T, D)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)
-        if targets is not None:
-            return head_cross_entropy(self.lm_head, self.final_norm(x), targets, label_smoothing)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+        x = self.final_norm(x)  # (B, T, D)
+        return self.lm_head(x) if head else x  # (B, T, V) or (B, T, D)
 
     def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
         return self_context(self.positional, input_ids, attention_mask, cache, causal=True)

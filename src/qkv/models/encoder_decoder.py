@@ -24,8 +24,6 @@ from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.embedding import Embeddings
-from qkv.nn.hooks import has_hooks
-from qkv.nn.linear_cross_entropy import head_cross_entropy, target_rows
 from qkv.nn.positional import Positional
 
 
@@ -81,22 +79,17 @@ class EncoderDecoder(Embeddings):
 
     def forward(self, src_ids: Tensor | None, tgt_ids: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, *, memory: Tensor | None = None,
-                cache: Seq2SeqCache | None = None, targets: Tensor | None = None,
-                label_smoothing: float = 0.0) -> Tensor:
+                cache: Seq2SeqCache | None = None, head: bool = True) -> Tensor:
         """(B, S) source and (B, T) target ids -> (B, T, V) logits; masks (B, S), (B, T): 1 = token.
 
         Target t sees targets <= t and every source token. `memory` (B, S, D) is a precomputed
         `encode(src_ids, src_mask)`; a cache that already holds the cross-attention K/V needs neither.
-        With `targets` (B, T) (-100 at padding) it returns the mean cross-entropy instead, the head run on
-        the target rows only, its projection and loss in row chunks (qkv.nn.linear_cross_entropy)."""
+        head=False: the decoder's hidden states (B, T, D) instead, which the seq2seq objective projects on
+        the target rows only, with the loss, in row chunks (qkv.nn.linear_cross_entropy)."""
         if memory is None and (cache is None or not cache.memory_len):
             memory = self.encode(src_ids, src_mask)
         hidden = self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache)  # (B, T, D)
-        if targets is None:
-            return self.lm_head(hidden)  # (B, T, V)
-        if not has_hooks(self.lm_head):  # (a hooked head's hooks see every position's logits)
-            hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): padding needs no logits
-        return head_cross_entropy(self.lm_head, hidden, targets, label_smoothing)
+        return self.lm_head(hidden) if head else hidden  # (B, T, V) or (B, T, D)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """(B, S) source ids -> H_enc (B, S, D)."""

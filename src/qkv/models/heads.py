@@ -16,8 +16,6 @@ from typing import Callable
 from torch import Tensor, nn
 
 from qkv.models.encoder import Encoder
-from qkv.nn.hooks import has_hooks
-from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 
 POOLINGS: Registry[Callable[[Tensor, Tensor | None], Tensor]] = Registry("pooling")
@@ -50,7 +48,10 @@ class MLMHead(nn.Module):
         self.decoder = decoder  # W_V (V, D) = W_E when tied, bias b_V (V,)
 
     def forward(self, hidden: Tensor) -> Tensor:  # (B, T, D) -> (B, T, V)
-        return self.decoder(self.norm(self.activation(self.transform(hidden))))
+        return self.decoder(self.features(hidden))
+
+    def features(self, hidden: Tensor) -> Tensor:  # (..., D) -> (..., D): what the decoder projects
+        return self.norm(self.activation(self.transform(hidden)))
 
 
 class ClassifierHead(nn.Module):
@@ -71,10 +72,10 @@ class ClassifierHead(nn.Module):
 class EncoderMLM(nn.Module):
     """Masked language model: `model(input_ids, attention_mask=mask)` -> (B, T, V) logits.
 
-    With `targets` (B, T) (-100 except at the masked positions) it returns the mean cross-entropy over
-    the masked positions instead, running the head on those rows only: the head acts on each position
-    alone, so the loss and every gradient are the same, for about 15% of the head's work (BERT masks 15%),
-    and the vocabulary projection and the loss are taken in row chunks (qkv.nn.linear_cross_entropy).
+    head=False: the encoder's hidden states (B, T, D) instead; the MLM objective runs the head on the
+    masked positions only (the head acts on each position alone, so the loss and every gradient are the
+    same, for about 15% of the head's work) and the vocabulary projection and the loss in row chunks
+    (qkv.nn.linear_cross_entropy).
     """
 
     def __init__(self, encoder: Encoder, head: MLMHead):
@@ -82,17 +83,9 @@ class EncoderMLM(nn.Module):
         self.encoder, self.head = encoder, head
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None, *, targets: Tensor | None = None,
-                label_smoothing: float = 0.0) -> Tensor:
+                token_type_ids: Tensor | None = None, *, head: bool = True) -> Tensor:
         hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (B, T, D)
-        if targets is None:
-            return self.head(hidden)  # (B, T, V)
-        if has_hooks(self.head):  # its hooks see the whole (B, T, V) logits
-            return cross_entropy(self.head(hidden), targets, label_smoothing)
-        hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): the masked positions only
-        head = self.head
-        return head_cross_entropy(head.decoder, head.norm(head.activation(head.transform(hidden))), targets,
-                                  label_smoothing)
+        return self.head(hidden) if head else hidden  # (B, T, V) or (B, T, D)
 
 
 class EncoderClassifier(nn.Module):

@@ -225,10 +225,10 @@ class Trainer:
 
     def evaluate(self) -> float:
         tc = self.tc
-        model = self.runner.evaluator()  # the model, or a pipeline's stages in turn
+        model, loss_fn = self.runner.evaluator()  # the model, or a pipeline's stages in turn
         loss = objectives.evaluate(self.objective, model, self.data.val, self.data.tokenizer, self.cfg,
                                    batch_size=max(1, tc.batch_size // tc.accumulation), batches=tc.eval_batches,
-                                   seed=tc.seed + 1, device=self.device)
+                                   seed=tc.seed + 1, device=self.device, loss=loss_fn)
         self.state.best_val = min(self.state.best_val, loss)
         return loss
 

@@ -20,12 +20,15 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from qkv.data.dataset import Batches
 from qkv.data.mlm import MLMBatches
 from qkv.data.seq2seq import Seq2SeqBatches
 from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError
+from qkv.nn.hooks import has_hooks
+from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.train import classify, transduction
 
@@ -56,9 +59,15 @@ def lm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_si
     return Batches(tokens, cfg.train.seq_len, batch_size, seed)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (FSDP2 and tensor parallel change it in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def lm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     inputs, targets = batch  # (B, T) each
-    return model(inputs, targets=targets, label_smoothing=label_smoothing)  # the head and the loss in chunks
+    hidden = model(inputs, head=False)  # final_norm(H_L) (B, T, D), through the layout's wrapper
+    return head_cross_entropy(unwrapped(model).lm_head, hidden, targets, label_smoothing)  # in row chunks
 
 
 def mlm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> MLMBatches:
@@ -70,7 +79,11 @@ def mlm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_s
 
 def mlm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     inputs, targets = batch  # (B, T) each; targets -100 except at the chosen positions
-    return model(inputs, targets=targets, label_smoothing=label_smoothing)  # the head on the chosen rows only
+    hidden, head = model(inputs, head=False), unwrapped(model).head  # (B, T, D), the MLM head
+    if has_hooks(head):  # its hooks see the whole (B, T, V) logits
+        return cross_entropy(head(hidden), targets, label_smoothing)
+    hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): the head on the masked positions only
+    return head_cross_entropy(head.decoder, head.features(hidden), targets, label_smoothing)
 
 
 def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int,
@@ -85,7 +98,10 @@ def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, bat
 
 def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     src, src_mask, tgt_in, tgt_mask, labels = batch  # (B, S), (B, S), (B, T), (B, T), (B, T)
-    return model(src, tgt_in, src_mask, tgt_mask, targets=labels, label_smoothing=label_smoothing)  # target rows only
+    hidden, lm_head = model(src, tgt_in, src_mask, tgt_mask, head=False), unwrapped(model).lm_head  # (B, T, D)
+    if not has_hooks(lm_head):  # (a hooked head's hooks see every position's logits)
+        hidden, labels = target_rows(hidden, labels)  # (n, D), (n,): padding needs no logits
+    return head_cross_entropy(lm_head, hidden, labels, label_smoothing)
 
 
 OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none")))
@@ -120,14 +136,16 @@ def needs_tokenizer(tokenizer: Tokenizer | None, name: str) -> Tokenizer:
 
 @torch.no_grad()
 def evaluate(objective: Objective, model: nn.Module, tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *,
-             batch_size: int, batches: int, seed: int, device) -> float:
-    """Mean loss (no label smoothing) over `batches` fixed batches drawn with `seed` (the same at every call)."""
+             batch_size: int, batches: int, seed: int, device, loss: Callable | None = None) -> float:
+    """Mean loss (no label smoothing) over `batches` fixed batches drawn with `seed` (the same at every call);
+    `loss`: in place of the objective's (a pipeline's stages compute theirs)."""
+    loss = loss or objective.loss
     was_training = model.training
     model.eval()
     sampler = objective.batches(tokens, tokenizer, cfg, batch_size=batch_size, seed=seed)
     losses = []
     for _ in range(batches):
         batch = tuple(torch.from_numpy(a).to(device) for a in sampler.next())
-        losses.append(objective.loss(model, batch, 0.0).item())
+        losses.append(loss(model, batch, 0.0).item())
     model.train(was_training)
     return float(np.mean(losses))

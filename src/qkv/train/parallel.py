@@ -202,13 +202,15 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
 
 def shard_fully(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> nn.Module:
     """FSDP2: one all-gather / reduce-scatter unit per block, the rest (embeddings, final norm, head) in
-    the root unit, as torchtitan wraps its Llama. Weights stay fp32 (autocast handles bf16)."""
+    the root unit, as torchtitan wraps its Llama. Weights stay fp32 (autocast handles bf16). The root
+    unit stays gathered from its forward into the backward (FSDP2's own heuristic for the root): the
+    objective runs the head and the loss on the model's output, and the backward starts with them."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
         if isinstance(module, Block):
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     return model
 
 

@@ -34,6 +34,7 @@ stage is an overflow of the step: every stage then sees an inf and skips with it
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -235,9 +236,10 @@ class Pipeline:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
-    def evaluator(self) -> nn.Module:
-        """The module evaluation calls: the stages one after the other on each batch."""
-        return StagedForward(self)
+    def evaluator(self) -> tuple[nn.Module, Callable]:
+        """What evaluation calls: the stages one after the other on each batch, and their loss."""
+        staged = StagedForward(self)
+        return staged, staged.loss
 
     # ---- checkpoints: the whole model on rank 0, and back ------------------------------------------
     @torch.no_grad()

@@ -55,7 +55,13 @@ class Stage(nn.Module):
 
 class StagedForward(nn.Module):
     """The whole model's loss computed stage after stage on one batch (evaluation: no schedule, no
-    gradient). Every rank of the pipeline calls it with the same batch; each gets the loss."""
+    gradient). Every rank of the pipeline calls it with the same batch; each gets the loss. `loss` is the
+    objective-shaped function evaluation calls with it (qkv.train.objectives.evaluate)."""
+
+    @staticmethod
+    def loss(model: "StagedForward", batch: tuple[Tensor, Tensor], label_smoothing: float) -> Tensor:
+        inputs, targets = batch
+        return model(inputs, targets, label_smoothing)
 
     def __init__(self, pipeline: Pipeline):
         super().__init__()

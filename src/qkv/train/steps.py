@@ -4,7 +4,8 @@ A runner has these methods:
 
     forward_backward(batch, backward) -> (loss, aux)   the batch-mean loss and MoE aux loss, gradients in place
     clip(max_norm) -> norm                             global-norm clipping over every rank's share
-    evaluator() -> module                              what evaluation calls (the model, or the pipeline's stages)
+    evaluator() -> (module, loss or None)              what evaluation calls (the model and the objective's loss,
+                                                       or the pipeline's stages and theirs)
     full_weights() -> tensors                          the whole model as one process's files hold it, on rank 0
     full_state(optimizer) -> (weights, tensors, groups)  and the optimizer's state likewise (collective)
     load_optimizer(optimizer, tensors, groups)         a single-process optimizer state into this layout
@@ -52,8 +53,8 @@ class MicroBatches:
     def clip(self, max_norm: float) -> Tensor:
         return parallel.clip_grad_norm(self.model.parameters(), max_norm)  # also over FSDP2 / TP shards
 
-    def evaluator(self) -> nn.Module:
-        return self.model  # every rank's model (or its shards) is the trained one
+    def evaluator(self) -> tuple[nn.Module, None]:
+        return self.model, None  # every rank's model (or its shards) is the trained one; the objective's loss
 
     def full_weights(self) -> dict[str, Tensor]:
         return parallel.full_model_state(self.model, self.layout)
