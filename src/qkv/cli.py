@@ -174,7 +174,7 @@ def main_rank() -> bool:
 
 
 def cmd_train(args) -> int:
-    from qkv.train import job, tasks
+    from qkv.train import job, reference, tasks
 
     log = (lambda message: print(message, file=sys.stderr)) if main_rank() else (lambda message: None)  # noqa: E731
     if args.resume:
@@ -182,7 +182,7 @@ def cmd_train(args) -> int:
             raise QkvError("--resume needs --out RUN_DIR")
         if args.task or args.init:
             raise QkvError("--resume continues a run with its own config; --task and --init start a new one")
-        job.check_engine(args.engine, resume=True, max_time=0.0)
+        reference.check_engine(args.engine, resume=True, max_time=0.0)
         out = Path(args.out)
         with job.claim(out, resume=True):  # one writer per run dir, from before its config is read
             cfg = job.resume_config(out, args.max_steps, args.max_time, layout=args.set, data=args.data,
@@ -191,20 +191,20 @@ def cmd_train(args) -> int:
     preset = args.preset or (tasks.TASKS.get(args.task).preset if args.task else "shakespeare")
     cfg = job.resolve_config(preset=preset, config_file=args.config, overrides=args.set, data=args.data,
                              max_steps=args.max_steps, max_time=args.max_time, task=args.task, init=args.init)
-    job.check_engine(args.engine, resume=False, max_time=cfg.train.max_time)
+    reference.check_engine(args.engine, resume=False, max_time=cfg.train.max_time)
     out = Path(args.out) if args.out else job.default_out(f"{preset}-{args.task}" if args.task else preset)
     with job.claim(out, resume=False):
         return train_into(args, out, cfg, log)
 
 
 def train_into(args, out: Path, cfg, log) -> int:
-    from qkv.train import job, objectives
+    from qkv.train import job, objectives, reference
 
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
         f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
     try:
-        summary = job.run_reference(trainer) if args.engine == "ref" else trainer.run()
+        summary = reference.run_reference(trainer) if args.engine == "ref" else trainer.run()
     except KeyboardInterrupt:
         saved = "no checkpoint saved yet" if trainer.saved_step is None else \
             f"checkpoint saved at step {trainer.saved_step}"
