@@ -1,0 +1,48 @@
+"""Recording from outside the model (qkv.analysis.record): the attention maps are softmax(Q K^T / sqrt(Dh) + M)
+recomputed by hand from the layer's own projections, rows sum to 1, the causal mask holds, the model's
+kernels come back; per-layer gradient norms equal autograd's on the same batch."""
+import math
+
+import pytest
+import torch
+
+import qkv
+from qkv.analysis.record import attention_layers, attention_maps, blocks_of, layer_grad_norms
+
+CFG = dict(vocab_size=30, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_seq_len=16, positional="learned")
+
+
+def test_first_layer_map_is_the_softmax_of_its_own_scores():
+    torch.manual_seed(0)
+    model = qkv.build_model(qkv.ModelConfig(**CFG))
+    ids = torch.randint(0, 30, (1, 9))
+    kernels = [layer.kernel for _, layer in attention_layers(model)]
+    maps = attention_maps(model, ids)
+    assert list(maps) == [name for name, _ in attention_layers(model)]
+    assert [layer.kernel for _, layer in attention_layers(model)] == kernels  # restored
+    # layer 0 by hand: x = E[ids] + P, LN, Q K^T / sqrt(Dh) with the causal mask
+    block = model.blocks[0]
+    with torch.no_grad():
+        x = model.tok_emb(ids) + model.positional.weight[:9]
+        h = block.attn_norm(x)  # pre-LN
+        attn = block.attn
+        q = attn.q_proj(h).view(1, 9, 2, 8).transpose(1, 2)
+        k = attn.k_proj(h).view(1, 9, 2, 8).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(8)
+        scores = scores.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
+    first = maps[next(iter(maps))]
+    assert first.shape == (2, 9, 9)
+    torch.testing.assert_close(first, scores.softmax(-1)[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first.sum(-1), torch.ones(2, 9))
+    assert torch.all(first.triu(1) == 0)  # no query reads a later key
+
+
+def test_layer_grad_norms_are_autograds():
+    cfg = qkv.ModelConfig(**CFG)
+    norms = layer_grad_norms(cfg, seed=3, batch=2, seq=8)
+    torch.manual_seed(3)
+    model = qkv.build_model(cfg)
+    ids = torch.randint(0, 30, (2, 9))
+    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    want = [torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item() for block in blocks_of(model)]
+    assert len(norms) == 2 and norms == pytest.approx(want, rel=1e-6)
