@@ -40,8 +40,8 @@ def test_dilated_computes_one_key_in_d():
     """Measured at d = 4: 0.29 and 0.22 of naive's FLOPs at n = 512 and 1024 (the scores 1/4, plus the
     projections of the classes); its saved bytes x2 per doubling."""
     (f1, s1), (f2, s2) = cost("dilated", 512, 4), cost("dilated", 1024, 4)
-    naive = cost("naive", 1024, 0)[0]
-    assert 0.15 < f2 / naive < 0.3 and s2 / s1 == pytest.approx(2, rel=0.15)
+    n1, n2 = cost("naive", 512, 0)[0], cost("naive", 1024, 0)[0]
+    assert 0.2 < f1 / n1 < 0.35 and 0.15 < f2 / n2 < 0.3 and s2 / s1 == pytest.approx(2, rel=0.15)
 
 
 def test_patterns_are_their_definitions():
