@@ -38,3 +38,12 @@ def test_the_trained_model_has_the_tokenizer_vocabulary():
     """A new run trains a tokenizer of data.vocab_size tokens: the calculators count that vocabulary."""
     cfg = presets.get("tiny").override(["data.vocab_size=1000", "model.vocab_size=300"])
     assert calc.trained_model(cfg).vocab_size == 1000
+
+
+def test_the_calculators_schedules_are_the_pipelines():
+    """qkv calc's in-flight rule per schedule names exactly the schedules qkv.train.pipeline runs."""
+    from qkv.analysis.memory import IN_FLIGHT
+    from qkv.train.pipeline import SCHEDULES
+
+    assert sorted(IN_FLIGHT) == sorted(SCHEDULES.names())
+    assert [IN_FLIGHT["1f1b"](8, 4, s) for s in range(4)] == [4, 3, 2, 1] and IN_FLIGHT["gpipe"](8, 4, 3) == 8

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from qkv.analysis import report
+from qkv.analysis.memory import IN_FLIGHT
 from qkv.errors import QkvError
 
 
@@ -52,7 +53,7 @@ def add_parsers(sub) -> None:
     calc.add_argument("--pp", type=_count, help="pipeline stages (default parallel.pp)")
     calc.add_argument("--microbatches", type=_count, help="pipeline micro-batches per step (default "
                       "parallel.microbatches; --batch is one micro-batch)")
-    calc.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pipeline schedule (default parallel.schedule)")
+    calc.add_argument("--schedule", choices=tuple(IN_FLIGHT), help="pipeline schedule (default parallel.schedule)")
     calc.add_argument("--layout", choices=("qkv", "textbook"),
                       help="mixed-precision layout: qkv's fp32 weights and gradients under autocast (default), "
                            "or low-precision weights and gradients with an fp32 master copy")

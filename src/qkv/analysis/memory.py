@@ -243,26 +243,32 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = 
                      chunked: bool = False, t: int = 1) -> float:
     """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V); under autocast
     also the low-precision logits. `chunked`: the training step's head-and-loss in row chunks
-    (qkv.nn.linear_cross_entropy, fp32 only): no (B, T, V) survives the forward, which keeps dloss/dH
+    (qkv.nn.linear_cross_entropy; `chunks_head`): no (B, T, V) survives the forward, which keeps dloss/dH
     (B, T, D) and dloss/dW (V, D) in fp32 instead. Under t tensor-parallel ranks the norm's input holds
     T/t positions and the vocabulary-split logits are gathered whole for the loss (never chunked)."""
     if cfg.arch == "encoder" and cfg.head == "none":
         return a * B * T * cfg.d_model
     D, V = cfg.d_model, cfg.vocab_size
-    if chunked and not autocast and cfg.arch == "decoder":
+    if chunked:
         return a * 2 * B * T * D + FP32 * (B * T * D + V * D)
     logits = a * B * T * V if autocast else 0
     return a * (1 + 1 / t) * B * T * D + 2 * FP32 * B * T * V + logits
 
 
-def head_chunk(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool, chunked: bool) -> float:
+def chunks_head(cfg: ModelConfig, setup: Setup, autocast: bool) -> bool:
+    """Whether the training step takes the head and its loss in row chunks (qkv.nn.head_cross_entropy): a
+    decoder's plain fp32 head, outside autocast; not tensor parallel's DTensor head nor the pipeline's
+    loss on whole logits."""
+    return (setup.chunked_head and cfg.arch == "decoder" and not autocast and setup.tp == 1
+            and setup.pp == 1)
+
+
+def head_chunk(cfg: ModelConfig, B: int, T: int, chunked: bool) -> float:
     """The chunked head-and-loss's one chunk of fp32 logits (C x V, C = chunk_rows(V)), alive in the forward
     beside everything saved; none when the head is not chunked."""
     from qkv.nn.linear_cross_entropy import chunk_rows
 
-    if not (chunked and not autocast and cfg.arch == "decoder"):
-        return 0
-    return FP32 * min(B * T, chunk_rows(cfg.vocab_size)) * cfg.vocab_size
+    return FP32 * min(B * T, chunk_rows(cfg.vocab_size)) * cfg.vocab_size if chunked else 0
 
 
 def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
@@ -310,11 +316,11 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     stream = FP32 if autocast else a
     decoder = cfg.arch == "decoder"
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
-    chunked = setup.chunked_head and t == 1 and p == 1  # tp's DTensor head and the pipeline's loss: whole logits
+    chunked = chunks_head(cfg, setup, autocast)
     per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
     head = head_activations(cfg, B, T, a, autocast, chunked, t)
     copies = weight_copies(cfg, a) / t if autocast else 0
-    transient = max(head_chunk(cfg, B, T, a, autocast, chunked), attention_backward(cfg, B, T, a) / t,
+    transient = max(head_chunk(cfg, B, T, chunked), attention_backward(cfg, B, T, a) / t,
                     layer_backward(cfg, B, T, a, t))
     if setup.checkpointing:
         # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the

@@ -20,7 +20,6 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
 from qkv.data.dataset import Batches
 from qkv.data.mlm import MLMBatches
@@ -31,6 +30,7 @@ from qkv.nn.hooks import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.train import classify, transduction
+from qkv.train.parallel import unwrapped
 
 AUTO = {"decoder": "lm", "encoder": "mlm", "encoder-decoder": "seq2seq"}
 
@@ -57,11 +57,6 @@ OBJECTIVES: Registry[Objective] = Registry("objective")
 
 def lm_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> Batches:
     return Batches(tokens, cfg.train.seq_len, batch_size, seed)
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a DistributedDataParallel wrapper (FSDP2 and tensor parallel change it in place)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def lm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:

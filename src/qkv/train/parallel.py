@@ -200,6 +200,14 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
                                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets
 
 
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside `parallelize`'s DDP wrapper (FSDP2 and tensor parallel change it in place): where
+    the objectives find the head they run on the wrapper's output."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def shard_fully(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> nn.Module:
     """FSDP2: one all-gather / reduce-scatter unit per block, the rest (embeddings, final norm, head) in
     the root unit, as torchtitan wraps its Llama. Weights stay fp32 (autocast handles bf16). The root

@@ -34,10 +34,7 @@ def run_reference(trainer: Trainer) -> dict:
     from qkv.train.metrics import MetricsLog
 
     tc, state = trainer.tc, trainer.state
-    if state.step:
-        raise QkvError("--engine ref cannot resume a run; it trains from step 0 in one go")
-    if tc.max_time:
-        raise QkvError("--engine ref takes --max-steps, not a time budget")
+    check_engine("ref", resume=state.step > 0, max_time=tc.max_time)  # also when called without the CLI
     params = interop.to_numpy(trainer.model)
     metrics = MetricsLog(trainer.run_dir / "metrics.csv", 0)
     tokens_per_step = tc.batch_size * tc.seq_len
