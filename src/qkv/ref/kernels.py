@@ -169,7 +169,7 @@ def dilated_pattern(T: int, S: int, cfg, mask=None) -> np.ndarray:
 
 GLOBAL_KEYS = 2  # BigBird's global tokens (qkv.nn.sparse.GLOBAL_KEYS)
 # qkv.nn.sparse draws RANDOM_KEYS = 3 distances as torch.randperm(32, seed 0)[:3] + w + 1; NumPy cannot
-# replay torch's generator, so the draw is written down (tests/ref/test_models.py checks it against torch)
+# replay torch's generator, so the draw is written down (tests/ref/test_kernels.py checks it against torch)
 RANDOM_OFFSETS = (12, 25, 31)
 
 
