@@ -24,3 +24,16 @@ def _seed_torch():
 def tiny_cfg() -> ModelConfig:
     """A model small enough that building, a forward and a backward take milliseconds."""
     return ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_ff=32, max_seq_len=32)
+
+
+@pytest.fixture(scope="session")
+def verified() -> list[dict]:
+    """`qkv verify --json` once per session (about 15 s): tests/test_verify.py reads the command's output,
+    tests/claims/ checks each claim's measured figures against closed forms of its own."""
+    import json
+
+    from tests.analysis import run_cli
+
+    rc, out, err = run_cli("verify", "--json")
+    assert rc == 0, err
+    return json.loads(out)

@@ -1,6 +1,5 @@
 """`qkv verify` (SPEC F4): all 31 claims computed in one run (shared by the tests below), none failing,
 the notes' errors reported as `corrected`, the JSON fields and the readable table."""
-import json
 
 import pytest
 
@@ -12,11 +11,9 @@ CORRECTED = {2, 9, 15, 23, 25, 31}  # where a note is wrong (SPEC.md, "Claims"; 
 FIELDS = {"id", "claim", "seed", "status", "measured", "note"}
 
 
-@pytest.fixture(scope="module")
-def results():
-    rc, out, err = run_cli("verify", "--json")
-    assert rc == 0, err
-    return json.loads(out)
+@pytest.fixture
+def results(verified):
+    return verified
 
 
 def test_every_claim_is_registered_with_its_note_section():
