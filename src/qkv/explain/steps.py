@@ -37,8 +37,9 @@ def attention_steps(part: str, name: str) -> list[dict]:
              "note 000 §2.1.3, LLM §2.2.1 step 3", "attention.md",
              "Dot products of every query with every key, scaled so their variance stays near 1 as d_k grows "
              "(note 000 §2.1.3). Rows are queries, columns keys.",
-             [panel("S (queries x keys)", f"{p}.scores", "q x k", True),
-              panel("score bias B", f"{p}.bias", "q x k", True)], scope="head", part=part),
+             [panel("S (queries x keys)", f"{p}.scores", "q x k", True)]
+             + ([] if cross else [panel("score bias B", f"{p}.bias", "q x k", True)]),  # cross-attention has none
+             scope="head", part=part),
         step(f"{part}.softmax", "forward", f"{name}: mask and softmax", "A = softmax(S + M),  M_ij = 0 where "
              "allowed, -inf where masked (causal: j > i)", "note 000 §2.1.4, §8.2.1", "attention.md",
              "The mask removes the keys a query may not see (the future in a decoder, padding, a sparse "
