@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.config import ModelConfig
 from qkv.analysis.record import attention_layers, attention_maps, blocks_of, layer_grad_norms
 
 CFG = dict(vocab_size=30, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_seq_len=16, positional="learned")
@@ -46,3 +47,31 @@ def test_layer_grad_norms_are_autograds():
     torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     want = [torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item() for block in blocks_of(model)]
     assert len(norms) == 2 and norms == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "naive", "flash"])
+def test_attention_maps_from_the_recording_kernel(kernel):
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, attention=kernel)
+    model = qkv.build_model(cfg).eval()
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+    kernels = [block.attn.kernel for block in model.blocks]
+    before = model(ids)
+    maps = attention_maps(model, ids)
+    assert list(maps) == ["blocks.0.attn", "blocks.1.attn"]
+    for weights in maps.values():
+        assert weights.shape == (4, 9, 9)
+        assert torch.allclose(weights.sum(-1), torch.ones(4, 9), atol=1e-5)
+        assert weights.triu(1).abs().max() == 0  # causal: no query sees a later key
+    assert torch.equal(model(ids), before)
+    assert [block.attn.kernel for block in model.blocks] == kernels
+
+
+def test_attention_maps_of_encoder_families():
+    cfg = ModelConfig(arch="encoder-decoder", vocab_size=50, d_model=32, n_heads=4, n_layers=1, d_ff=64)
+    src, tgt = torch.randint(0, 50, (2, 1, 6), generator=torch.Generator().manual_seed(0))
+    maps = attention_maps(qkv.build_model(cfg), src, tgt[:, :5])
+    assert list(maps) == ["encoder.blocks.0.attn", "blocks.0.attn", "blocks.0.cross_attn"]
+    assert maps["encoder.blocks.0.attn"].triu(1).abs().max() > 0  # bidirectional
+    assert maps["blocks.0.cross_attn"].shape == (4, 5, 6)  # target queries over source keys
+    for weights in maps.values():
+        assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-5)
