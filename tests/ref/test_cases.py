@@ -14,7 +14,7 @@ MODULE_FILES = ("functional", "attention", "block", "ffn", "kernels", "flash", "
 
 def layer_cases():
     """Whole-model cases ("model_*": a decoder's loss along random directions) are proved by finite
-    differences (test_gradcheck_fd.py); whole models meet torch in test_models.py and test_encoder.py."""
+    differences (test_gradcheck.py); whole models meet torch in test_model.py and test_encoder.py."""
     return [n for n in gradcheck.CASES.names() if not n.startswith(("test-", "model_"))]
 
 

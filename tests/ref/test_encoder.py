@@ -4,7 +4,7 @@ import pytest
 
 from qkv.config import ModelConfig
 from qkv.interop import compare_engines
-from tests.ref.test_models import TINY, assert_engines_agree
+from tests.ref.test_model import TINY, assert_engines_agree
 
 # (overrides, padded): together every family, head, pooling, token types, embed_norm / embed_scale, tying
 FAMILIES = {

@@ -12,7 +12,7 @@ in exactly the reverse order. Each cache is named (a NamedTuple beside its forwa
     losses = train_ref(params, run_cfg, batches, steps)           # AdamW + schedule + clipping, no autograd
     gradcheck.check_fd(name) / gradcheck.CASES                    # the proofs, reusable by `qkv verify`
 
-Covered, each equal to the torch engine in float64 (tests/ref/test_models.py: logits, loss, every gradient,
+Covered, each equal to the torch engine in float64 (tests/ref/test_model.py: logits, loss, every gradient,
 10 AdamW steps): the three families, decoder-only LM, encoder (bare hidden states, MLM head, classifier
 head with first/mean pooling; token types, embed_norm, embed_scale) and encoder-decoder (cross-attention,
 T5's causal twin in the decoder, tied or untied embeddings); every positional (none, learned, sinusoidal,
