@@ -70,6 +70,9 @@ MODEL_ERRORS = [
     (dict(rope_theta=0.0), "model.rope_theta=0.0 must be positive"),
     (dict(max_distance=0), "model.max_distance=0 must be positive"),
     (dict(moe_capacity_factor=-1.0), "model.moe_capacity_factor=-1.0 must be at least 0"),
+    (dict(logit_softcap=-1.0), "model.logit_softcap=-1.0 must be at least 0"),
+    (dict(arch="encoder", logit_softcap=30.0), "model.logit_softcap=30.0 needs model.arch='decoder', "
+                                               "got model.arch='encoder'"),
 ]
 
 

@@ -53,6 +53,7 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # 0 means no capacity limit
     attention: str = "sdpa"
     qk_norm: bool = False  # RMS-normalise each head's q and k (learnt gain, before RoPE): Dehghani et al. 2023
+    logit_softcap: float = 0.0  # c > 0: a decoder's logits c tanh(z / c) (Gemma 2, Team et al. 2024); 0 = none
     window: int = 0  # local / dilated / random kernels
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -105,6 +106,7 @@ class ModelConfig:
         _positive("model.max_distance", self.max_distance)
         _at_least("model.t5_buckets", self.t5_buckets, 2)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
+        _at_least("model.logit_softcap", self.logit_softcap, 0)
         self._validate_family()
         return self
 
@@ -117,6 +119,9 @@ class ModelConfig:
                 if getattr(self, name) != default:
                     raise QkvError(f"model.{name}={getattr(self, name)!r} needs model.arch='encoder', "
                                    f"got model.arch={self.arch!r}")
+        if self.arch != "decoder" and self.logit_softcap:
+            raise QkvError(f"model.logit_softcap={self.logit_softcap} needs model.arch='decoder', "
+                           f"got model.arch={self.arch!r}")
         if self.arch == "decoder":
             for name in ("embed_norm", "embed_scale"):
                 if getattr(self, name):

@@ -241,3 +241,22 @@ def test_eval_mode_disables_every_dropout_and_train_mode_applies_it(tiny_cfg):
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
         assert (model.train()(ids) - reference(ids)).abs().max() > 1e-3
+
+
+def test_a_soft_capped_decoder_is_c_tanh_of_the_plain_decoders_logits(tiny_cfg):
+    """Same weights (the same parameter names: a cap adds none), logits c tanh(z / c), still tied; the training
+    loss (the chunked head) equals F.cross_entropy of those logits."""
+    from qkv.train.objectives import lm_loss
+
+    cap = 0.1
+    plain = build_model(tiny_cfg).double()
+    capped = build_model(dataclasses.replace(tiny_cfg, logit_softcap=cap)).double()
+    capped.load_state_dict(plain.state_dict())
+    assert capped.lm_head.weight is capped.tok_emb.weight
+    x = torch.randint(0, tiny_cfg.vocab_size, (2, 9))
+    z = plain(x)
+    assert z.abs().max() > cap  # the cap bends some of these logits
+    torch.testing.assert_close(capped(x), cap * torch.tanh(z / cap), rtol=1e-12, atol=1e-12)
+    targets = torch.randint(0, tiny_cfg.vocab_size, (2, 9))
+    expected = torch.nn.functional.cross_entropy(capped(x).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(lm_loss(capped, (x, targets), 0.0), expected, rtol=1e-12, atol=1e-12)

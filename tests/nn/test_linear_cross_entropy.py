@@ -165,3 +165,43 @@ def test_cross_entropy_is_mean_negative_log_softmax_and_smoothing():
     eps = 0.1  # target (1 - eps) onehot + eps / V (note 000 §13.3; SPEC claim 14)
     smoothed = (1 - eps) * nll - eps * logp[keep].mean(-1)
     assert cross_entropy(logits, targets, eps).item() == pytest.approx(smoothed.mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 64])
+def test_soft_capped_loss_and_gradients_equal_autograd_of_c_tanh(monkeypatch, eps, rows_per_chunk):
+    """Logits c tanh(Z / c) with Z = H W^T + b large enough that the cap bends them (|Z| up to ~5c): the
+    chunked pass's loss and dH, dW, db against autograd through torch.tanh and F.cross_entropy."""
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab: rows_per_chunk)
+    torch.manual_seed(1)
+    V, D, cap = 29, 8, 2.0
+    hidden = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
+    weight = (2 * torch.randn(V, D, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (2, 9))
+    targets[1, :3] = -100
+
+    def capped(h, w, bb):
+        logits = cap * torch.tanh(F.linear(h, w, bb) / cap)
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100, label_smoothing=eps)
+
+    assert (F.linear(hidden, weight, b).abs() > 3 * cap).any()  # the cap is not the identity here
+    ours, our_grads = grads(lambda h, w, bb: linear_cross_entropy(h, w, bb, targets, eps, cap), hidden, weight, b)
+    theirs, their_grads = grads(capped, hidden, weight, b)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    for a, e in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_a_soft_cap_head_bounds_its_logits_and_takes_the_chunked_loss():
+    cap = 1.5
+    head = lce.SoftCapHead(6, 11, cap=cap).double()
+    x = 10 * torch.randn(4, 6, dtype=torch.float64)
+    logits = head(x)
+    torch.testing.assert_close(logits, cap * torch.tanh(F.linear(x, head.weight) / cap))
+    assert logits.abs().max() < cap and (logits.abs() > 0.9 * cap).any()
+    small = 1e-4 * torch.randn(3, 6, dtype=torch.float64)
+    torch.testing.assert_close(head(small), F.linear(small, head.weight), rtol=1e-6, atol=0)  # ~Z where |Z| << c
+    targets = torch.randint(0, 11, (4,))
+    torch.testing.assert_close(head_cross_entropy(head, x, targets), F.cross_entropy(logits, targets),
+                               rtol=1e-12, atol=1e-12)

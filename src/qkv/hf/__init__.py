@@ -92,6 +92,9 @@ def exporter(cfg: ModelConfig) -> Family:
     if cfg.qk_norm:
         raise QkvError("model.qk_norm=true: none of the exported Hugging Face families (GPT-2, LLaMA, BERT, BART, "
                        "T5) normalises q and k; this model cannot be written as one")
+    if cfg.logit_softcap:
+        raise QkvError(f"model.logit_softcap={cfg.logit_softcap}: none of the exported Hugging Face families (GPT-2, "
+                       "LLaMA, BERT, BART, T5) caps its logits; this model cannot be written as one")
     for name in FAMILIES.names():
         if FAMILIES.get(name).exports(cfg):
             return FAMILIES.get(name)

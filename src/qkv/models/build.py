@@ -16,6 +16,7 @@ from qkv.nn import registries
 from qkv.nn.attention import Attention
 from qkv.nn.block import Block
 from qkv.nn.ffn import ACTIVATIONS, FFNS
+from qkv.nn.linear_cross_entropy import SoftCapHead
 from qkv.nn.init import INITS
 from qkv.nn.kernels import KERNELS
 from qkv.nn.norms import NORMS
@@ -107,7 +108,8 @@ def final_norm(cfg: ModelConfig) -> nn.Module:
 @ARCHITECTURES.register("decoder")
 def decoder(cfg: ModelConfig) -> DecoderLM:
     tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-    lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    lm_head = (SoftCapHead(cfg.d_model, cfg.vocab_size, cap=cfg.logit_softcap) if cfg.logit_softcap else
+               nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
     if cfg.tie_embeddings:
         lm_head.weight = tok_emb.weight  # W_out = W_E (note 003: the vocabulary projection is shared)
     return DecoderLM(tok_emb=tok_emb, positional=positional(cfg),

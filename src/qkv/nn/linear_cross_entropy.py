@@ -21,6 +21,10 @@ On a GPT-2 training step on 2 CPU cores: +2-3.5% tokens/s against head + F.cross
 process; README "Performance"). The decoder LM uses it on every row; the MLM and seq2seq models on the rows
 that have a target only (qkv.models.heads.EncoderMLM, qkv.models.encoder_decoder).
 It matches F.linear + F.cross_entropy to float rounding (tests/nn/test_linear_cross_entropy.py).
+
+Logit soft-capping (`SoftCapHead`, model.logit_softcap = c > 0; Gemma 2, Team et al. 2024; modded-nanogpt):
+the logits are L = c tanh(Z / c) of the head's Z = H W_out^T, bounded in (-c, c) and ~Z where |Z| << c, and
+dloss/dZ = dloss/dL (1 - tanh^2(Z / c)); the chunked pass applies both to each chunk.
 """
 from __future__ import annotations
 
@@ -43,10 +47,28 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
+class SoftCapHead(nn.Linear):
+    """The vocabulary projection with soft-capped logits c tanh((H W^T + b) / c) (model.logit_softcap = c)."""
+
+    def __init__(self, in_features: int, out_features: int, *, cap: float, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.cap = float(cap)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return soft_cap(super().forward(x), self.cap)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, cap={self.cap}"
+
+
+def soft_cap(logits: Tensor, cap: float) -> Tensor:
+    return cap * torch.tanh(logits / cap)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                label_smoothing: float, grad_enabled: bool) -> Tensor:
+                label_smoothing: float, grad_enabled: bool, cap: float = 0.0) -> Tensor:
         N, V = hidden.shape[0], weight.shape[0]
         keep = targets != IGNORE  # (N,)
         count = keep.sum()
@@ -61,6 +83,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             h, y, kept = hidden[rows], targets[rows].clamp(min=0)[None, :], keep[rows][None, :]  # y, kept (1, C)
             # the chunk's logits transposed, L^T = W h^T (V, C): W on the left reads it faster on CPU
             logits = wide(torch.mm(weight, h.t()) if bias is None else torch.addmm(bias[:, None], weight, h.t()))
+            if cap:  # L = c tanh(Z / c); keep tanh for the backward's 1 - tanh^2
+                squashed = torch.tanh(logits.div_(cap))
+                logits = squashed * cap
             loss = -(1 - eps) * logits.gather(0, y)  # (1, C)
             if eps:
                 loss -= eps * logits.mean(dim=0, keepdim=True)
@@ -75,6 +100,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             probs.scatter_add_(0, y, probs.new_full(y.shape, -(1 - eps)))  # P^T - (1 - eps) onehot^T
             if eps:
                 probs.sub_(eps / V)
+            if cap:
+                probs.mul_(1 - squashed.square_())  # dloss/dZ = dloss/dL (1 - tanh^2(Z / c))
             probs = probs.mul_(kept).to(hidden.dtype)  # padding rows: no gradient
             if grad_hidden is not None:
                 torch.mm(probs.t(), weight, out=grad_hidden[rows])  # (C, D)
@@ -90,14 +117,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
         scale = grad_loss / count
         return tuple(None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)) \
-            + (None, None, None)
+            + (None, None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                         label_smoothing: float = 0.0) -> Tensor:
-    """Mean cross-entropy of (hidden (..., D) W^T + b) against targets (...), -100 ignored; a scalar."""
+                         label_smoothing: float = 0.0, cap: float = 0.0) -> Tensor:
+    """Mean cross-entropy of (hidden (..., D) W^T + b), soft-capped at `cap` when > 0, against targets (...),
+    -100 ignored; a scalar."""
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                    float(label_smoothing), torch.is_grad_enabled())
+                                    float(label_smoothing), torch.is_grad_enabled(), float(cap))
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
@@ -121,9 +149,9 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_s
     F.cross_entropy in fp32 (tensor parallel's DTensor heads, autocast's or bf16 weights' low-precision
     products, a hooked head)."""
     weight = getattr(head, "weight", None)
-    if (type(head) is nn.Linear and not has_hooks(head) and not is_dtensor(weight) and not is_dtensor(hidden)
+    if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight) and not is_dtensor(hidden)
             and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
-        return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing)
+        return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing, getattr(head, "cap", 0.0))
     return cross_entropy(head(hidden), targets, label_smoothing)
 

@@ -154,12 +154,27 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, aux_weight=aux_weight)
     out_name = output_name(params, "lm_head.weight", "tok_emb.weight")  # tied: W_out is W_E itself
     logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)
-    return logits, {"blocks": cstack.blocks, "tape": (cemb, cstack, chead, out_name)}
+    logits, ccap = soft_cap_forward(logits, cfg.logit_softcap)
+    return logits, {"blocks": cstack.blocks, "tape": (cemb, cstack, chead, out_name, ccap)}
+
+
+def soft_cap_forward(z: np.ndarray, cap: float):
+    """L = c tanh(Z / c) (model.logit_softcap = c > 0; Gemma 2); c = 0 leaves Z as it is."""
+    if not cap:
+        return z, None
+    squashed = np.tanh(z / cap)
+    return cap * squashed, squashed
+
+
+def soft_cap_backward(dlogits: np.ndarray, squashed) -> np.ndarray:
+    """dZ = dL (1 - tanh^2(Z / c)): d/dz c tanh(z / c) = 1 - tanh^2(z / c)."""
+    return dlogits if squashed is None else dlogits * (1.0 - squashed ** 2)
 
 
 def decoder_backward(dlogits: np.ndarray, cache) -> dict:
-    cemb, cstack, chead, out_name = cache["tape"]
+    cemb, cstack, chead, out_name, ccap = cache["tape"]
     grads = Grads()
+    dlogits = soft_cap_backward(dlogits, ccap)
     # dW_o = (H^L)^T dL, dH^L = dL W_o^T (000 LLM §3.2); tied: it lands on tok_emb.weight, the embedding adds the rest
     dx = linear_backward(dlogits, chead, grads.scope(owner(out_name)))
     dx = stack_backward(dx, cstack, grads)
