@@ -24,6 +24,7 @@ import torch
 from qkv import presets
 from qkv.analysis.measure import LiveBytes, optimizer_tensors
 from qkv.data.sources import prepare_data
+from qkv.train import parallel
 from qkv.train.loop import Trainer
 from qkv.train.memory import state_bytes
 
@@ -101,6 +102,7 @@ def main(out: str, text: str, *extra: str) -> None:
                                                      config(text, [*settings, *PEAK_SHAPE], precision, list(extra)))
                        for layout, settings in PEAK_LAYOUTS.items() for precision in PRECISIONS}
     Path(out, f"memory{rank}.json").write_text(json.dumps(results))
+    parallel.shutdown()  # gloo's threads joined before exit: one still running aborts the process at exit
 
 
 if __name__ == "__main__":
