@@ -155,4 +155,7 @@ def _names(model, blocks, layers, records, store, logits, position, loss, inputs
     row = (lambda t: t[0]) if position is None else (lambda t: t[0, position])
     out["output.logits"] = row(logits).detach().double().numpy()
     out["output.d_logits"] = row(logits.grad).double().numpy()
+    hidden = store.get("output.hidden")
+    if hidden is not None and hidden.grad is not None:  # dL/dH^L at the head's input, by autograd
+        out["output.d_hidden"] = _np(hidden.grad)
     return out

@@ -23,6 +23,7 @@ VARIANTS = {
     "decoder-sandwich-learned-relu": dict(positional="learned", norm_placement="sandwich", activation="relu"),
     "decoder-shaw-local": dict(positional="shaw", attention="local", window=3),
     "decoder-moe": dict(positional="sinusoidal", moe_experts=4, moe_top_k=2),
+    "decoder-softcap": dict(positional="rope", logit_softcap=0.5),  # a cap that bends these logits
     "encoder-mlm": dict(arch="encoder", head="mlm", positional="learned", embed_norm=True),
     "encoder-classifier": dict(arch="encoder", head="classifier", n_classes=3, positional="t5",
                                labels=("comedy", "history", "tragedy")),

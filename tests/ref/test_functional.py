@@ -1,4 +1,4 @@
-"""qkv.ref.functional: linear, embedding, softmax, cross-entropy (plain and smoothed with ignored rows) and every
+"""qkv.ref.functional: linear, embedding, softmax, cross-entropy (plain and smoothed with ignored rows), the logit soft-cap and every
 activation, forward and hand-written backward against torch."""
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from qkv.ref import functional as fn
 
 from tests.ref.autograd import cases, check_against_torch
 
-CASES = cases("linear", "embedding", "softmax", "cross_entropy", "activation_")
+CASES = cases("linear", "embedding", "softmax", "soft_cap", "cross_entropy", "activation_")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -51,6 +51,11 @@ def _ce_smoothed(i):
     return F.cross_entropy(i["logits"].reshape(-1, V), i["targets"].reshape(-1), label_smoothing=0.1, ignore_index=-100)
 
 
+@oracle("soft_cap")
+def _soft_cap(i):
+    return 1.5 * torch.tanh(i["x"] / 1.5)
+
+
 @oracle("softmax")
 def _softmax(i):
     return i["x"].softmax(-1)

@@ -22,7 +22,8 @@ from qkv.data.tokenizer import MASK
 from qkv.errors import QkvError
 from qkv.explain.tap import Recorder
 from qkv.ref.block import RESIDUALS, tapped
-from qkv.ref.functional import ACTIVATIONS, cross_entropy_backward, cross_entropy_forward, scope
+from qkv.ref.functional import (ACTIVATIONS, cross_entropy_backward, cross_entropy_forward, scope,
+                                soft_cap_backward)
 from qkv.ref.model import make_context
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
@@ -222,9 +223,10 @@ def _output(arrays, meta, cfg, params, recorder, logits, dlogits, where):
     arrays["output.logits"] = logits[0] if classifier else logits[0, where["position"]]  # (V,)
     arrays["output.d_logits"] = dlogits[0] if classifier else dlogits[0, where["position"]]  # P - onehot
     arrays["output.d_stream"] = last["d_stream_out"][0]  # dL/dH^L at the last block's output
-    if cfg.arch != "encoder":  # logits = H^L W_out: dH^L = dlogits W_out (000 LLM §3.2)
-        out = params["lm_head.weight"] if "lm_head.weight" in params else params["tok_emb.weight"]
-        arrays["output.d_hidden"] = dlogits[0] @ out
+    if cfg.arch != "encoder":  # logits = H^L W_out: dH^L = dlogits W_out (000 LLM §3.2), through a soft cap's
+        out = params["lm_head.weight"] if "lm_head.weight" in params else params["tok_emb.weight"]  # tanh = L / c
+        squashed = logits / cfg.logit_softcap if cfg.logit_softcap else None
+        arrays["output.d_hidden"] = soft_cap_backward(dlogits, squashed)[0] @ out
 
 
 def _summary(cfg) -> str:

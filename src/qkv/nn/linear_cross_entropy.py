@@ -149,7 +149,8 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_s
     F.cross_entropy in fp32 (tensor parallel's DTensor heads, autocast's or bf16 weights' low-precision
     products, a hooked head)."""
     weight = getattr(head, "weight", None)
-    if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight) and not is_dtensor(hidden)
+    if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight)
+            and not is_dtensor(hidden)
             and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing, getattr(head, "cap", 0.0))

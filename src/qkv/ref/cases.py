@@ -72,6 +72,11 @@ CASES.register("softmax")(Case(
     lambda i: (lambda a: (a, a))(fn.softmax(i["x"])),
     lambda dy, a: {"x": fn.softmax_backward(dy, a)}))
 
+CASES.register("soft_cap")(Case(  # logits up to ~3c: the cap bends them
+    lambda rng: {"x": _normal(rng, B, T, V, scale=3.0)},
+    lambda i: fn.soft_cap_forward(i["x"], 1.5),
+    lambda dy, squashed: {"x": fn.soft_cap_backward(dy, squashed)}))
+
 for _act in fn.ACTIVATIONS.names():
     CASES.register(f"activation_{_act}")(Case(
         lambda rng: {"x": _normal(rng, B, T, F, scale=3.0)},

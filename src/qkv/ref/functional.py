@@ -133,6 +133,21 @@ def cross_entropy_backward(dloss: float, cache) -> np.ndarray:
     return (dloss * dlogits).reshape(shape)
 
 
+# ---- logit soft-capping (model.logit_softcap; Gemma 2, Team et al. 2024) ---------------------------
+
+def soft_cap_forward(z: np.ndarray, cap: float):
+    """L = c tanh(Z / c): bounded in (-c, c), ~Z where |Z| << c; c = 0 leaves Z as it is."""
+    if not cap:
+        return z, None
+    squashed = np.tanh(z / cap)
+    return cap * squashed, squashed
+
+
+def soft_cap_backward(dlogits: np.ndarray, squashed) -> np.ndarray:
+    """dZ = dL (1 - tanh^2(Z / c)), since d/dz c tanh(z / c) = 1 - tanh^2(z / c)."""
+    return dlogits if squashed is None else dlogits * (1.0 - squashed ** 2)
+
+
 # ---- activations: y = act(x), dx = dy * act'(x); 000 LLM §3.3.2 (ReLU mask), note 003 -------------
 
 _erf = np.frompyfunc(math.erf, 1, 1)

@@ -20,7 +20,8 @@ from qkv.errors import QkvError
 from qkv.ref.attention import AttentionContext
 from qkv.ref.block import RESIDUALS, aux_losses, block_backward, block_forward
 from qkv.ref.functional import (Grads, cross_entropy_backward, cross_entropy_forward, embedding_backward,
-                                embedding_forward, linear_backward, linear_forward, scope)
+                                embedding_forward, linear_backward, linear_forward, scope, soft_cap_backward,
+                                soft_cap_forward)
 from qkv.ref.kernels import KERNELS
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
@@ -156,19 +157,6 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
     logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)
     logits, ccap = soft_cap_forward(logits, cfg.logit_softcap)
     return logits, {"blocks": cstack.blocks, "tape": (cemb, cstack, chead, out_name, ccap)}
-
-
-def soft_cap_forward(z: np.ndarray, cap: float):
-    """L = c tanh(Z / c) (model.logit_softcap = c > 0; Gemma 2); c = 0 leaves Z as it is."""
-    if not cap:
-        return z, None
-    squashed = np.tanh(z / cap)
-    return cap * squashed, squashed
-
-
-def soft_cap_backward(dlogits: np.ndarray, squashed) -> np.ndarray:
-    """dZ = dL (1 - tanh^2(Z / c)): d/dz c tanh(z / c) = 1 - tanh^2(z / c)."""
-    return dlogits if squashed is None else dlogits * (1.0 - squashed ** 2)
 
 
 def decoder_backward(dlogits: np.ndarray, cache) -> dict:
