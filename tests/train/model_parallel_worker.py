@@ -4,7 +4,7 @@ once per test session (each start costs seconds) for every case of CASES, run as
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/train/model_parallel_worker.py CASES.json OUT
 
 A case: {"mode": "tp" | "pp", "model": {ModelConfig fields}, "parallel": {ParallelConfig fields}, "steps",
-"batch", "seq"}. Every rank also trains the same model in one process (the oracle) on the same batches, with
+"batch", "seq", "label_smoothing" (tp)}. Every rank also trains the same model in one process (the oracle) on the same batches, with
 the same AdamW and clipping, and writes per case to OUT/rank{r}.json: both runs' losses, (||g - g_ref||,
 ||g_ref||) for every gradient of the first step and, for pp, which parameters and moments the rank holds and
 (rank 0) every weight and Adam moment gathered by `full_state`.
@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.models.build import build_model
-from qkv.nn.linear_cross_entropy import cross_entropy
+from qkv.nn.linear_cross_entropy import cross_entropy, vocab_parallel_loss
 from qkv.train import pipeline, tensor_parallel
+from qkv.train.objectives import lm_loss
 
 LR, CLIP = 1e-2, 1.0
 SMALL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 32}
@@ -37,6 +38,8 @@ LLAMA = {**SMALL, "n_kv_heads": 2, "positional": "rope", "norm": "rmsnorm", "ffn
 CASES = {  # 10 steps each: batch 8 x 16 tokens (pp: 2-4 micro-batches)
     # GPT-2 style: learned positions, LayerNorm, tied W_E (split over V in the embedding and the head)
     "tp_gpt": {"mode": "tp", "model": SMALL},
+    # the same with label smoothing: loss_parallel has none, the logits are gathered for it
+    "tp_gpt_smoothed": {"mode": "tp", "model": SMALL, "label_smoothing": 0.1},
     # LLaMA style: RoPE, RMSNorm, SwiGLU (gate split like up), GQA with 2 key/value heads (1 per rank), untied
     "tp_llama": {"mode": "tp", "model": LLAMA},
     # one layer each (the two above chain layers): Post-LN (norm outputs go back into the stream, the last
@@ -105,12 +108,28 @@ def final_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return state
 
 
-def train_steps(model: torch.nn.Module, opt, data, first_grad) -> tuple[list[float], dict[str, torch.Tensor]]:
+def whole_loss(model: torch.nn.Module, inputs, targets, smoothing: float) -> torch.Tensor:
+    """The oracle's loss: F.cross_entropy of the whole logits, and its backward."""
+    loss = cross_entropy(model(inputs), targets, smoothing)
+    loss.backward()
+    return loss
+
+
+def training_loss(model: torch.nn.Module, inputs, targets, smoothing: float) -> torch.Tensor:
+    """The training step's loss (objectives.lm_loss) and its backward, inside the vocabulary-parallel loss as
+    the Trainer runs it: tensor parallel's logits split over V (or gathered, with label smoothing)."""
+    with vocab_parallel_loss():
+        loss = lm_loss(model, (inputs, targets), smoothing)
+        loss.backward()
+    return loss
+
+
+def train_steps(model: torch.nn.Module, opt, data, first_grad, step_loss=whole_loss,
+                smoothing: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`opt` with clipping over `data`: the losses, and first_grad(p.grad) of every parameter at step 0."""
     losses, grads = [], {}
     for step, (inputs, targets) in enumerate(data):
-        loss = cross_entropy(model(inputs), targets)
-        loss.backward()
+        loss = step_loss(model, inputs, targets, smoothing)
         if step == 0:
             grads = {name: first_grad(p.grad) for name, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -120,19 +139,23 @@ def train_steps(model: torch.nn.Module, opt, data, first_grad) -> tuple[list[flo
     return losses, grads
 
 
-def reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(cfg: ModelConfig, data, smoothing: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = build_model(cfg)
     opt = optimizer(model.parameters())
-    losses, grads = train_steps(model, opt, data, torch.Tensor.clone)
+    losses, grads = train_steps(model, opt, data, torch.Tensor.clone, smoothing=smoothing)
     return losses, grads, final_state(model, opt)
 
 
-def tensor_parallel_run(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+def tensor_parallel_run(cfg: ModelConfig, data, smoothing: float) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                           int]:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     model = tensor_parallel.apply(build_model(cfg), mesh["tp"], cfg)
-    return train_steps(model, optimizer(model.parameters()), data, full)
+    with torch.no_grad():
+        width = model(data[0][0]).to_local().shape[-1]  # the rank's slice of the vocabulary
+    return (*train_steps(model, optimizer(model.parameters()), data, full, training_loss, smoothing), width)
 
 
 def pipeline_run(cfg: RunConfig, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -170,10 +193,11 @@ def main(cases_path: str, out_dir: str) -> None:
     for case in json.loads(Path(cases_path).read_text()):
         cfg = ModelConfig(**case["model"]).validate()
         data = batches(cfg, case["steps"], case["batch"], case["seq"])
-        want_losses, want_grads, want_state = reference(cfg, data)
+        smoothing = case.get("label_smoothing", 0.0)
+        want_losses, want_grads, want_state = reference(cfg, data, smoothing)
         result = {"reference": want_losses, "reference_names": list(want_grads)}
         if case["mode"] == "tp":
-            result["losses"], grads = tensor_parallel_run(cfg, data)
+            result["losses"], grads, result["logit_width"] = tensor_parallel_run(cfg, data, smoothing)
         else:
             run = RunConfig(model=cfg, train=TrainConfig(batch_size=case["batch"], seq_len=case["seq"],
                                                          **case.get("train", {})),

@@ -1,6 +1,6 @@
 """Tensor + sequence parallel (qkv.train.tensor_parallel; note 000 LLM §7.2, SPEC C3) on 2 gloo processes
-against one process: the same losses over 10 AdamW steps and the same first gradients (fp32, dropout 0);
-mis-sized layouts exit 2."""
+against one process: the same losses over 10 AdamW steps and the same first gradients (fp32, dropout 0),
+through the training step's vocabulary-parallel loss; mis-sized layouts exit 2."""
 import re
 
 import pytest
@@ -25,6 +25,13 @@ def test_losses_and_gradients_equal_one_process(name):
         for param, (error, norm) in result["grad_errors"].items():
             # the key bias's gradient is 0 in exact arithmetic: an atol relative to the whole gradient
             assert error <= 1e-5 * norm + 1e-6 * total, (rank, param, error, norm)
+
+
+def test_each_rank_holds_its_slice_of_the_logits():
+    """The head's logits stay split over the vocabulary for the vocabulary-parallel loss: V/2 per rank."""
+    for by_case in results().values():
+        for name in TP_CASES:
+            assert by_case[name]["logit_width"] == CASES[name]["model"]["vocab_size"] // 2, name
 
 
 def test_layouts_that_do_not_divide_are_refused():

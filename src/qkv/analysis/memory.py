@@ -36,8 +36,8 @@ kernel that keeps no A, the dense (B, H, T, S) bias; a learned one its gradient 
 With activation checkpointing (LLM §6.2) only each layer's input survives the forward; one layer's
 activations are rebuilt at a time in the backward.
 Per rank (`activations`): tensor parallel with sequence parallel keeps T/tp stream positions, H/tp heads
-and F/tp hidden units (LN(x) and the logits gathered whole); pipeline stage s keeps its layers for the
-micro-batches in flight (IN_FLIGHT). Measured against each rank's peak: docs/distributed.md.
+and F/tp hidden units (LN(x) gathered whole; the logits V/tp wide, whole in a pipeline); pipeline stage s
+keeps its layers for the micro-batches in flight (IN_FLIGHT). Measured against each rank's peak: docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -240,15 +240,16 @@ def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
 
 
 def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = False,
-                     chunked: bool = False, t: int = 1) -> float:
+                     chunked: bool = False, t: int = 1, vocab_split: int = 1) -> float:
     """Final norm input and output, the fp32 log-probabilities and their gradient (B, T, V); under autocast
     also the low-precision logits. `chunked`: the training step's head-and-loss in row chunks
     (qkv.nn.linear_cross_entropy; `chunks_head`): no (B, T, V) survives the forward, which keeps dloss/dH
     (B, T, D) and dloss/dW (V, D) in fp32 instead. Under t tensor-parallel ranks the norm's input holds
-    T/t positions and the vocabulary-split logits are gathered whole for the loss (never chunked)."""
+    T/t positions and each rank's logits are V / vocab_split wide: t with the vocabulary-parallel loss, 1 in
+    a pipeline (whole logits for the last stage's loss); never chunked."""
     if cfg.arch == "encoder" and cfg.head == "none":
         return a * B * T * cfg.d_model
-    D, V = cfg.d_model, cfg.vocab_size
+    D, V = cfg.d_model, cfg.vocab_size / vocab_split
     if chunked:
         return a * 2 * B * T * D + FP32 * (B * T * D + V * D)
     logits = a * B * T * V if autocast else 0
@@ -318,7 +319,7 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
     chunked = chunks_head(cfg, setup, autocast)
     per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
-    head = head_activations(cfg, B, T, a, autocast, chunked, t)
+    head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=t if p == 1 else 1)
     copies = weight_copies(cfg, a) / t if autocast else 0
     transient = max(head_chunk(cfg, B, T, chunked), attention_backward(cfg, B, T, a) / t,
                     layer_backward(cfg, B, T, a, t))

@@ -28,6 +28,7 @@ dloss/dZ = dloss/dL (1 - tanh^2(Z / c)); the chunked pass applies both to each c
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -145,14 +146,46 @@ def target_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
-    with plain fp32/fp64 weights and no hooks, outside autocast; otherwise the head's logits, then
-    F.cross_entropy in fp32 (tensor parallel's DTensor heads, autocast's or bf16 weights' low-precision
-    products, a hooked head)."""
+    with plain fp32/fp64 weights and no hooks, outside autocast; vocabulary-parallel (`vocab_parallel_loss`)
+    for tensor parallel's head, whose logits stay split over V; otherwise the head's logits, then
+    F.cross_entropy in fp32 (autocast's or bf16 weights' low-precision products, a hooked head)."""
     weight = getattr(head, "weight", None)
     if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight)
             and not is_dtensor(hidden)
             and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing, getattr(head, "cap", 0.0))
-    return cross_entropy(head(hidden), targets, label_smoothing)
+    logits = head(hidden)
+    if not is_dtensor(logits):
+        return cross_entropy(logits, targets, label_smoothing)
+    if label_smoothing:  # torch's loss_parallel has no label smoothing: the whole (B, T, V) logits, gathered
+        return cross_entropy(logits.full_tensor(), targets, label_smoothing)
+    with vocab_parallel_loss():
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+    return loss.to_local()  # the same scalar on every rank
 
+
+_vocab_parallel_depth = 0
+
+
+@contextmanager
+def vocab_parallel_loss():
+    """torch's loss_parallel, re-entrant: cross-entropy of logits split over the vocabulary (a DTensor sharded
+    on its last dim, tensor parallel's head) without gathering them. Each rank holds (N, V/t) logits; the
+    logsumexp takes the max and the sum of exponentials over the ranks (two all-reduces of N values) and the
+    target's logit from the rank whose slice holds it (Megatron-LM's vocabulary-parallel cross-entropy,
+    Shoeybi et al. 2019 §3); dloss/dL = (P - onehot(y)) / n is local to each slice (note 000 LLM §3.1).
+    The backward of such a loss must run inside it too (the training step enters it around both)."""
+    global _vocab_parallel_depth
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    outer = loss_parallel() if _vocab_parallel_depth == 0 else None
+    if outer is not None:
+        outer.__enter__()
+    _vocab_parallel_depth += 1
+    try:
+        yield
+    finally:
+        _vocab_parallel_depth -= 1
+        if outer is not None:
+            outer.__exit__(None, None, None)

@@ -18,6 +18,7 @@ the clock and the time-budget horizon in qkv.train.schedules, the report in qkv.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -30,6 +31,7 @@ from qkv.analysis import flops
 from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
 from qkv.models import build_model
+from qkv.nn.linear_cross_entropy import vocab_parallel_loss
 from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives, parallel, schedules
 from qkv.train.checkpoint import State, seed_everything
@@ -135,14 +137,19 @@ class Trainer:
                  share: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward (through `module`, the wrapped model) and backward of one micro-batch, its gradient weighted
         by `share`; returns (loss, aux) detached."""
-        with autocast(self.device, self.tc.precision):
-            loss = self.objective.loss(module, micro, self.tc.label_smoothing)
-        objective, aux = loss, torch.zeros((), device=self.device)
-        if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
-            aux = aux_loss(self.model)
-            objective = loss + self.tc.aux_loss_weight * aux
-        self.scaler.scale(objective * share).backward()
+        with self.loss_context():
+            with autocast(self.device, self.tc.precision):
+                loss = self.objective.loss(module, micro, self.tc.label_smoothing)
+            objective, aux = loss, torch.zeros((), device=self.device)
+            if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
+                aux = aux_loss(self.model)
+                objective = loss + self.tc.aux_loss_weight * aux
+            self.scaler.scale(objective * share).backward()
         return loss.detach(), aux.detach()
+
+    def loss_context(self):
+        """Tensor parallel: the vocabulary-parallel loss, whose backward runs inside it too."""
+        return vocab_parallel_loss() if self.layout.tp > 1 else contextlib.nullcontext()
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> dict:

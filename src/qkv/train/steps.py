@@ -75,7 +75,7 @@ def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler
         if layout.tp > 1:
             from qkv.train import tensor_parallel
 
-            tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
+            tensor_parallel.apply(model, layout.mesh["tp"], cfg.model, split_logits=False)  # the stage's loss
         return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, tp=layout.tp, scaler=scaler,
                         wrap=lambda stage: parallel.parallelize(stage, cfg, layout, tensor=False))
     return MicroBatches(model, cfg, layout)

@@ -12,8 +12,10 @@ Y = X W with W split over the tp ranks of `tp_mesh` (note 000 LLM §7.2 "将矩�
 
 The plan follows torchtitan's for Llama, with two differences that qkv's decoder needs: the embedding
 ends in an all-reduce (a replicated (B, T, D) stream, so the positional encoding and the embedding dropout
-see whole positions) and the stream is split over the sequence at the first block's input; the LM head
-gathers its vocabulary slices into replicated logits, so the objectives' cross-entropy is unchanged.
+see whole positions) and the stream is split over the sequence at the first block's input. The LM head's
+logits stay split over the vocabulary (B, T, V/tp) into a vocabulary-parallel cross-entropy
+(qkv.nn.linear_cross_entropy.vocab_parallel_loss, torchtitan's loss_parallel), except in a pipeline, whose
+last stage hands whole logits to its loss.
 With tied embeddings W_E and W_out are one (V, D) tensor split over the vocabulary in both uses.
 
 Model code stays single-device: `apply` rewrites a finished model from outside (parameters become
@@ -59,11 +61,12 @@ def validate(cfg: ModelConfig, tp: int) -> None:
             raise QkvError(f"parallel.tp={tp} must divide {name}={size}: each rank holds {name.split('.')[-1]} / tp")
 
 
-def apply(model: nn.Module, tp_mesh: DeviceMesh, model_cfg: ModelConfig) -> nn.Module:
+def apply(model: nn.Module, tp_mesh: DeviceMesh, model_cfg: ModelConfig, *, split_logits: bool = True) -> nn.Module:
     """Split `model` (a DecoderLM built from `model_cfg`, same weights on every rank) over the 1-D `tp_mesh`.
 
     Every parameter becomes a DTensor on `tp_mesh` (sharded or replicated), so the optimizer and gradient
-    clipping see one kind of tensor. Returns `model`, changed in place."""
+    clipping see one kind of tensor. `split_logits`: the head returns its (B, T, V/tp) slice as a DTensor
+    sharded over V (for `vocab_parallel_loss`), else gathered (B, T, V) logits. Returns `model`, changed in place."""
     tp = tp_mesh.size()
     validate(model_cfg, tp)
     if tp == 1:
@@ -72,8 +75,9 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, model_cfg: ModelConfig) -> nn.M
     parallelize_module(model, tp_mesh, {
         # (V, D) split over V; each rank looks up the ids in its slice, the partial rows are all-reduced
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        # (V, D) split over V: gather the T/tp positions, compute V/tp logits, gather them (B, T, V)
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # (V, D) split over V: gather the T/tp positions, compute V/tp logits (kept split, or gathered)
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if split_logits else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
     if tied:  # parallelize_module gave each use its own DTensor; both are Shard(0) of the same (V, D)
         model.lm_head.weight = model.tok_emb.weight
