@@ -71,12 +71,12 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
     if pc.zero == 1:
         raise QkvError(f"parallel.pp={pc.pp} with parallel.zero=1: shard a pipeline's data-parallel dimension with "
                        f"parallel.zero=2 or 3 (FSDP2), or keep parallel.zero=0 (DDP)")
-    unsupported = [(name, value) for name, value, off in (
+    unsupported = [(name, value, off) for name, value, off in (
         ("model.moe_experts", model.moe_experts, 0), ("train.batch_warmup_steps", tc.batch_warmup_steps, 0))
         if value != off]
     if unsupported:
-        name, value = unsupported[0]
-        raise QkvError(f"parallel.pp={pc.pp} does not support {name}={value!r}")
+        name, value, off = unsupported[0]
+        raise QkvError(f"parallel.pp={pc.pp} does not support {name}={value!r} (set {name}={off!r})")
     rows = tc.batch_size // dp // tc.accumulation
     if pc.microbatches < pc.pp or rows % pc.microbatches:
         raise QkvError(f"parallel.microbatches={pc.microbatches} must be at least parallel.pp={pc.pp} and divide "
