@@ -130,10 +130,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in fp32, from whole logits
-    (..., V) and targets (...); targets of -100 (padding) are ignored. Label smoothing uses the target
-    (1 - eps) onehot + eps / V (note 000 §13.3)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE,
+    """Mean over tokens of -log softmax(logits)[target] (note 000 §13.2), in at least fp32 (fp64 logits stay
+    fp64), from whole logits (..., V) and targets (...); targets of -100 (padding) are ignored. Label
+    smoothing uses the target (1 - eps) onehot + eps / V (note 000 §13.3)."""
+    return F.cross_entropy(wide(logits.flatten(0, -2)), targets.flatten(), ignore_index=IGNORE,
                            label_smoothing=label_smoothing)
 
 
@@ -161,7 +161,7 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_s
     if label_smoothing:  # torch's loss_parallel has no label smoothing: the whole (B, T, V) logits, gathered
         return cross_entropy(logits.full_tensor(), targets, label_smoothing)
     with vocab_parallel_loss():
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+        loss = F.cross_entropy(wide(logits.flatten(0, -2)), targets.flatten(), ignore_index=IGNORE)
     return loss.to_local()  # the same scalar on every rank
 
 

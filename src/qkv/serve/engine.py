@@ -104,6 +104,7 @@ class Engine:
         self.seq2seq = isinstance(model, EncoderDecoder)
         self.waiting: deque[Job] = deque()
         self.rows: list[Job] = []  # the running batch, in cache row order
+        self.admitting: Job | None = None  # the job being prefilled, between the queue and the batch
         self.cache: KVCache | None = None
         self.last: Tensor | None = None  # (B,) each row's newest token, fed at the next step
         self.calls: deque[Callable[[], None]] = deque()  # other model work (embeddings) run between steps
@@ -125,8 +126,11 @@ class Engine:
 
     @property
     def load(self) -> tuple[int, int]:
-        """(running rows, waiting jobs)."""
-        return len(self.rows), len(self.waiting)
+        """(running rows, waiting jobs); a job being prefilled is running (it has left the queue, not yet
+        joined the batch)."""
+        admitting, rows = self.admitting, list(self.rows)
+        joining = admitting is not None and not admitting.done and all(job is not admitting for job in rows)
+        return len(rows) + joining, len(self.waiting)
 
     def submit(self, *jobs: Job) -> None:
         """Queue jobs (all of one request, so all or none); Busy when the queue cannot take them."""
@@ -178,15 +182,17 @@ class Engine:
             with self.wake:
                 if not self.waiting:
                     return
-                job = self.waiting.popleft()
-            if job.cancelled:
-                self.finish(job, "cancelled")
-                continue
+                job = self.admitting = self.waiting.popleft()  # counted as running by `load` from here
             try:
+                if job.cancelled:
+                    self.finish(job, "cancelled")
+                    continue
                 self.prefill(job)
             except Exception as exc:  # a bug: this request fails, the batch goes on
                 traceback.print_exc()
                 self.finish(job, "cancelled", f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                self.admitting = None
 
     def prefill(self, job: Job) -> None:
         """Read the prompt alone, choose the first token, and join the batch (unless already done)."""

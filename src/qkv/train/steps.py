@@ -40,14 +40,13 @@ class MicroBatches:
     def forward_backward(self, batch: tuple[Tensor, ...], backward: Backward) -> tuple[Tensor, Tensor]:
         rows = len(batch[0])
         micros = list(zip(*(tensor.split(self.micro_rows) for tensor in batch)))
-        total = torch.zeros((), device=self.device)
-        aux_total = torch.zeros((), device=self.device)
+        total = aux_total = 0.0  # sums in the losses' own dtype (an fp64 model's loss is not rounded to fp32)
         for i, micro in enumerate(micros):
             share = len(micro[0]) / rows  # b_i / b: 1 / accumulation for a full batch
             with parallel.grad_sync(self.wrapped, enabled=i == len(micros) - 1):  # communicate once per step
                 loss, aux = backward(self.wrapped, micro, share)
-            total += loss * share
-            aux_total += aux * share
+            total = total + loss * share
+            aux_total = aux_total + aux * share
         return total, aux_total
 
     def clip(self, max_norm: float) -> Tensor:
