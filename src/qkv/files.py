@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +139,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = self.holder(fd)
             os.close(fd)
             raise QkvError(f"{self.path.parent} is being written by another qkv process (pid {holder}); wait "
                            "for it to finish or choose another --out") from None
@@ -146,6 +147,15 @@ class RunLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
         return self
+
+    @staticmethod
+    def holder(fd: int) -> str:
+        """The pid in a locked .lock file; the holder writes it just after taking the flock, so an empty
+        file is read again for up to a second."""
+        deadline = time.monotonic() + 1.0
+        while not (text := os.pread(fd, 32, 0).decode(errors="replace").strip()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return text or "unknown"
 
     def release(self) -> None:
         if self.fd is not None:
