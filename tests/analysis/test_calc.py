@@ -47,3 +47,17 @@ def test_the_calculators_schedules_are_the_pipelines():
 
     assert sorted(IN_FLIGHT) == sorted(SCHEDULES.names())
     assert [IN_FLIGHT["1f1b"](8, 4, s) for s in range(4)] == [4, 3, 2, 1] and IN_FLIGHT["gpipe"](8, 4, 3) == 8
+
+
+def test_tensor_parallel_logits_are_split_unless_label_smoothing_gathers_them():
+    """head_cross_entropy's vocabulary-parallel loss holds V/tp of the fp32 log-probabilities and their
+    gradient per rank; with label smoothing it gathers the whole (B, T, V) (torch's loss_parallel has none):
+    the calculator's difference is 2 x 4 B T V (1 - 1/tp) bytes."""
+    from qkv.analysis import memory
+
+    cfg = presets.get("tiny").override(["train.batch_size=16", "train.seq_len=64", "parallel.tp=2"])
+    smoothed = cfg.override(["train.label_smoothing=0.1"])
+    split, whole = (calc.setup_from(c) for c in (cfg, smoothed))
+    assert split.split_logits and not whole.split_logits
+    extra = memory.training(cfg.model, whole)["total"] - memory.training(cfg.model, split)["total"]
+    assert extra == 2 * 4 * 16 * 64 * cfg.model.vocab_size * (1 - 1 / 2)

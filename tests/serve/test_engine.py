@@ -236,3 +236,29 @@ def test_a_full_queue_is_refused_and_nothing_is_lost():
     with pytest.raises(Busy):
         engine.submit(Recorder().job([1], 3))
     assert len(engine.waiting) == 2
+
+
+def test_a_job_being_prefilled_counts_as_running():
+    """Between the queue and the batch (its prompt being read) a job is running: `load` never reads (0, 0)
+    while one is in flight (/health and the server's disconnect wait read it)."""
+    engine = Engine(model_for(), max_batch=2)
+    entered, release, seen = threading.Event(), threading.Event(), []
+    prefill = engine.prefill
+
+    def held_prefill(job):
+        entered.set()
+        assert release.wait(30)
+        prefill(job)
+
+    engine.prefill = held_prefill
+    recorder = Recorder()
+    engine.start()
+    try:
+        engine.submit(recorder.job([1, 2, 3], 4))
+        assert entered.wait(30)
+        seen.append(engine.load)  # out of the queue, not yet in the batch
+        release.set()
+        assert recorder.done.wait(60)
+    finally:
+        engine.stop()
+    assert seen == [(1, 0)] and engine.load == (0, 0) and len(recorder.tokens) == 4

@@ -20,6 +20,24 @@ def test_a_second_lock_on_the_same_dir_is_refused_with_the_holders_pid(tmp_path)
         assert (tmp_path / files.LOCK_FILE).read_text().strip() == str(os.getpid())
 
 
+def test_a_holder_that_has_not_yet_written_its_pid_is_still_named(tmp_path):
+    """The holder takes the flock, then writes its pid: a writer refused in between waits for the pid
+    instead of naming "pid unknown"."""
+    import fcntl
+    import threading
+
+    fd = os.open(tmp_path / files.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, still empty
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, b"4242\n", 0))
+    late.start()
+    try:
+        with pytest.raises(QkvError, match="pid 4242"):
+            files.RunLock(tmp_path).acquire()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def qkv(*args, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "qkv", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kwargs)

@@ -50,7 +50,8 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp * micro)), seq=tc.seq_len,
                    precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
                    checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
-                   microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation)
+                   microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation,
+                   split_logits=not tc.label_smoothing)  # head_cross_entropy gathers them for smoothing
     chosen = {key: value for key, value in given.items() if value not in (None, False)}
     return memory.Setup(**{**default, **chosen}).check()
 

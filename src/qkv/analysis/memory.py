@@ -77,6 +77,7 @@ class Setup:
     pp: int = 1
     layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
     chunked_head: bool = True  # the LM head and its loss in row chunks, as qkv's training step runs them
+    split_logits: bool = True  # tp > 1: the loss on V/tp logits per rank (label smoothing gathers them whole)
     microbatches: int = 1  # pp > 1: the pipeline's micro-batches per schedule (batch is one micro-batch)
     accumulation: int = 1  # micro-batches (or schedules) accumulated per optimizer step: MFU's tokens only
     schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b
@@ -319,7 +320,8 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
     chunked = chunks_head(cfg, setup, autocast)
     per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
-    head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=t if p == 1 else 1)
+    split = t if p == 1 and setup.split_logits else 1  # a pipeline's last stage and label smoothing: whole logits
+    head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=split)
     copies = weight_copies(cfg, a) / t if autocast else 0
     transient = max(head_chunk(cfg, B, T, chunked), attention_backward(cfg, B, T, a) / t,
                     layer_backward(cfg, B, T, a, t))

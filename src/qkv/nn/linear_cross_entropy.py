@@ -28,7 +28,7 @@ dloss/dZ = dloss/dL (1 - tanh^2(Z / c)); the chunked pass applies both to each c
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -179,13 +179,9 @@ def vocab_parallel_loss():
     global _vocab_parallel_depth
     from torch.distributed.tensor.parallel import loss_parallel
 
-    outer = loss_parallel() if _vocab_parallel_depth == 0 else None
-    if outer is not None:
-        outer.__enter__()
-    _vocab_parallel_depth += 1
-    try:
-        yield
-    finally:
-        _vocab_parallel_depth -= 1
-        if outer is not None:
-            outer.__exit__(None, None, None)
+    with loss_parallel() if _vocab_parallel_depth == 0 else nullcontext():
+        _vocab_parallel_depth += 1
+        try:
+            yield
+        finally:
+            _vocab_parallel_depth -= 1
