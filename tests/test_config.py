@@ -71,6 +71,10 @@ MODEL_ERRORS = [
     (dict(max_distance=0), "model.max_distance=0 must be positive"),
     (dict(moe_capacity_factor=-1.0), "model.moe_capacity_factor=-1.0 must be at least 0"),
     (dict(logit_softcap=-1.0), "model.logit_softcap=-1.0 must be at least 0"),
+    (dict(bigram_vocab=1), "model.bigram_vocab=1 must be 0 (none) or at least 2 rows"),
+    (dict(bigram_vocab=-4), "model.bigram_vocab=-4 must be 0 (none) or at least 2 rows"),
+    (dict(arch="encoder-decoder", bigram_vocab=64), "model.bigram_vocab=64 needs model.arch='decoder', "
+                                                    "got model.arch='encoder-decoder'"),
     (dict(arch="encoder", logit_softcap=30.0), "model.logit_softcap=30.0 needs model.arch='decoder', "
                                                "got model.arch='encoder'"),
 ]

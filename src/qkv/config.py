@@ -54,6 +54,7 @@ class ModelConfig:
     attention: str = "sdpa"
     qk_norm: bool = False  # RMS-normalise each head's q and k (learnt gain, before RoPE): Dehghani et al. 2023
     logit_softcap: float = 0.0  # c > 0: a decoder's logits c tanh(z / c) (Gemma 2, Team et al. 2024); 0 = none
+    bigram_vocab: int = 0  # N > 0: a decoder's hashed bigram embedding, N rows (modded-nanogpt); 0 = none
     window: int = 0  # local / dilated / random kernels
     dropout: float = 0.0
     tie_embeddings: bool = True
@@ -107,6 +108,8 @@ class ModelConfig:
         _at_least("model.t5_buckets", self.t5_buckets, 2)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
         _at_least("model.logit_softcap", self.logit_softcap, 0)
+        if self.bigram_vocab < 0 or self.bigram_vocab == 1:
+            raise QkvError(f"model.bigram_vocab={self.bigram_vocab} must be 0 (none) or at least 2 rows")
         self._validate_family()
         return self
 
@@ -121,6 +124,9 @@ class ModelConfig:
                                    f"got model.arch={self.arch!r}")
         if self.arch != "decoder" and self.logit_softcap:
             raise QkvError(f"model.logit_softcap={self.logit_softcap} needs model.arch='decoder', "
+                           f"got model.arch={self.arch!r}")
+        if self.arch != "decoder" and self.bigram_vocab:
+            raise QkvError(f"model.bigram_vocab={self.bigram_vocab} needs model.arch='decoder', "
                            f"got model.arch={self.arch!r}")
         if self.arch == "decoder":
             for name in ("embed_norm", "embed_scale"):

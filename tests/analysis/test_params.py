@@ -15,7 +15,7 @@ from qkv.nn import registries
 BASE = dict(vocab_size=37, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=20)
 VARIANTS = [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"ffn": "glu", "activation": "silu"},
             {"moe_experts": 3, "moe_top_k": 2}, {"moe_experts": 2, "moe_top_k": 1, "ffn": "glu"},
-            {"tie_embeddings": False}, {"bias": False}, {"norm": "rmsnorm"}, {"embed_norm": True},
+            {"tie_embeddings": False}, {"bias": False}, {"bigram_vocab": 50}, {"norm": "rmsnorm"}, {"embed_norm": True},
             {"type_vocab_size": 2}, {"head": "mlm"}, {"head": "mlm", "tie_embeddings": False},
             {"head": "classifier", "n_classes": 3}, {"n_encoder_layers": 3, "n_decoder_layers": 1}]
 VARIANTS += [{"norm_placement": p} for p in registries.get("norm_placement").names()]

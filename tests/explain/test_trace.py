@@ -24,6 +24,7 @@ VARIANTS = {
     "decoder-shaw-local": dict(positional="shaw", attention="local", window=3),
     "decoder-moe": dict(positional="sinusoidal", moe_experts=4, moe_top_k=2),
     "decoder-softcap": dict(positional="rope", logit_softcap=0.5),  # a cap that bends these logits
+    "decoder-bigram": dict(positional="rope", bigram_vocab=97),
     "encoder-mlm": dict(arch="encoder", head="mlm", positional="learned", embed_norm=True),
     "encoder-classifier": dict(arch="encoder", head="classifier", n_classes=3, positional="t5",
                                labels=("comedy", "history", "tragedy")),
@@ -86,6 +87,21 @@ def test_every_shared_array_equals_torch(tmp_path, variant):
     close(np.array(meta["loss"]), torch_values["loss"], "loss")
     for n, layer in enumerate(meta["layers"]):  # ||dL/dtheta_l|| per layer: the gradient-flow view
         close(np.array(layer["grad_norm"]), torch_values[f"{n}.grad_norm"], f"{n}.grad_norm")
+
+
+def test_bigram_rows_are_the_torch_tables_rows_and_h0_their_sum(tmp_path):
+    from qkv.nn.embedding import bigram_rows, previous_tokens
+    import torch
+
+    run, explanation, meta, arrays, torch_values = page_and_oracle(tmp_path, "decoder-bigram")
+    params = dict(run.model.named_parameters())
+    ids = torch.tensor([meta["ids"]])
+    rows = bigram_rows(previous_tokens(ids), ids, 97)[0].numpy()
+    assert rows[0] == 96 and len(set(rows.tolist())) > 5  # the none row first, then hashed pairs
+    bigrams = params["bigram_emb.weight"].detach().double().numpy()[rows]
+    close(arrays["decoder.embed.bigrams"], bigrams, "bigrams")
+    tokens = params["tok_emb.weight"].detach().double().numpy()[meta["ids"]]
+    close(arrays["decoder.embed.h0"], tokens + bigrams, "h0 = E[x] + E_2[h]")  # rotary: no table rows
 
 
 @pytest.mark.parametrize("variant", ["decoder-rope", "encoder-decoder-t5"])

@@ -231,3 +231,11 @@ def test_a_soft_capped_model_is_refused_by_every_family(tmp_path):
     with pytest.raises(QkvError, match="model.logit_softcap=30.0: none of the exported"):
         qkv.hf.save(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_bigram_model_is_refused_by_every_family(tmp_path):
+    cfg = ModelConfig(**{**SMALL, "vocab_size": bpe().vocab_size, "bigram_vocab": 64})
+    run = qkv.load(write_run(tmp_path / "run", cfg))
+    with pytest.raises(QkvError, match="model.bigram_vocab=64: none of the exported"):
+        qkv.hf.save(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

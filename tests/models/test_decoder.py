@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 
@@ -223,6 +224,38 @@ def test_kv_cache_after_a_left_padded_prefill_equals_each_rows_own_forward(tiny_
     for i, step in enumerate(steps):
         torch.testing.assert_close(step[0, 0], own[0][3 + i], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step[1, 0], own[1][1 + i], rtol=1e-5, atol=1e-5)
+
+
+def bigram_model(tiny_cfg):
+    model = model_for(tiny_cfg, positional="rope", bigram_vocab=29)
+    torch.nn.init.normal_(model.bigram_emb.weight)  # zero at init: give the pairs rows that change the logits
+    return model
+
+
+def test_a_bigram_decoders_cache_carries_each_rows_last_token(tiny_cfg):
+    """Prefill a left-padded batch, decode token by token, then reorder the rows (beam search): each step's
+    pair is (the row's previous real token, this token), so every logit equals the row's own full forward."""
+    model = bigram_model(tiny_cfg)
+    rows = [torch.randint(1, 32, (1, 7)), torch.randint(1, 32, (1, 5))]  # second row: 2 pads
+    prompt = torch.cat([rows[0][:, :3], torch.cat([torch.zeros(1, 2, dtype=torch.long), rows[1][:, :1]], 1)])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
+    with torch.no_grad():
+        own = [model(row)[0] for row in rows]
+        cache = model.new_cache(2, 7)
+        first = model(prompt, attention_mask=mask, cache=cache)
+        steps = [model(torch.stack([rows[0][0, t], rows[1][0, t - 2]])[:, None], cache=cache) for t in range(3, 6)]
+        cache.reorder(torch.tensor([1, 0]))  # the rows swap places
+        last = model(torch.stack([rows[1][0, 4], rows[0][0, 6]])[:, None], cache=cache)
+        unpaired = copy.deepcopy(model)
+        unpaired.bigram_emb.weight.zero_()
+        assert (own[0] - unpaired(rows[0])[0]).abs().max() > 1e-3  # the pairs change these logits
+    torch.testing.assert_close(first[0], own[0][:3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first[1, 2], own[1][0], rtol=1e-5, atol=1e-5)
+    for i, step in enumerate(steps):
+        torch.testing.assert_close(step[0, 0], own[0][3 + i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step[1, 0], own[1][1 + i], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last[0, 0], own[1][4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last[1, 0], own[0][6], rtol=1e-5, atol=1e-5)
 
 
 def test_cache_overflow_is_an_error(tiny_cfg):

@@ -1,6 +1,7 @@
 """The one embedding equation H0 = Dropout(Norm_emb(P(E[x] * s + T[type]))) of qkv.nn.embedding, checked
 against its terms written out with one-hot matrices, for each family's options; and the parameter names
 each family keeps on the model itself."""
+import dataclasses
 import math
 
 import pytest
@@ -81,3 +82,44 @@ def test_dropout_applies_to_the_whole_embedding_in_training():
     kept = dropped != 0
     assert 0.3 < kept.double().mean() < 0.7  # about half the entries survive
     torch.testing.assert_close(dropped[kept], 2 * clean[kept])  # survivors scaled by 1 / (1 - p)
+
+
+def test_bigram_rows_are_the_hash_of_each_pair_and_the_reference_engines():
+    """h(p, c) = (36313 c XOR 27191 p) mod (N - 1), computed with Python integers; N - 1 for a token with no
+    previous one (column 0, after padding); the NumPy engine's own version gives the same rows."""
+    from qkv.nn.embedding import bigram_rows, previous_tokens
+    from qkv.ref.model import bigram_rows as ref_bigram_rows
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 2048, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: column 4 is the row's first token
+    rows = bigram_rows(previous_tokens(ids, mask), ids, 1000)
+    for b in range(3):
+        for t in range(9):
+            first = t == 0 or not mask[b, t - 1]
+            expected = 999 if first else (36313 * int(ids[b, t]) ^ 27191 * int(ids[b, t - 1])) % 999
+            assert int(rows[b, t]) == expected, (b, t)
+    assert (rows[1, :5] == 999).all() and rows.min() >= 0 and rows.max() <= 999
+    assert (rows.numpy() == ref_bigram_rows(ids.numpy(), mask.numpy(), 1000)).all()
+
+
+def test_a_bigram_decoders_h0_adds_the_hashed_pair_rows_and_starts_as_the_plain_decoder():
+    """H0 = E[x_t] + E_2[h(x_{t-1}, x_t)] (+ P), written with one-hot matrices; at init E_2 = 0, so the
+    model's logits are the plain decoder's with the same weights."""
+    from qkv.nn.embedding import bigram_rows, previous_tokens
+
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_ff=32, max_seq_len=32,
+                      positional="learned", bigram_vocab=40)
+    model = build_model(cfg).double()
+    plain = build_model(dataclasses.replace(cfg, bigram_vocab=0)).double()
+    state = {k: v for k, v in model.state_dict().items() if k != "bigram_emb.weight"}
+    plain.load_state_dict(state)
+    assert model.bigram_emb.weight.abs().max() == 0  # zero at init, whatever model.init
+    ids = torch.randint(0, 32, (2, 7))
+    torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=0)
+    torch.nn.init.normal_(model.bigram_emb.weight)
+    one_hot = torch.nn.functional.one_hot(bigram_rows(previous_tokens(ids), ids, 40), 40).double()
+    expected = written_out(plain, ids, None, cfg) + one_hot @ model.bigram_emb.weight
+    positions = torch.arange(7).expand_as(ids)
+    torch.testing.assert_close(model.embed(ids, positions), expected, rtol=1e-12, atol=1e-12)

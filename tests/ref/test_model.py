@@ -27,6 +27,7 @@ VARIANTS = {  # together: every positional, norm, placement, activation, FFN and
     "qk_norm-rope-relu2": dict(qk_norm=True, positional="rope", activation="relu2", norm="rmsnorm"),
     "qk_norm-alibi-mqa": dict(qk_norm=True, positional="alibi", n_heads=4, n_kv_heads=1),
     "softcap-rope": dict(logit_softcap=0.05, positional="rope"),  # a cap that bends these logits
+    "bigram-rope": dict(bigram_vocab=7, positional="rope"),  # 7 rows for 121 pairs: shared rows, the none row
 }
 # the torch engine's kernels at model level (padded, so the masks combine with each pattern); seq 18 reaches
 # the random kernel's first random distance (w + 1 + 12)

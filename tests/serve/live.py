@@ -29,7 +29,10 @@ def write_run(path: Path, tok: Tokenizer | None = None, **model) -> Path:
     path.mkdir(parents=True)
     RunConfig(model=cfg).save(path / "config.json")
     tok.save(path / "tokenizer.json")
-    save_file(files.model_tensors(qkv.build_model(cfg)), str(path / files.MODEL_FILE))
+    model = qkv.build_model(cfg)
+    if getattr(model, "bigram_emb", None) is not None:  # zero at init: give the table rows to read
+        torch.nn.init.normal_(model.bigram_emb.weight, std=cfg.init_std)
+    save_file(files.model_tensors(model), str(path / files.MODEL_FILE))
     return path
 
 

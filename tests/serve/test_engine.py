@@ -110,6 +110,20 @@ def test_greedy_batched_equals_alone_for_every_positional_encoding(positional):
     check_batched_equals_alone(model_for(positional=positional))
 
 
+def test_a_bigram_models_rows_keep_their_own_last_token_when_batched():
+    """The bigram table reads each row's previous token, which the batch's cache carries per row through
+    gather_rows and keep; alone, generate's greedy tokens are the argmax of a full forward (no cache)."""
+    model = model_for(positional="rope", bigram_vocab=61)
+    with torch.no_grad():
+        torch.nn.init.normal_(model.bigram_emb.weight)
+        prompt = prompts()[0]
+        ids = torch.tensor(prompt)
+        for _ in range(6):
+            ids = torch.cat([ids, model(ids[None])[0, -1].argmax()[None]])
+    assert alone(model, prompt, 6) == ids[len(prompt):].tolist()
+    check_batched_equals_alone(model)
+
+
 def test_sampled_batched_equals_alone_with_each_requests_own_seed():
     check_batched_equals_alone(model_for(positional="rope", n_kv_heads=2), sampled=True)
 

@@ -40,8 +40,9 @@ CASES = {  # 10 steps each: batch 8 x 16 tokens (pp: 2-4 micro-batches)
     "tp_gpt": {"mode": "tp", "model": SMALL},
     # the same with label smoothing: loss_parallel has none, the logits are gathered for it
     "tp_gpt_smoothed": {"mode": "tp", "model": SMALL, "label_smoothing": 0.1},
-    # LLaMA style: RoPE, RMSNorm, SwiGLU (gate split like up), GQA with 2 key/value heads (1 per rank), untied
-    "tp_llama": {"mode": "tp", "model": LLAMA},
+    # LLaMA style: RoPE, RMSNorm, SwiGLU (gate split like up), GQA with 2 key/value heads (1 per rank), untied;
+    # with a hashed bigram table (split over its rows as W_E)
+    "tp_llama": {"mode": "tp", "model": {**LLAMA, "bigram_vocab": 40}},
     # one layer each (the two above chain layers): Post-LN (norm outputs go back into the stream, the last
     # one into the head) with ALiBi (each rank its heads' slopes); sandwich norms (two per sublayer) with
     # sinusoidal positions and the naive kernel
@@ -52,8 +53,8 @@ CASES = {  # 10 steps each: batch 8 x 16 tokens (pp: 2-4 micro-batches)
     # GPipe, 3 layers over 2 stages (2 + 1), tied W_E on the first and the last stage
     "pp_gpipe_tied": {"mode": "pp", "model": {**SMALL, "n_layers": 3},
                       "parallel": {"pp": 2, "schedule": "gpipe", "microbatches": 4}},
-    # 1F1B with as many micro-batches as stages, LLaMA style
-    "pp_1f1b_llama": {"mode": "pp", "model": LLAMA, "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 2}},
+    # 1F1B with as many micro-batches as stages, LLaMA style, the bigram table on the first stage
+    "pp_1f1b_llama": {"mode": "pp", "model": {**LLAMA, "bigram_vocab": 40}, "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 2}},
     # 1F1B with Shaw's relative positions: one table read by every layer of both stages
     "pp_1f1b_shaw": {"mode": "pp", "model": {**SMALL, "positional": "shaw", "attention": "naive"},
                      "parallel": {"pp": 2, "schedule": "1f1b", "microbatches": 4}},

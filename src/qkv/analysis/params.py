@@ -9,7 +9,7 @@ Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E exp
     MoE         E * FFN + D*E          (E expert FFNs + the router, no bias; note 002)
     LayerNorm   D [+ D]  (gamma, beta; note 000 §5.1);  RMSNorm D (note 003); two per sublayer (pre / post),
                 four with sandwich placement (a norm before and after each sublayer)
-Model: token embedding V*D, a learned position table max_seq_len*D, the layers, a final norm for
+Model: token embedding V*D (and a decoder's hashed bigram table N*D, model.bigram_vocab), a learned position table max_seq_len*D, the layers, a final norm for
 Pre-LN stacks, and an output projection V*D unless tied to the embedding (note 000 LLM §1.2); encoders
 add a head (BERT's MLM or classifier), encoder-decoders a second stack with cross-attention (note 000 §8).
 Every count here equals `sum(p.numel() for p in build_model(cfg).parameters())` (tests/analysis).
@@ -122,7 +122,7 @@ def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False) -> d
 
 def _embeddings(cfg: ModelConfig, tables: int = 1) -> dict[str, int]:
     """Token table(s) W_E, token-type table, one positional module and the optional embedding norm."""
-    parts = {"embedding": (tables * cfg.vocab_size + cfg.type_vocab_size) * cfg.d_model,
+    parts = {"embedding": (tables * cfg.vocab_size + cfg.type_vocab_size + cfg.bigram_vocab) * cfg.d_model,
              "positional": positional(cfg)}
     return {**parts, "embed_norm": norm(cfg)} if cfg.embed_norm else parts
 

@@ -82,7 +82,9 @@ def forward_steps(family: str) -> list[dict]:
         step("embedding", "forward", "Embedding lookup", "E = onehot(X) W_E  (one row of W_E per id)",
              "note 000 LLM §2.1", "embedding.md", "Each id selects one row of W_E.",
              [panel("W_E rows (encoder / source)", "encoder.embed.rows", "tokens x d"),
-              panel("W_E rows", "decoder.embed.rows", "tokens x d")]),
+              panel("W_E rows", "decoder.embed.rows", "tokens x d"),
+              panel("E_2 rows: the hashed bigram table, row h(x_{t-1}, x_t), added", "decoder.embed.bigrams",
+                    "tokens x d")]),
         step("positions", "forward", "Positions", "sinusoidal / learned: H0 = E + P;  RoPE: q, k rotated by "
              "angle m theta_i;  ALiBi / T5 / Shaw / XL: a bias added to S", "note 000 §3.1, §11; note 002 (RoPE, "
              "relative positions)", "rope.md", "", [

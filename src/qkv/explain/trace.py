@@ -24,7 +24,7 @@ from qkv.explain.tap import Recorder
 from qkv.ref.block import RESIDUALS, tapped
 from qkv.ref.functional import (ACTIVATIONS, cross_entropy_backward, cross_entropy_forward, scope,
                                 soft_cap_backward)
-from qkv.ref.model import make_context
+from qkv.ref.model import bigram_rows, make_context
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
 
@@ -196,6 +196,9 @@ def _embedding(arrays, meta, cfg, params, grads, layers, recorder, where, inputs
         stack_params = scope(params, prefix.rstrip(".")) if prefix else params
         table = stack_params["tok_emb.weight"] if "tok_emb.weight" in stack_params else params["tok_emb.weight"]
         arrays[f"{stack}.embed.rows"] = table[ids[0]]  # E = onehot(X) W_E   (T, D)
+        if "bigram_emb.weight" in stack_params:  # E_2[h(x_{t-1}, x_t)], the rows the bigram table adds
+            bigrams = stack_params["bigram_emb.weight"]
+            arrays[f"{stack}.embed.bigrams"] = bigrams[bigram_rows(ids, None, bigrams.shape[0])[0]]
         positional = cfg.positional
         if cfg.arch == "encoder-decoder" and stack == "decoder":  # T5's causal twin, as the engine's decoder
             positional = POSITIONALS.get(cfg.positional).decoder_twin or cfg.positional

@@ -95,6 +95,9 @@ def exporter(cfg: ModelConfig) -> Family:
     if cfg.logit_softcap:
         raise QkvError(f"model.logit_softcap={cfg.logit_softcap}: none of the exported Hugging Face families (GPT-2, "
                        "LLaMA, BERT, BART, T5) caps its logits; this model cannot be written as one")
+    if cfg.bigram_vocab:
+        raise QkvError(f"model.bigram_vocab={cfg.bigram_vocab}: none of the exported Hugging Face families (GPT-2, "
+                       "LLaMA, BERT, BART, T5) has a bigram embedding; this model cannot be written as one")
     for name in FAMILIES.names():
         if FAMILIES.get(name).exports(cfg):
             return FAMILIES.get(name)

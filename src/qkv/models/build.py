@@ -50,6 +50,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     model = ARCHITECTURES.get(cfg.arch)(cfg)
     depth = cfg.encoder_layers if cfg.arch == "encoder" else cfg.decoder_layers
     INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=depth)
+    if getattr(model, "bigram_emb", None) is not None:
+        nn.init.zeros_(model.bigram_emb.weight)  # every scheme: the bigram table starts as no change (modded-nanogpt)
     return model
 
 
@@ -114,7 +116,8 @@ def decoder(cfg: ModelConfig) -> DecoderLM:
         lm_head.weight = tok_emb.weight  # W_out = W_E (note 003: the vocabulary projection is shared)
     return DecoderLM(tok_emb=tok_emb, positional=positional(cfg),
                      blocks=[block(cfg) for _ in range(cfg.decoder_layers)], final_norm=final_norm(cfg),
-                     lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len)
+                     lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len,
+                     bigram_emb=nn.Embedding(cfg.bigram_vocab, cfg.d_model) if cfg.bigram_vocab else None)
 
 
 def embed_norm(cfg: ModelConfig) -> nn.Module | None:

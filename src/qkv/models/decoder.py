@@ -1,6 +1,7 @@
 """Decoder-only language model (GPT/LLaMA style; note 000 LLM part §1-2, note 003).
 
     H0 = E[x] + P          (token embedding = one-hot(x) W_E, note 000 LLM §2.1; qkv.nn.embedding)
+                           (+ E_2[h(x_{t-1}, x_t)] with model.bigram_vocab: the hashed bigram table)
     H^l = Block^l(H^{l-1})  for l = 1..L  (causal self-attention + FFN)
     logits = LN(H^L) W_out  (W_out = W_E^T when tied)
 """
@@ -11,15 +12,16 @@ from torch import Tensor, nn
 from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
-from qkv.nn.embedding import Embeddings
+from qkv.nn.embedding import Embeddings, last_tokens, previous_tokens
 from qkv.nn.positional import Positional
 
 
 class DecoderLM(Embeddings):
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
-                 final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int):
+                 final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int,
+                 bigram_emb: nn.Embedding | None = None):
         super().__init__()
-        self.set_embeddings(tok_emb, positional, dropout)
+        self.set_embeddings(tok_emb, positional, dropout, bigram_emb=bigram_emb)
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied
@@ -32,7 +34,13 @@ class DecoderLM(Embeddings):
         head=False: the final norm's output (B, T, D) instead, which the LM objective hands to the head and
         the loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
         ctx = self.context(input_ids, attention_mask, cache)
-        x = self.embed(input_ids, ctx.positions)  # H0 (B, T, D)
+        previous = None
+        if self.bigram_emb is not None:  # the pair's first token may be the cache's last
+            last = cache.last_token if cache is not None else None
+            previous = previous_tokens(input_ids, attention_mask, last)
+            if cache is not None:
+                cache.last_token = last_tokens(input_ids, attention_mask, cache.last_token)
+        x = self.embed(input_ids, ctx.positions, previous=previous)  # H0 (B, T, D)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)

@@ -103,6 +103,7 @@ class KVCache:
         self.positions = torch.zeros(batch, columns, dtype=torch.long, device=device)  # (B, max_len)
         self.padding = torch.ones(batch, columns, dtype=torch.bool, device=device)  # True = real token
         self.padded = False
+        self.last_token = torch.full((batch,), -1, dtype=torch.long, device=device)  # (B,) -1 = none yet
 
     def extend(self, positions: Tensor, key_padding: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Record the new columns' positions and padding; return all columns' (B, S) of both."""
@@ -146,5 +147,5 @@ class KVCache:
     def reorder(self, rows: Tensor) -> None:
         for layer in self.layers:
             layer.reorder(rows)
-        self.next_position = self.next_position[rows]
+        self.next_position, self.last_token = self.next_position[rows], self.last_token[rows]
         self.positions, self.padding = self.positions[rows], self.padding[rows]

@@ -7,6 +7,11 @@ E[x] = one-hot(x) W_E, the token embedding (W_E (V, D)); s = sqrt(D) with embed_
 `embed` hook (adds an absolute table, or the identity for relative and rotary encodings); Norm_emb the
 embedding norm (BERT) or the identity. The decoder-only model has s = 1, no types and no norm: H0 = E[x] + P.
 
+A decoder may add a hashed bigram embedding to E[x] (model.bigram_vocab = N > 0; modded-nanogpt's bigram
+hash embedding, 2026, after Chen et al. 2015's hashing trick): H0 = E[x_t] + E_2[h(x_{t-1}, x_t)] + P, with E_2
+an (N, D) table that starts at zero and h a fixed hash of the token pair into rows 0..N-2; row N-1 stands for
+"no previous token" (the first token of a sequence, of a left-padded row, or of a window).
+
 `Embeddings` is a mixin rather than a submodule so the parameters keep their names on the model itself
 (tok_emb.weight, type_emb.weight, embed_norm.*, positional.*): checkpoints, Hugging Face conversion and the
 reference engine's names stay the same for every family.
@@ -27,21 +32,58 @@ class Embeddings(nn.Module):
 
     def set_embeddings(self, tok_emb: nn.Embedding, positional: Positional, dropout: float, *,
                        type_emb: nn.Embedding | None = None, embed_norm: nn.Module | None = None,
-                       embed_scale: bool = False) -> None:
+                       embed_scale: bool = False, bigram_emb: nn.Embedding | None = None) -> None:
         """Register the embedding's modules on the model, under the names every engine and format uses."""
         self.tok_emb = tok_emb  # W_E (V, D)
+        self.bigram_emb = bigram_emb  # E_2 (N, D), rows h(x_{t-1}, x_t), or None
         self.type_emb = type_emb  # token types (segments) (type_vocab_size, D), or None
         self.positional = positional
         self.embed_norm = embed_norm if embed_norm is not None else nn.Identity()
         self.embed_scale = math.sqrt(tok_emb.embedding_dim) if embed_scale else 1.0
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
-    def embed(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        """(B, T) ids at (B, T) positions -> H0 (B, T, D)."""
+    def embed(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None, *,
+              previous: Tensor | None = None) -> Tensor:
+        """(B, T) ids at (B, T) positions -> H0 (B, T, D). `previous` (B, T): each token's previous token
+        for the bigram table, -1 for none (default: the one before it in the row, none for the first)."""
         x = self.tok_emb(input_ids)  # E[x]   (B, T, D)
+        if self.bigram_emb is not None:
+            previous = previous if previous is not None else previous_tokens(input_ids)
+            x = x + self.bigram_emb(bigram_rows(previous, input_ids, self.bigram_emb.num_embeddings))
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         if self.type_emb is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.type_emb(types)
         return self.dropout(self.embed_norm(self.positional.embed(x, positions)))  # (B, T, D)
+
+
+BIGRAM_MULTIPLIERS = (36313, 27191)  # modded-nanogpt's: spread (current, previous) over the int range
+
+
+def bigram_rows(previous: Tensor, current: Tensor, rows: int) -> Tensor:
+    """h(p, c) = (36313 c XOR 27191 p) mod (N - 1) for each pair, N - 1 where p = -1 (no previous token)."""
+    a, b = BIGRAM_MULTIPLIERS
+    hashed = torch.bitwise_xor(a * current, b * previous.clamp(min=0)) % (rows - 1)
+    return torch.where(previous < 0, rows - 1, hashed)
+
+
+def previous_tokens(input_ids: Tensor, attention_mask: Tensor | None = None, last: Tensor | None = None) -> Tensor:
+    """(B, T) the token before each one, -1 where there is none: column 0 takes `last` (B,) (the last token
+    a cache has seen; -1 = none), and a token whose previous column is padding has none."""
+    previous = input_ids.roll(1, dims=1)
+    previous[:, 0] = last if last is not None else -1
+    if attention_mask is not None:
+        real = attention_mask.bool().roll(1, dims=1)
+        real[:, 0] = True
+        previous = torch.where(real, previous, -1)
+    return previous
+
+
+def last_tokens(input_ids: Tensor, attention_mask: Tensor | None, last: Tensor) -> Tensor:
+    """(B,) each row's last real token of this call, or `last` where the call holds none."""
+    if attention_mask is None:
+        return input_ids[:, -1]
+    real = attention_mask.bool()
+    index = (real.long() * torch.arange(1, real.shape[1] + 1, device=real.device)).argmax(-1)  # last real column
+    return torch.where(real.any(-1), input_ids.gather(1, index[:, None])[:, 0], last)

@@ -2,6 +2,7 @@
 accumulates every parameter gradient with += (llm.c's train_gpt2.c; STYLE.md 3).
 
     H0 = E[x] + P                 embedding (000 LLM §2.1), backward a scatter-add (§3.5)
+                                  [+ E_2[h(x_{t-1}, x_t)]: model.bigram_vocab's hashed pair table, the same]
     H^l = Block^l(H^{l-1})         l = 1..L (§2.2), backward §3.3-§3.4
     logits = LN(H^L) W_out         (§2.3; W_out = W_E when tied), backward §3.2
     loss = CE(logits, y)           (§2.4), backward (P - onehot) / N (§3.1)
@@ -71,6 +72,7 @@ class EmbedCache(NamedTuple):
 
     tokens: tuple  # embedding_forward's cache of E[x]
     types: tuple | None  # of T[type], or None without token types
+    bigrams: tuple | None  # of E_2[h(x_{t-1}, x_t)], or None without the bigram table
     positions: Any  # the positional encoding's embed_forward cache
     norm: Any  # the embedding norm's cache, or None
     scale: float  # s
@@ -87,12 +89,30 @@ class StackCache(NamedTuple):
     norm_name: str
 
 
-def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type_ids=None, scale: float = 1.0):
+def bigram_rows(input_ids: np.ndarray, attention_mask: np.ndarray | None, rows: int) -> np.ndarray:
+    """(B, T) rows of the bigram table: h(p, c) = (36313 c XOR 27191 p) mod (N - 1) for a token c after p,
+    N - 1 for a token with no previous one (the first of a row, or after padding; qkv.nn.embedding)."""
+    current = input_ids.astype(np.int64)
+    previous = np.concatenate([np.zeros_like(current[:, :1]), current[:, :-1]], axis=1)
+    has_previous = np.ones(current.shape, dtype=bool)
+    has_previous[:, 0] = False
+    if attention_mask is not None:
+        has_previous[:, 1:] &= attention_mask[:, :-1].astype(bool)
+    hashed = np.bitwise_xor(36313 * current, 27191 * previous) % (rows - 1)
+    return np.where(has_previous, hashed, rows - 1)
+
+
+def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type_ids=None, scale: float = 1.0,
+                  attention_mask=None):
     """H0 = Norm_emb(E[x] * s + T[type] + P): the type table and the norm only where params hold them
-    (encoder families; qkv.models.encoder.Encoder.embed)."""
+    (encoder families; qkv.models.encoder.Encoder.embed); a decoder's bigram table E_2 where they hold it."""
     x, ce = embedding_forward(input_ids, params["tok_emb.weight"])  # E = onehot(X) W_E   (B, T, D)
     x = x * scale  # s = sqrt(D) with model.embed_scale (Vaswani et al. §3.4), else 1
-    ct = cn = None
+    ct = cn = cb = None
+    if "bigram_emb.weight" in params:
+        table = params["bigram_emb.weight"]
+        b, cb = embedding_forward(bigram_rows(input_ids, attention_mask, table.shape[0]), table)
+        x = x + b  # E[x_t] + E_2[h(x_{t-1}, x_t)]
     if "type_emb.weight" in params:
         types = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         t, ct = embedding_forward(types, params["type_emb.weight"])  # T[type]   (B, T, D)
@@ -100,7 +120,7 @@ def embed_forward(params, ctx: AttentionContext, input_ids, cfg=None, token_type
     x, cp = ctx.positional.embed_forward(ctx.params, x, ctx.positions)  # H0 = E + P
     if "embed_norm.weight" in params:
         x, cn = NORMS.get(cfg.norm).forward(scope(params, "embed_norm"), x, cfg.norm_eps)
-    return x, EmbedCache(ce, ct, cp, cn, scale, ctx.positional, cfg.norm if cfg is not None else "")
+    return x, EmbedCache(ce, ct, cb, cp, cn, scale, ctx.positional, cfg.norm if cfg is not None else "")
 
 
 def embed_backward(dx, cache: EmbedCache, grads: Grads) -> None:
@@ -110,6 +130,8 @@ def embed_backward(dx, cache: EmbedCache, grads: Grads) -> None:
     dx = cache.positional.embed_backward(dx, cache.positions, grads.scope("positional"))
     if cache.types is not None:
         embedding_backward(dx, cache.types, grads.scope("type_emb"))  # scatter-add onto the type rows
+    if cache.bigrams is not None:
+        embedding_backward(dx, cache.bigrams, grads.scope("bigram_emb"))  # onto the hashed pairs' rows
     embedding_backward(dx * cache.scale, cache.tokens, grads.scope("tok_emb"))  # dW_E = onehot^T (s dH0) (§3.5)
 
 
@@ -151,7 +173,7 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
     """(B, T) token ids -> (B, T, V) logits, as qkv.models.decoder.DecoderLM.forward."""
     check_supported(cfg)
     ctx = make_context(cfg, input_ids, attention_mask, causal=True, params=params)
-    x, cemb = embed_forward(params, ctx, input_ids)
+    x, cemb = embed_forward(params, ctx, input_ids, attention_mask=attention_mask)
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, aux_weight=aux_weight)
     out_name = output_name(params, "lm_head.weight", "tok_emb.weight")  # tied: W_out is W_E itself
     logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)

@@ -326,7 +326,7 @@ def gather_rows(model: nn.Module, parts: list[tuple[KVCache, int, int]], room: i
             mine.v[b, :, length - n:length] = theirs.v[row, :, start:end]
         out.positions[b, length - n:length] = cache.positions[row, start:end]
         out.padding[b, length - n:length] = cache.padding[row, start:end]
-        out.next_position[b] = cache.next_position[row]
+        out.next_position[b], out.last_token[b] = cache.next_position[row], cache.last_token[row]
     for layer in out.layers:
         layer.length = length
     out.length = length

@@ -32,7 +32,7 @@ class Stage(nn.Module):
         self.positional = model.positional if keeps_table else Positional()
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if first:
-            self.tok_emb, self.dropout = model.tok_emb, model.dropout
+            self.tok_emb, self.bigram_emb, self.dropout = model.tok_emb, model.bigram_emb, model.dropout
             self.embed = model.embed  # the model's embedding equation (qkv.nn.embedding), on these modules
         if last:
             self.final_norm, self.lm_head = model.final_norm, model.lm_head

@@ -72,9 +72,11 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, model_cfg: ModelConfig, *, spli
     if tp == 1:
         return model
     tied = model.lm_head.weight is model.tok_emb.weight
+    tables = {"bigram_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+              } if model.bigram_emb is not None else {}  # (N, D) split over N, as W_E
     parallelize_module(model, tp_mesh, {
         # (V, D) split over V; each rank looks up the ids in its slice, the partial rows are all-reduced
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()), **tables,
         # (V, D) split over V: gather the T/tp positions, compute V/tp logits (kept split, or gathered)
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         if split_logits else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
