@@ -9,9 +9,9 @@ Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E exp
     MoE         E * FFN + D*E          (E expert FFNs + the router, no bias; note 002)
     LayerNorm   D [+ D]  (gamma, beta; note 000 §5.1);  RMSNorm D (note 003); two per sublayer (pre / post),
                 four with sandwich placement (a norm before and after each sublayer)
-Model: token embedding V*D (and a decoder's hashed bigram table N*D, model.bigram_vocab), a learned position table max_seq_len*D, the layers, a final norm for
-Pre-LN stacks, and an output projection V*D unless tied to the embedding (note 000 LLM §1.2); encoders
-add a head (BERT's MLM or classifier), encoder-decoders a second stack with cross-attention (note 000 §8).
+Model: token embedding V*D (a decoder's hashed bigram table adds N*D, model.bigram_vocab), a learned
+position table max_seq_len*D, the layers, a final norm for Pre-LN stacks, and an output projection V*D
+unless tied to the embedding (note 000 LLM §1.2); encoders add a head (BERT's MLM or classifier), encoder-decoders a second stack with cross-attention (note 000 §8).
 Every count here equals `sum(p.numel() for p in build_model(cfg).parameters())` (tests/analysis).
 """
 from __future__ import annotations

@@ -47,11 +47,11 @@ class Embeddings(nn.Module):
         """(B, T) ids at (B, T) positions -> H0 (B, T, D). `previous` (B, T): each token's previous token
         for the bigram table, -1 for none (default: the one before it in the row, none for the first)."""
         x = self.tok_emb(input_ids)  # E[x]   (B, T, D)
-        if self.bigram_emb is not None:
-            previous = previous if previous is not None else previous_tokens(input_ids)
-            x = x + self.bigram_emb(bigram_rows(previous, input_ids, self.bigram_emb.num_embeddings))
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        if self.bigram_emb is not None:  # + E_2[h(x_{t-1}, x_t)]
+            previous = previous if previous is not None else previous_tokens(input_ids)
+            x = x + self.bigram_emb(bigram_rows(previous, input_ids, self.bigram_emb.num_embeddings))
         if self.type_emb is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.type_emb(types)
