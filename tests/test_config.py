@@ -117,6 +117,7 @@ def test_data_and_parallel_validation_messages(cls, fields, expected):
     assert error_of(lambda: cls(**fields).validate()) == expected
 
 
+STAGES = "must divide train.seq_len=128: the ramp's lengths are its multiples"
 TRAIN_ERRORS = [
     (dict(batch_size=0), "train.batch_size=0 must be positive"),
     (dict(seq_len=0), "train.seq_len=0 must be positive"),
@@ -145,6 +146,9 @@ TRAIN_ERRORS = [
     (dict(spike_factor=0.5), "train.spike_factor=0.5 must be above 1 (or 0 to disable)"),
     (dict(batch_warmup_start=0), "train.batch_warmup_start=0 must be in 1..train.batch_size=16"),
     (dict(batch_warmup_start=17), "train.batch_warmup_start=17 must be in 1..train.batch_size=16"),
+    (dict(seq_warmup_steps=-1), "train.seq_warmup_steps=-1 must be at least 0"),
+    (dict(seq_warmup_steps=10, seq_warmup_start=48), f"train.seq_warmup_start=48 {STAGES}"),
+    (dict(seq_warmup_steps=10, seq_warmup_start=0), f"train.seq_warmup_start=0 {STAGES}"),
 ]
 
 

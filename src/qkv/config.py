@@ -178,6 +178,10 @@ class TrainConfig:
     # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
     batch_warmup_steps: int = 0
     batch_warmup_start: int = 1
+    # sequence length (Li et al. 2022's sequence-length warmup; qkv.train.schedules): each step's first
+    # cols(step) columns, seq_warmup_start, 2 x seq_warmup_start, ... up to seq_len over seq_warmup_steps (0: off)
+    seq_warmup_steps: int = 0
+    seq_warmup_start: int = 64
     lr_scaling: str = "none"  # none | linear | sqrt
     base_batch: int = 0  # the batch train.lr was tuned for; 0 means batch_size
     # robustness (docs/training.md)
@@ -193,7 +197,8 @@ class TrainConfig:
                      "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))
         for name in ("peak_flops", "max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
-                     "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "base_batch", "spike_factor"):
+                     "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "seq_warmup_steps", "base_batch",
+                     "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
         for name in ("lr", "eps", "muon_lr"):
             _positive(f"train.{name}", getattr(self, name))
@@ -210,6 +215,10 @@ class TrainConfig:
         if not 1 <= self.batch_warmup_start <= self.batch_size:
             raise QkvError(f"train.batch_warmup_start={self.batch_warmup_start} must be in 1..train.batch_size="
                            f"{self.batch_size}")
+        if self.seq_warmup_steps and not (1 <= self.seq_warmup_start <= self.seq_len
+                                          and self.seq_len % self.seq_warmup_start == 0):
+            raise QkvError(f"train.seq_warmup_start={self.seq_warmup_start} must divide train.seq_len={self.seq_len}: "
+                           "the ramp's lengths are its multiples")
         if 0 < self.spike_factor <= 1:
             raise QkvError(f"train.spike_factor={self.spike_factor} must be above 1 (or 0 to disable)")
         if not 0.0 < self.mask_prob < 1.0:

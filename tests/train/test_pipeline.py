@@ -91,6 +91,7 @@ def test_layouts_that_cannot_run_are_refused():
              (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 must be at least parallel.pp=2"),
              (["parallel.pp=2", "train.accumulation=4", "parallel.microbatches=4"], "divide the 2 rows"),
              (["parallel.pp=2", "train.batch_warmup_steps=5"], "train.batch_warmup_steps=5"),
+             (["parallel.pp=2", "train.seq_warmup_steps=5"], "train.seq_warmup_steps=5"),
              (["parallel.pp=2", "parallel.zero=1"], "parallel.zero=1: shard a pipeline"),
              (["parallel.pp=2", "model.arch=encoder"], "decoder LM only"))
     for assignments, message in cases:

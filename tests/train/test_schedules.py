@@ -118,6 +118,18 @@ def test_batch_rows_ramp_linearly_from_start_to_batch_size():
     assert all(batch_rows(s, batch_size=32, start=4, warmup_steps=0) == 32 for s in range(5))
 
 
+def test_seq_cols_climb_in_equal_stages_of_the_start():
+    """cols(s) = L0 (1 + floor((L / L0 - 1) s / W)) for s < W, then L (Li et al. 2022)."""
+    cols = [schedules.seq_cols(s, seq_len=256, start=64, warmup_steps=300) for s in range(0, 400, 50)]
+    assert cols == [64, 64, 128, 128, 192, 192, 256, 256]
+    assert schedules.seq_cols(99, seq_len=256, start=64, warmup_steps=300) == 64
+    assert schedules.seq_cols(100, seq_len=256, start=64, warmup_steps=300) == 128
+    assert schedules.seq_cols(299, seq_len=256, start=64, warmup_steps=300) == 192
+    assert all(schedules.seq_cols(s, seq_len=32, start=8, warmup_steps=0) == 32 for s in range(3))
+    tc = TrainConfig(seq_len=32, seq_warmup_steps=4, seq_warmup_start=8)
+    assert [schedules.step_cols(tc, s) for s in range(6)] == [8, 8, 16, 24, 32, 32]
+
+
 def test_lr_scaling_rules():
     assert LR_SCALING.get("none")(4.0) == 1.0
     assert LR_SCALING.get("linear")(4.0) == 4.0  # batch x k -> lr x k (note 000 LLM §10.2)

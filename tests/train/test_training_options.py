@@ -79,6 +79,43 @@ def test_batch_warmup_uses_the_first_rows_and_resumes_exactly(tmp_path):
         assert torch.equal(params(resumed)[name], p), name
 
 
+def test_seq_warmup_uses_the_first_columns_and_resumes_exactly(tmp_path):
+    """cols(s) = 8 (1 + 3 s // 4): 8, 8, 16, 24, then 32 (train.seq_len); the first update's gradient is the
+    gradient of the batch's first 8 columns; tokens count rows x cols; a Ctrl-C mid-ramp resumes bit-identically."""
+    settings = dict(seq_warmup_steps=4, seq_warmup_start=8, max_steps=6, grad_clip=0.0, schedule="constant",
+                    warmup_steps=0)
+    whole = trainer(tmp_path, "whole", **settings)
+    probe = trainer(tmp_path, "probe", **settings)
+    x, y = (torch.from_numpy(a[:, :8]) for a in probe.batches.next())
+    cross_entropy(probe.model(x), y).backward()
+    seen = capture_grads(whole)
+    summary = whole.run()
+    for name, p in probe.model.named_parameters():
+        torch.testing.assert_close(seen[0][name], p.grad, rtol=1e-5, atol=1e-8, msg=name)
+    rows = [r for r in MetricsLog.read(tmp_path / "whole" / "metrics.csv") if r["loss"]]
+    assert [int(r["seq_len"]) for r in rows] == [8, 8, 16, 24, 32, 32]
+    assert summary["tokens"] == (8 + 8 + 16 + 24 + 32 + 32) * whole.tc.batch_size
+    split = trainer(tmp_path, "split", **settings)
+    interrupt_during(split, 2)
+    with pytest.raises(KeyboardInterrupt):
+        split.run()
+    resumed = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
+    assert resumed.resume() and resumed.state.step == 2
+    resumed.run()
+    for name, p in params(whole).items():
+        assert torch.equal(params(resumed)[name], p), name
+
+
+def test_seq_warmup_is_refused_where_batches_are_not_position_wise():
+    from qkv.config import RunConfig
+    from qkv.errors import QkvError
+    from qkv.train import objectives
+    seq2seq = RunConfig().override(["model.arch=encoder-decoder", "train.seq_warmup_steps=10"])
+    with pytest.raises(QkvError, match=r"train.seq_warmup_steps=10: train.objective='seq2seq' .* needs lm or mlm"):
+        objectives.for_run(seq2seq)
+    assert objectives.for_run(RunConfig().override(["train.seq_warmup_steps=10"])).cuts_columns
+
+
 def test_a_partial_batch_in_unequal_micro_batches_equals_one_pass(tmp_path):
     """3 rows in micro-batches of 2 and 1, weighted 2/3 and 1/3, == the 3 rows at once."""
     one, four = trainer(tmp_path, "one", grad_clip=0.0), trainer(tmp_path, "four", accumulation=4, grad_clip=0.0)

@@ -193,13 +193,14 @@ class Trainer:
     def train_one(self, logs: list, bar) -> None:
         """One step of the loop: the update, then its bookkeeping (log row, evaluation, checkpoint)."""
         tc, state, clock = self.tc, self.state, self.clock
-        rows = schedules.step_rows(tc, state.step, self.layout.dp)
-        batch = [torch.from_numpy(self.layout.shard(a[:rows])).to(self.device) for a in self.batches.next()]
+        rows, cols = schedules.step_rows(tc, state.step, self.layout.dp), schedules.step_cols(tc, state.step)
+        arrays = [a[:rows] if cols == tc.seq_len else a[:rows, :cols] for a in self.batches.next()]  # (rows, cols)
+        batch = [torch.from_numpy(self.layout.shard(a)).to(self.device) for a in arrays]
         lr = self.lr(state.step, rows)
         result = self.step(*batch, lr=lr)
         state.step += 1
-        state.tokens += rows * tc.seq_len
-        clock.tokens += rows * tc.seq_len
+        state.tokens += rows * cols
+        clock.tokens += rows * cols
         state.elapsed = self.layout.from_main(clock.elapsed())  # one clock: every rank stops at the same step
         spikes = state.spikes
         if not result.skipped:
@@ -212,8 +213,8 @@ class Trainer:
                 or result.skipped or state.spikes > spikes):
             rate = clock.rate()
             self.write(logs, step=state.step, loss=result.loss, val_loss=val, lr=lr, grad_norm=result.grad_norm,
-                       tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, aux_loss=result.aux_loss,
-                       **self.utilisation(rate))
+                       tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, seq_len=cols,
+                       aux_loss=result.aux_loss, **self.utilisation(rate))
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         self.guards.check_bad_steps(state, self.saved_step)
         bar.total = schedules.known_horizon(tc, state.horizon)

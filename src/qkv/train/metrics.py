@@ -1,8 +1,9 @@
 """metrics.csv: one row per logged step, appended as training goes and cut back on resume; optionally the
 same scalars as TensorBoard event files (train.tensorboard, when the tensorboard package is installed).
 
-Columns past elapsed_s: batch_size (rows used: batch-size warmup), skipped and spikes (running counts of
-skipped non-finite steps and of loss spikes), loss_scale (fp16 only), aux_loss (MoE only).
+Columns past elapsed_s: batch_size and seq_len (rows and columns used: the batch-size and sequence-length
+warmups), skipped and spikes (running counts of skipped non-finite steps and of loss spikes), loss_scale
+(fp16 only), aux_loss (MoE only).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Callable
 
-COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "batch_size", "skipped",
-           "spikes", "loss_scale", "aux_loss", "flops_per_s", "mfu")
+COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "batch_size", "seq_len",
+           "skipped", "spikes", "loss_scale", "aux_loss", "flops_per_s", "mfu")
 TENSORBOARD_DIR = "tensorboard"
 
 

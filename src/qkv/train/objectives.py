@@ -50,6 +50,7 @@ class Objective:
     specials: tuple[str, ...] = ()  # tokens added to the tokenizer after its trained vocabulary
     prepare: Callable[..., object] = token_streams  # (RunConfig, Tokenizer | None) -> data.dataset.Prepared
     report: Callable[..., dict] | None = None  # (Trainer) -> held-out figures for the train summary
+    cuts_columns: bool = False  # batches of position-wise (B, T) arrays: train.seq_warmup_steps may cut them
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -99,8 +100,8 @@ def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: f
     return head_cross_entropy(lm_head, hidden, labels, label_smoothing)
 
 
-OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none")))
-OBJECTIVES.register("mlm")(Objective(mlm_batches, mlm_loss, ("encoder", "mlm"), specials=(MASK,)))
+OBJECTIVES.register("lm")(Objective(lm_batches, lm_loss, ("decoder", "none"), cuts_columns=True))
+OBJECTIVES.register("mlm")(Objective(mlm_batches, mlm_loss, ("encoder", "mlm"), specials=(MASK,), cuts_columns=True))
 OBJECTIVES.register("seq2seq")(Objective(seq2seq_batches, seq2seq_loss, ("encoder-decoder", "none"),
                                          specials=(PAD,), report=transduction.report))
 OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("encoder", "classifier"),
@@ -120,6 +121,9 @@ def for_run(cfg) -> Objective:
     if (cfg.model.arch, cfg.model.head) != (arch, head):
         raise QkvError(f"train.objective={name!r} trains model.arch={arch!r} with model.head={head!r}; this run "
                        f"has model.arch={cfg.model.arch!r}, model.head={cfg.model.head!r}")
+    if cfg.train.seq_warmup_steps and not objective.cuts_columns:
+        raise QkvError(f"train.seq_warmup_steps={cfg.train.seq_warmup_steps}: train.objective={name!r} has no "
+                       f"position-wise batches to shorten; the sequence-length warmup needs lm or mlm")
     return objective
 
 

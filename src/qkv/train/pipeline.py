@@ -72,7 +72,8 @@ def validate(cfg: RunConfig, dp: int = 1) -> None:
         raise QkvError(f"parallel.pp={pc.pp} with parallel.zero=1: shard a pipeline's data-parallel dimension with "
                        f"parallel.zero=2 or 3 (FSDP2), or keep parallel.zero=0 (DDP)")
     unsupported = [(name, value, off) for name, value, off in (
-        ("model.moe_experts", model.moe_experts, 0), ("train.batch_warmup_steps", tc.batch_warmup_steps, 0))
+        ("model.moe_experts", model.moe_experts, 0), ("train.batch_warmup_steps", tc.batch_warmup_steps, 0),
+        ("train.seq_warmup_steps", tc.seq_warmup_steps, 0))
         if value != off]
     if unsupported:
         name, value, off = unsupported[0]

@@ -7,6 +7,10 @@ update is step `total - 1`: the decaying schedules reach `min_lr` there, not one
 Batch-size warmup (LLM §10.2 "开始时用小批次，逐渐增加") and the scaling rule ("批次大小乘以k，学习率也乘以k"):
     rows(s) = B0 + floor((B - B0) s / W)  for s < W, else B      (B0 train.batch_warmup_start, W its steps)
     lr_eff(s) = schedule(s) * scale(rows(s) / base_batch)        (scale: none 1, linear r, sqrt sqrt(r))
+
+Sequence-length warmup (Li et al. 2022; not in the notes): each step trains on the first cols(s) columns,
+    cols(s) = L0 (1 + floor((L / L0 - 1) s / W))  for s < W, else L   (L0 train.seq_warmup_start, W its steps)
+in L / L0 equal stages of multiples of L0 (few shapes, each reused for many steps).
 """
 from __future__ import annotations
 
@@ -108,6 +112,13 @@ def batch_rows(step: int, *, batch_size: int, start: int, warmup_steps: int) -> 
     return start + (batch_size - start) * step // warmup_steps
 
 
+def seq_cols(step: int, *, seq_len: int, start: int, warmup_steps: int) -> int:
+    """Columns of the batch used at `step`: start, 2 start, ... seq_len in equal stages over `warmup_steps`."""
+    if step >= warmup_steps:
+        return seq_len
+    return start * (1 + (seq_len // start - 1) * step // warmup_steps)
+
+
 LR_SCALING: Registry[Callable[[float], float]] = Registry("lr_scaling")
 LR_SCALING.register("none")(lambda ratio: 1.0)
 LR_SCALING.register("linear")(lambda ratio: ratio)  # Goyal et al. 2017; note 000 LLM §10.2
@@ -131,6 +142,11 @@ def step_rows(tc, step: int, dp: int = 1) -> int:
     dp ranks so that each reads an equal shard (docs/distributed.md)."""
     rows = batch_rows(step, batch_size=tc.batch_size, start=tc.batch_warmup_start, warmup_steps=tc.batch_warmup_steps)
     return max(dp, rows - rows % dp)
+
+
+def step_cols(tc, step: int) -> int:
+    """Columns (tokens per row) used at `step`: the sequence-length warmup, then seq_len."""
+    return seq_cols(step, seq_len=tc.seq_len, start=tc.seq_warmup_start, warmup_steps=tc.seq_warmup_steps)
 
 
 # ---------------------------------------------------------------------------------------- the clock and the horizon
