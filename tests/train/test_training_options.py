@@ -52,6 +52,19 @@ def test_moe_aux_loss_is_added_with_its_weight(tmp_path, accumulation):
     assert not torch.allclose(model.get_parameter(router).grad, seen[0][router], rtol=1e-3)
 
 
+def assert_resumes_exactly(tmp_path, settings: dict, whole: Trainer, *, at: int) -> None:
+    """A run of `settings` stopped by Ctrl-C at step `at` and resumed ends with `whole`'s weights, bit for bit."""
+    split = trainer(tmp_path, "split", **settings)
+    interrupt_during(split, at)
+    with pytest.raises(KeyboardInterrupt):
+        split.run()
+    resumed = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
+    assert resumed.resume() and resumed.state.step == at
+    resumed.run()
+    for name, p in params(whole).items():
+        assert torch.equal(params(resumed)[name], p), name
+
+
 def test_batch_warmup_uses_the_first_rows_and_resumes_exactly(tmp_path):
     """rows(s) = 2 + 6 s // 4: 2, 3, 5, 6, then 8; micro-batches of 2 rows; the first update's gradient is the
     gradient of the batch's first 2 rows; a Ctrl-C mid-ramp resumes bit-identically."""
@@ -68,15 +81,7 @@ def test_batch_warmup_uses_the_first_rows_and_resumes_exactly(tmp_path):
     rows = [r for r in MetricsLog.read(tmp_path / "whole" / "metrics.csv") if r["loss"]]
     assert [int(r["batch_size"]) for r in rows] == [2, 3, 5, 6, 8, 8, 8]
     assert summary["tokens"] == (2 + 3 + 5 + 6 + 8 * 3) * 32
-    split = trainer(tmp_path, "split", **settings)
-    interrupt_during(split, 3)
-    with pytest.raises(KeyboardInterrupt):
-        split.run()
-    resumed = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
-    assert resumed.resume() and resumed.state.step == 3
-    resumed.run()
-    for name, p in params(whole).items():
-        assert torch.equal(params(resumed)[name], p), name
+    assert_resumes_exactly(tmp_path, settings, whole, at=3)
 
 
 def test_seq_warmup_uses_the_first_columns_and_resumes_exactly(tmp_path):
@@ -95,15 +100,7 @@ def test_seq_warmup_uses_the_first_columns_and_resumes_exactly(tmp_path):
     rows = [r for r in MetricsLog.read(tmp_path / "whole" / "metrics.csv") if r["loss"]]
     assert [int(r["seq_len"]) for r in rows] == [8, 8, 16, 24, 32, 32]
     assert summary["tokens"] == (8 + 8 + 16 + 24 + 32 + 32) * whole.tc.batch_size
-    split = trainer(tmp_path, "split", **settings)
-    interrupt_during(split, 2)
-    with pytest.raises(KeyboardInterrupt):
-        split.run()
-    resumed = Trainer(tmp_path / "split", run_config(**settings), data(), progress=False, log=lambda m: None)
-    assert resumed.resume() and resumed.state.step == 2
-    resumed.run()
-    for name, p in params(whole).items():
-        assert torch.equal(params(resumed)[name], p), name
+    assert_resumes_exactly(tmp_path, settings, whole, at=2)
 
 
 def test_seq_warmup_is_refused_where_batches_are_not_position_wise():
