@@ -11,7 +11,8 @@ import qkv
 from qkv.checks import check_run
 from qkv.config import RunConfig, TrainConfig, ParallelConfig
 from qkv.errors import QkvError
-from qkv.train.muon import NS_COEFFICIENTS, NS_STEPS, MuonAdamW, hidden_matrices, muon, newton_schulz
+from qkv.train.muon import (NS_COEFFICIENTS, NS_STEPS, MuonAdamW, hidden_matrices, muon, newton_schulz,
+                            orthogonalised)
 from qkv.train.optim import OPTIMIZERS
 
 
@@ -35,6 +36,21 @@ def test_newton_schulz_is_the_scalar_iteration_on_the_singular_values(shape):
     assert float(sv.min()) > 0.6 and float(sv.max()) < 1.25
     cos = float((out * polar).sum() / (out.norm() * polar.norm()))
     assert cos > 0.97
+
+
+def test_orthogonalised_batches_by_shape_and_equals_each_matrix_alone():
+    torch.manual_seed(0)
+    updates = [torch.randn(*shape) for shape in [(16, 16), (48, 12), (16, 16), (12, 48), (48, 12), (16, 16)]]
+    out = orthogonalised(updates)
+    for u, o in zip(updates, out):
+        assert o.shape == u.shape
+        alone = newton_schulz(u)
+        assert torch.allclose(o, alone, atol=1e-6), float((o - alone).abs().max())
+        # and each against the SVD form of the scalar iteration, in float64
+        g = u.double()
+        uu, s, vh = torch.linalg.svd(g, full_matrices=False)
+        expected = uu @ torch.diag(torch.from_numpy(scalar_iteration((s / torch.linalg.norm(g)).numpy()))) @ vh
+        assert torch.allclose(o.double(), expected, atol=2e-5)
 
 
 def test_muon_step_equals_the_formula_and_adamw_takes_the_rest():

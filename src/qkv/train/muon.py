@@ -44,6 +44,21 @@ def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     return x.mT if tall else x
 
 
+def orthogonalised(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """NS5 of each update, the matrices of one shape stacked into one batched iteration: the same polynomial
+    per matrix (tests/train/test_muon.py), one call per shape instead of one per matrix (the preset's 24
+    matrices are 3 calls: 3.5 of 14.8 ms per step saved on 2 cores, docs/recipe.md)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        by_shape.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
+    out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
+    for indices in by_shape.values():
+        stacked = newton_schulz(torch.stack([updates[i] for i in indices]))
+        for i, o in zip(indices, stacked.unbind(0)):
+            out[i] = o
+    return out
+
+
 def hidden_matrices(model: nn.Module) -> set[int]:
     """ids of the 2-D parameters inside the blocks (what Muon updates)."""
     return {id(p) for name, p in model.named_parameters()
@@ -67,15 +82,16 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group: dict) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        updates = []
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(p.grad)
-            update = newton_schulz(p.grad.add(buf, alpha=mu))  # Nesterov
+            updates.append(p.grad.add(buf, alpha=mu))  # Nesterov
+        for p, update in zip(params, orthogonalised(updates)):
             scale = math.sqrt(max(1.0, p.shape[-2] / p.shape[-1]))
             p.mul_(1.0 - lr * wd).add_(update.to(p.dtype), alpha=-lr * scale)
 
