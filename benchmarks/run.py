@@ -1,7 +1,7 @@
 """qkv against transformers on the same GPT-2 weights: training, decoding, memory, and the machine's limits.
 
     python benchmarks/run.py [--part train|decode|memory|machine|all] [--json out.json] [--threads N]
-        [--repeats 5]
+        [--repeats 5] [--compile]
 
 One process, one set of weights: a GPT2LMHeadModel (6 layers, 384 wide, 6 heads, 8192-token vocabulary,
 256 positions) is built from a config with random weights, saved with save_pretrained and read back through
@@ -18,6 +18,8 @@ qkv's Hugging Face import (`qkv.load`), so both sides hold identical weights.
   compared with the measured matmul rate. The same in FLOP per CPU-second (process CPU time, all threads)
   against the matmul's FLOP per CPU-second: on a loaded machine, where waiting for a core inflates every
   wall-clock figure, these and the ratio of CPU seconds are the figures that still mean something.
+  --compile adds a third runner in the same alternation: qkv's model under torch.compile (inductor; the
+  chunked head-and-loss stays eager), with the seconds of its first step (the compile) reported apart.
 - memory: one training step per model in a fresh subprocess: growth of peak RSS (VmHWM) over the RSS
   before it (weights and batch loaded; the peak is reset there through /proc/self/clear_refs), with glibc
   returning every large block at once (a fixed mmap threshold), so the figure tracks live memory:
@@ -146,12 +148,17 @@ def _timed(fn, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-def train(repeats: int, hf, model, cfg, machine_rates: dict) -> dict:
+def train(repeats: int, hf, model, cfg, machine_rates: dict, compiled: bool = False) -> dict:
     """Tokens/s and FLOP/s by the wall clock, and FLOP per CPU-second against the matmul's FLOP per
     CPU-second: the latter pair does not count time spent waiting for a core on a shared machine."""
     hf.train()
     model.train()
-    seconds, cpu = alternate({"qkv": qkv_step(model), "transformers": hf_step(hf)}, repeats)
+    runners = {"qkv": qkv_step(model), "transformers": hf_step(hf)}
+    compile_seconds = None
+    if compiled:  # its first call compiles: timed here, outside the alternation
+        runners["qkv compiled"] = qkv_step(torch.compile(model))
+        compile_seconds = _timed(runners["qkv compiled"])
+    seconds, cpu = alternate(runners, repeats)
     per_token = flops.train_flops_per_token(cfg, SEQ)
     rows = {}
     matmul, matmul_cpu = machine_rates["matmul_flops_per_s"], machine_rates["matmul_flops_per_cpu_s"]
@@ -165,7 +172,8 @@ def train(repeats: int, hf, model, cfg, machine_rates: dict) -> dict:
     model.eval()
     return {"batch": [BATCH, SEQ], "flops_per_token": per_token, **rows,
             "ratio": rows["qkv"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
-            "cpu_ratio": statistics.median(cpu["transformers"]) / statistics.median(cpu["qkv"])}
+            "cpu_ratio": statistics.median(cpu["transformers"]) / statistics.median(cpu["qkv"]),
+            "compile_seconds": compile_seconds}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -230,13 +238,16 @@ def print_table(results: dict) -> None:
         print(f"training, GPT-2 {LAYERS}L {D}D V={VOCAB}, batch {BATCH} x {SEQ}, AdamW, fp32 "
               f"({t['flops_per_token'] / 1e6:.1f} MFLOP/token)")
         print(f"  {'':<13} {'tokens/s':>9} {'GFLOP/s':>8} {'% matmul':>9} {'GFLOP/CPU-s':>12} {'% matmul':>9}")
-        for name in ("qkv", "transformers"):
+        for name in [n for n in ("qkv", "qkv compiled", "transformers") if n in t]:
             r = t[name]
             print(f"  {name:<13} {r['tokens_per_s']:>9.0f} {r['flops_per_s'] / 1e9:>8.1f} "
                   f"{100 * r['matmul_fraction']:>8.0f}% {r['flops_per_cpu_s'] / 1e9:>12.1f} "
                   f"{100 * r['matmul_cpu_fraction']:>8.0f}%")
         print(f"  qkv / transformers: {t['ratio']:.2f}x wall clock, {t['cpu_ratio']:.2f}x in CPU seconds "
               f"(goal >= 1.3x, >= 70% of the matmul rate)")
+        if "qkv compiled" in t:
+            print(f"  torch.compile: first step (the compile) {t['compile_seconds']:.1f} s; compiled / eager "
+                  f"{t['qkv compiled']['tokens_per_s'] / t['qkv']['tokens_per_s']:.3f}x tokens/s")
     if "memory" in results:
         r = results["memory"]
         print(f"training step peak memory: qkv {r['qkv'] / MIB:.0f} MiB, transformers "
@@ -261,6 +272,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps the default")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also time qkv's model under torch.compile")
     parser.add_argument("--child", choices=("qkv", "transformers"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -280,7 +292,7 @@ def main() -> None:
         with torch.no_grad():
             results["logits_gap"] = float((hf(ids).logits - model(ids)).abs().max())
         if "train" in parts:
-            results["train"] = train(args.repeats, hf, model, cfg, results["machine"])
+            results["train"] = train(args.repeats, hf, model, cfg, results["machine"], args.compile)
         if "decode" in parts:
             hf, model, cfg = model_pair()  # fresh weights: training steps changed them
             results["decode"] = decode(args.repeats, hf.eval(), model.eval(), results["machine"]["copy_bytes_per_s"])
