@@ -161,6 +161,22 @@ def test_time_horizon_follows_the_speed_since_the_last_fit():
     assert schedules.fit_horizon(TrainConfig(max_steps=9), 5, 1e9, 9, schedules.Clock(0.0)) == 9  # no budget
 
 
+def test_a_horizon_reached_early_is_fitted_again_and_one_reached_late_is_not():
+    """A slow start fits a short horizon; if the steps then speed up, the run reaches it long before the next
+    check: it is re-estimated there from the recent speed, not ended with most of the budget unspent."""
+    timed = TrainConfig(max_time=100.0, max_steps=100_000)
+    clock = schedules.Clock(0.0)
+    horizon = schedules.fit_horizon(timed, 10, 10.0, timed.max_steps, clock)  # 1 s a step at first
+    assert horizon == 100 and clock.checks == [0.2, 0.5]
+    assert schedules.fit_horizon(timed, 99, 18.9, horizon, clock) == 100  # not reached yet: no fit
+    horizon = schedules.fit_horizon(timed, 100, 19.0, horizon, clock)  # reached at 19 s: 0.1 s a step since
+    assert horizon == 100 + int(81 / 0.1) and clock.fitted == (19.0, 100)
+    late = schedules.Clock(0.0)
+    late.checks, late.fitted = [], (50.0, 500)
+    assert schedules.fit_horizon(timed, 950, 95.0, 950, late) == 950  # reached with 5% left: the run ends
+    assert late.fitted == (50.0, 500)
+
+
 def test_step_rows_ramp_and_split_evenly_over_the_data_parallel_ranks():
     tc = TrainConfig(batch_size=16, batch_warmup_steps=4, batch_warmup_start=3)
     assert [schedules.step_rows(tc, s) for s in range(6)] == [3, 6, 9, 12, 16, 16]

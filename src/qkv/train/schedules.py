@@ -152,6 +152,7 @@ def step_cols(tc, step: int) -> int:
 # ---------------------------------------------------------------------------------------- the clock and the horizon
 
 HORIZON_CHECKS = (0.05, 0.2, 0.5)  # fractions of max_time at which the step horizon is re-estimated
+EARLY_END = 0.1  # a horizon reached with more than this fraction of max_time left is re-estimated too
 
 
 class Clock:
@@ -178,8 +179,14 @@ class Clock:
 def fit_horizon(tc, step: int, elapsed: float, horizon: int, clock: Clock) -> int:
     """The step horizon under a time budget (tc.max_time with tc.time_horizon): re-estimated at each check
     from the speed since the previous one (the first: since the run began), so a slow start (a busy machine,
-    warm-up) does not cut the run short once the steps get faster; the LR schedule then ends there."""
-    if not (tc.max_time and tc.time_horizon) or not clock.checks or elapsed < clock.checks[0] * tc.max_time:
+    warm-up) does not cut the run short once the steps get faster; the LR schedule then ends there. A horizon
+    that a sped-up run reaches before the next check, with more than EARLY_END of the budget left, is
+    re-estimated there too, from the speed since the last fit: the run goes on instead of ending early."""
+    if not (tc.max_time and tc.time_horizon):
+        return horizon
+    check_due = bool(clock.checks) and elapsed >= clock.checks[0] * tc.max_time
+    ends_early = step >= horizon and elapsed < (1 - EARLY_END) * tc.max_time
+    if not (check_due or ends_early):
         return horizon
     since_elapsed, since_step = clock.fitted
     seconds_per_step = (elapsed - since_elapsed) / max(1, step - since_step)
