@@ -27,9 +27,10 @@ def genre_classification(cfg: RunConfig) -> RunConfig:
 
     model = dataclasses.replace(cfg.model, head="classifier", n_classes=len(LABELS), labels=LABELS,
                                 pooling="mean", dropout=0.1)
+    # fine-tuning keeps AdamW with cosine decay (the pretraining preset's Muon and WSD are not measured here)
     train = dataclasses.replace(cfg.train, objective="classify", batch_size=16, seq_len=128, max_steps=100_000,
-                                max_time=180.0, lr=5e-4, min_lr=2e-5, warmup_steps=30, weight_decay=0.01,
-                                eval_batches=8, label_smoothing=0.0)
+                                max_time=180.0, optimizer="adamw", lr=5e-4, min_lr=2e-5, schedule="cosine",
+                                warmup_steps=30, weight_decay=0.01, eval_batches=8, label_smoothing=0.0)
     data = dataclasses.replace(cfg.data, split="genre", spelling="modern")
     return dataclasses.replace(cfg, model=model, train=train, data=data)
 
