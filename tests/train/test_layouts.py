@@ -138,3 +138,17 @@ def test_two_nodes_as_users_launch_them(text, single, tmp_path):
     logs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert_same_run(tmp_path / "nodes", single)
+
+
+def test_a_refused_layout_exits_2_with_its_error_line(text, tmp_path):
+    """Each torchrun rank leaves through `python -m qkv` with os._exit (src/qkv/__main__.py): its exit code
+    and its flushed error line still come through."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "qkv", *args(text, tmp_path / "run", "parallel.dp=3")], cwd=REPO,
+                          env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("qkv: error:")]
+    assert errors and all("3 processes, but this launch has world size 2" in line for line in errors), \
+        proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr
+    assert not (tmp_path / "run").exists()
