@@ -21,6 +21,13 @@ def describe(name: str) -> str:
     return (PRESETS.get(name).__doc__ or "").strip().splitlines()[0]
 
 
+# The default job's optimizer and schedule (docs/recipe.md): Muon on the hidden matrices, AdamW on the rest,
+# warmup-stable-decay with the last 30% decaying to min_lr. Shared by the small presets that train on the
+# bundled corpus (shakespeare, bert-shakespeare, folio); each keeps its own warmup and batch.
+RECIPE = dict(optimizer="muon", lr=4e-3, muon_lr=0.01, min_lr=1e-4, schedule="wsd", decay_fraction=0.3,
+              weight_decay=0.1)
+
+
 @PRESETS.register("tiny")
 def tiny() -> RunConfig:
     """A 2-layer, 32-wide decoder that trains in seconds: for tests and smoke runs."""
@@ -42,10 +49,9 @@ def shakespeare() -> RunConfig:
     return RunConfig(
         model=ModelConfig(d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=256, dropout=0.0,
                           positional="rope"),
-        train=TrainConfig(batch_size=8, seq_len=256, max_steps=100_000, max_time=300.0, optimizer="muon",
-                          lr=4e-3, muon_lr=0.01, min_lr=1e-4, schedule="wsd", decay_fraction=0.3,
-                          warmup_steps=30, weight_decay=0.1, batch_warmup_start=2, batch_warmup_steps=300,
-                          eval_every=0, eval_batches=8, log_every=10),
+        train=TrainConfig(batch_size=8, seq_len=256, max_steps=100_000, max_time=300.0, **RECIPE,
+                          warmup_steps=30, batch_warmup_start=2, batch_warmup_steps=300, eval_every=0,
+                          eval_batches=8, log_every=10),
         data=DataConfig(vocab_size=2048),
     )
 
@@ -112,9 +118,8 @@ def bert_shakespeare() -> RunConfig:
         model=ModelConfig(arch="encoder", head="mlm", d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=128,
                           positional="rope", norm_placement="pre", activation="gelu", embed_norm=True,
                           dropout=0.0),
-        train=TrainConfig(batch_size=16, seq_len=128, max_steps=100_000, max_time=300.0, optimizer="muon",
-                          lr=4e-3, muon_lr=0.01, min_lr=1e-4, schedule="wsd", decay_fraction=0.3,
-                          warmup_steps=50, weight_decay=0.1, beta2=0.98, eval_batches=8, log_every=10),
+        train=TrainConfig(batch_size=16, seq_len=128, max_steps=100_000, max_time=300.0, **RECIPE,
+                          warmup_steps=50, beta2=0.98, eval_batches=8, log_every=10),
         data=DataConfig(vocab_size=2048, split="genre"),
     )
 
@@ -165,8 +170,6 @@ def folio() -> RunConfig:
         model=dataclasses.replace(base.model, vocab_size=2048, d_model=128, n_heads=4, n_layers=2, d_ff=512,
                                   max_seq_len=64, dropout=0.0),
         train=dataclasses.replace(base.train, batch_size=32, seq_len=64, max_steps=2000, max_time=600.0,
-                                  optimizer="muon", lr=4e-3, muon_lr=0.01, min_lr=1e-4, schedule="wsd",
-                                  decay_fraction=0.3, warmup_steps=30, weight_decay=0.1, eval_batches=8,
-                                  log_every=10),
+                                  **RECIPE, warmup_steps=30, eval_batches=8, log_every=10),
         data=DataConfig(vocab_size=2048, split="folio", seq2seq_task="folio"),
     )
