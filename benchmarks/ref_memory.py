@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.interop import to_numpy, torch_adamw
+from qkv.formats.params import to_numpy, torch_adamw
 from qkv.ref.gradcheck import attention_peak_bytes
 from qkv.ref.optim import OPTIMIZERS
 from qkv.ref.train import train_step

@@ -138,7 +138,7 @@ def test_generate_seeds_and_greedy(capsys, run):
 
 def greedy_by_hand(run_dir: Path, prompt: str, new: int) -> str:
     """Argmax decoding with a full forward per token (no KV cache): an independent oracle for the CLI."""
-    from qkv.run import load
+    from qkv.formats import load
 
     loaded = load(run_dir)
     tok = loaded.tokenizer

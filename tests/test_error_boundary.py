@@ -106,7 +106,7 @@ def test_a_resume_without_the_runs_tokenizer_is_refused(trained, tmp_path):
 def test_a_conversion_that_cannot_write_leaves_nothing(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    from qkv.hf import files as hf_files
+    from qkv.formats.hf import files as hf_files
 
     def full_disk(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(No space left on device)")

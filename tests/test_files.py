@@ -52,7 +52,7 @@ def test_committed_file_prefers_a_pending_commit(tmp_path):
     assert not files.has_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("module", ["qkv.hf", "qkv.analysis.calc", "qkv.run", "qkv.generate", "qkv.serve.server"])
+@pytest.mark.parametrize("module", ["qkv.formats.hf", "qkv.analysis.calc", "qkv.formats", "qkv.generate", "qkv.serve.server"])
 def test_readers_do_not_climb_into_training(module):
     """Hugging Face conversion, the calculators, the run loader, generation and the server read run dirs through
     qkv.files: none of them imports qkv.train."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qkv
-from tests.hf import TOL, V, cli, max_diff, save_hf
+from tests.formats.hf import TOL, V, cli, max_diff, save_hf
 from tests.train import verse
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from qkv import presets
 from qkv.checks import check_run
 from qkv.config import SECTIONS
 from qkv.errors import QkvError
-from qkv.hf import detect
+from qkv.formats.hf import detect
 from qkv.models.build import check_model
 from qkv.train import checkpoint
 

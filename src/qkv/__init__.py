@@ -18,7 +18,5 @@ def __getattr__(name: str):  # heavier parts load on first use
     if name == "generate":
         return importlib.import_module("qkv.generate.decode").generate
     if name == "load":
-        return importlib.import_module("qkv.run").load
-    if name == "hf":
-        return importlib.import_module("qkv.hf")
+        return importlib.import_module("qkv.formats").load
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

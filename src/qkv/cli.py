@@ -283,7 +283,7 @@ def sample(trainer, cfg, max_new_tokens: int = 200) -> str:
 
 
 def cmd_eval(args) -> int:
-    from qkv.run import load
+    from qkv.formats import load
     from qkv.train import evaluators
 
     run = load(args.run)
@@ -293,7 +293,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_classify(args) -> int:
-    from qkv.run import load
+    from qkv.formats import load
     from qkv.train.classify import classify_text
 
     run = load(args.run)
@@ -339,7 +339,7 @@ def generation_settings(args, strategy: str, warn: bool = True) -> tuple[str, di
 
 def cmd_generate(args) -> int:
     from qkv.generate.text import generate_text
-    from qkv.run import load
+    from qkv.formats import load
 
     if args.strategy is not None:
         generation_settings(args, args.strategy, warn=False)  # bad options fail before the run is loaded

@@ -1,5 +1,5 @@
 """`qkv convert`: Hugging Face model dir <-> qkv run dir (wired into qkv.cli by `add_parsers` and
-`cmd_convert`). Importing this module is cheap: qkv.hf (torch, the models) loads when the command runs.
+`cmd_convert`). Importing this module is cheap: qkv.formats.hf (torch, the models) loads when the command runs.
 
     qkv convert --from-hf DIR --out RUN      a run dir that qkv generate / eval / train --resume read
     qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN may be an HF dir)
@@ -23,8 +23,8 @@ def add_parsers(subparsers) -> None:
 
 
 def cmd_convert(args) -> int:
-    from qkv import hf
-    from qkv.run import load
+    from qkv.formats import hf
+    from qkv.formats import load
 
     if args.from_hf and not args.to_hf and not args.run:
         if not args.out:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.analysis.record import blocks_of
-from qkv.interop import torch_forward
+from qkv.formats.params import torch_forward
 from qkv.nn import sparse
 from qkv.nn.attention import Attention
 from qkv.nn.kernels import weighted_values

@@ -5,7 +5,8 @@ and the residual's dL/dx = dL/dy + the sublayer path."""
 import numpy as np
 import pytest
 
-from qkv import interop, ref
+from qkv import ref
+from qkv.formats.params import randomize, to_numpy
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.explain.tap import Recorder
@@ -18,7 +19,7 @@ TINY = dict(vocab_size=13, d_model=8, n_heads=2, n_layers=2, d_ff=12, max_seq_le
 
 def run_both(**overrides):
     cfg = ModelConfig(**{**TINY, **overrides})
-    params = interop.randomize(build_model(cfg).double(), 0)
+    params = randomize(build_model(cfg).double(), 0)
     ids = np.random.default_rng(0).integers(0, 13, (1, 6))
     dlogits = np.random.default_rng(1).normal(size=(1, 6, 13))
     plain_logits, cache = ref.forward(params, cfg, ids)

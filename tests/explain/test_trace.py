@@ -9,7 +9,7 @@ import pytest
 import qkv
 from qkv.explain.page import RELATIVE_ERROR, build_page, read_data
 from qkv.explain.trace import trace
-from qkv.run import Run
+from qkv.formats.base import Run
 from tests.explain.oracle import oracle
 from tests.serve.live import TEXT, tokenizer, write_run  # noqa: F401  (TEXT, tokenizer: for the other tests)
 

@@ -3,7 +3,7 @@ engine in float64 from the same random weights: logits, loss, every gradient and
 import pytest
 
 from qkv.config import ModelConfig
-from qkv.interop import compare_engines
+from qkv.formats.params import compare_engines
 from tests.ref.test_model import TINY, assert_engines_agree
 
 # (overrides, padded): together every family, head, pooling, token types, embed_norm / embed_scale, tying

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from qkv.config import ModelConfig
-from qkv.interop import compare_engines, randomize
+from qkv.formats.params import compare_engines, randomize
 from qkv.models import build_model
 from qkv.errors import QkvError
 from qkv.ref import UNSUPPORTED, loss_and_grads

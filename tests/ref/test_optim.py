@@ -8,7 +8,7 @@ import torch
 
 import qkv
 from qkv.config import TrainConfig
-from qkv.interop import to_numpy
+from qkv.formats.params import to_numpy
 from qkv.ref.optim import OPTIMIZERS, clip_grad_norm
 
 

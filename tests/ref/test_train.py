@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.config import TrainConfig
 from qkv.data.dataset import Batches
-from qkv.interop import to_numpy
+from qkv.formats.params import to_numpy
 from qkv.ref.optim import OPTIMIZERS
 from qkv.ref.train import learning_rate, train_ref, train_step
 from qkv.train.schedules import SCHEDULES

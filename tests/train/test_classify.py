@@ -90,7 +90,7 @@ def test_classify_prints_each_label_with_its_probability(capsys, classifier):
 
 
 def test_long_text_is_the_mean_over_its_windows(classifier):
-    from qkv.run import load
+    from qkv.formats import load
 
     run = load(classifier[0])
     text = " ".join(fixture_work(1, 9).text.split()[:120])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qkv.data.mlm import mask_tokens
-from qkv.run import load
+from qkv.formats import load
 from qkv.train import evaluators
 from tests.test_cli import assert_one_error_line, cli
 from tests.train import setup_env, trained_run

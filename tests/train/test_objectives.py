@@ -15,7 +15,7 @@ from qkv.config import RunConfig, TrainConfig
 from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError
 from qkv.models import build_model
-from qkv.run import load
+from qkv.formats import load
 from qkv.train import objectives
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.evaluate import val_loss

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.errors import QkvError
-from qkv.run import load
+from qkv.formats import load
 from qkv.train.scoring import score_run, text_tokens
 from tests.train import setup_env, trained_run
 

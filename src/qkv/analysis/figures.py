@@ -21,7 +21,7 @@ def attention(args) -> list[Path]:
     import torch
 
     from qkv.analysis.record import attention_maps
-    from qkv.run import load
+    from qkv.formats import load
 
     run = load(args.run)
     if not args.text:

@@ -129,7 +129,7 @@ LLM_CASES = ("cross_entropy", "linear", "norm_layernorm", "activation_relu", "ff
 @claim(12, "every hand-derived gradient of LLM §3 matches autograd", "000 LLM §3.1-§3.5")
 def hand_gradients() -> Result:
     from qkv.config import ModelConfig
-    from qkv.interop import compare_engines
+    from qkv.formats.params import compare_engines
     from qkv.ref import gradcheck
 
     checks = [c for name in LLM_CASES if name in gradcheck.CASES.names() for c in gradcheck.check_fd(name)]
@@ -146,7 +146,7 @@ def hand_gradients() -> Result:
     return Result(status(ok), measured, "qkv.ref's hand-written backward passes (CE, output layer, LayerNorm, "
                   "FFN with the ReLU mask, attention dV/dA/dS/dQ/dK, projections, embedding scatter-add) against "
                   "central finite differences, and the whole Post-LN model against the torch engine's autograd "
-                  "on identical float64 weights (qkv.interop.compare_engines).")
+                  "on identical float64 weights (qkv.formats.params.compare_engines).")
 
 
 @claim(13, "embedding lookup equals the one-hot matmul; its gradient is a scatter-add", "000 LLM §3.5; 003 (词嵌入)")

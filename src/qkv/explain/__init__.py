@@ -19,7 +19,7 @@ def explain_page(runs: list[str | Path], text: str, *, target: str | None = None
     from qkv import files
     from qkv.explain.page import build_page
     from qkv.explain.trace import trace
-    from qkv.run import load
+    from qkv.formats import load
 
     out = Path(out)
     if out.is_dir():

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from qkv import interop, ref
+from qkv import ref
+from qkv.formats.params import to_numpy
 from qkv.data.tokenizer import MASK
 from qkv.errors import QkvError
 from qkv.explain.tap import Recorder
@@ -104,7 +105,7 @@ def trace(run, text: str, target: str | None = None) -> Explanation:
     cfg = explained_config(run.config.model)
     ids, cut = encode(run, text)
     inputs, where = inputs_for(run, cfg, ids)
-    params = interop.to_numpy(run.model)
+    params = to_numpy(run.model)
     recorder = Recorder()
     with tapped(recorder):
         logits, cache = ref.forward(params, cfg, *inputs)

@@ -17,7 +17,7 @@ from qkv.data.tokenizer import StreamDecoder, Tokenizer
 from qkv.errors import QkvError
 from qkv.generate.decode import generate
 from qkv.models.encoder_decoder import EncoderDecoder
-from qkv.run import Run
+from qkv.formats.base import Run
 
 
 class TextStream:

@@ -4,7 +4,7 @@ Each layer is a pair `y, cache = f_forward(...)` / `dx = f_backward(dy, cache, g
 note 000 LLM part §3 cited beside it: every backward returns its inputs' gradients and accumulates (+=) its
 parameters' into `grads` (a `Grads` view of its scope, llm.c's form); the model's backward calls the pairs
 in exactly the reverse order. Each cache is named (a NamedTuple beside its forward) where it has parts. Parameters are a dict keyed by the torch engine's state-dict names
-(qkv.interop converts both ways). NumPy only, float64; nothing here imports torch.
+(qkv.formats.params converts both ways). NumPy only, float64; nothing here imports torch.
 
     logits, cache = forward(params, cfg, input_ids)              # (B, T) -> (B, T, V)
     grads = backward(dlogits, cache, cfg)                         # {name: d loss / d param}

@@ -1,5 +1,5 @@
 """Reusable proofs of the reference engine's backward passes (used by tests/ref and by `qkv verify`,
-claims 9-13 and 18). NumPy only; the torch-autograd comparisons live in qkv.interop.
+claims 9-13 and 18). NumPy only; the torch-autograd comparisons live in qkv.formats.params.
 
 A `Case` names one layer: how to draw its inputs (tiny sizes), its forward, and its backward returning
 the gradient of every differentiable input. `check_fd(name)` compares the hand-written backward with

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from qkv.data.tokenizer import Tokenizer
 from qkv.models.heads import POOLINGS, EncoderClassifier, EncoderMLM
-from qkv.run import Run
+from qkv.formats.base import Run
 from qkv.serve import api
 from qkv.serve.api import ApiError, Completion
 from qkv.serve.chat import ChatTemplate

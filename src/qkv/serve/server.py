@@ -7,7 +7,7 @@ from pathlib import Path
 from qkv.errors import QkvError
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.models.heads import EncoderClassifier, EncoderMLM
-from qkv.run import Run
+from qkv.formats.base import Run
 from qkv.serve import api
 from qkv.serve.app import Served, make_app
 from qkv.serve.chat import template_for
@@ -34,7 +34,7 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
             log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
-    from qkv.run import load
+    from qkv.formats import load
 
     run = load(path, device)
     if run.tokenizer is None:

@@ -22,7 +22,7 @@ from qkv.data.sources import split
 from qkv.data.tokenizer import MASK
 from qkv.errors import QkvError
 from qkv.registry import Registry
-from qkv.run import Run
+from qkv.formats.base import Run
 
 EVALUATORS: Registry[Callable[[Run, list[str], int | None], dict]] = Registry("evaluator")
 MLM_EVAL_SEED = 0  # the masks of `qkv eval` on an MLM run: the same at every call

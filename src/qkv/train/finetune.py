@@ -15,7 +15,7 @@ FRESH = "head."  # parameters the init run need not have: the new task's head
 
 def init_run(path: str):
     """The init run (a qkv run dir or a Hugging Face model dir), with a one-line error otherwise."""
-    from qkv.run import load
+    from qkv.formats import load
 
     return load(path)
 

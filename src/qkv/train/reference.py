@@ -29,13 +29,13 @@ def run_reference(trainer: Trainer) -> dict:
     initial weights and the same batches, then store the result as an ordinary run checkpoint."""
     import time
 
-    from qkv import interop
+    from qkv.formats.params import load_numpy, to_numpy
     from qkv.ref.train import train_ref
     from qkv.train.metrics import MetricsLog
 
     tc, state = trainer.tc, trainer.state
     check_engine("ref", resume=state.step > 0, max_time=tc.max_time)  # also when called without the CLI
-    params = interop.to_numpy(trainer.model)
+    params = to_numpy(trainer.model)
     metrics = MetricsLog(trainer.run_dir / "metrics.csv", 0)
     tokens_per_step = tc.batch_size * tc.seq_len
     start = time.perf_counter()
@@ -51,7 +51,7 @@ def run_reference(trainer: Trainer) -> dict:
                           tokens_per_s=(step + 1) * tokens_per_step / elapsed, elapsed_s=elapsed)
 
     train_ref(params, trainer.cfg, batches(), tc.max_steps, on_step)
-    interop.load_numpy(trainer.model, params)
+    load_numpy(trainer.model, params)
     state.step, state.tokens = tc.max_steps, tc.max_steps * tokens_per_step
     state.elapsed = time.perf_counter() - start
     val = trainer.evaluate()

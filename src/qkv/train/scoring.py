@@ -6,7 +6,7 @@ import numpy as np
 from qkv.data.corpus import join, read_documents
 from qkv.data.sources import split
 from qkv.errors import QkvError
-from qkv.run import Run
+from qkv.formats.base import Run
 from qkv.train.evaluate import score_tokens
 
 

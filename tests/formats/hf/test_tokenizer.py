@@ -1,4 +1,4 @@
-"""A Hugging Face tokenizer.json as a qkv Tokenizer (qkv.hf.tokenizer): the ids are the `tokenizers` library's
+"""A Hugging Face tokenizer.json as a qkv Tokenizer (qkv.formats.hf.tokenizer): the ids are the `tokenizers` library's
 own encoding of the same file (the oracle); the end-of-text token is found in the order the module states
 (tokenizer_config's eos_token, config.json's eos_token_id, sep_token) and only its spelling changes; the
 original JSON is kept and written back."""
@@ -11,7 +11,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from qkv.data.tokenizer import EOS
 from qkv.errors import QkvError
-from qkv.hf.tokenizer import eos_name, hf_tokenizer_files, read_tokenizer
+from qkv.formats.hf.tokenizer import eos_name, hf_tokenizer_files, read_tokenizer
 
 WORDS = ["[PAD]", "[UNK]", "[SEP]", "</s>", "the", "king", "is", "dead", "long", "live"]
 TEXT = "long live the king the king is dead"

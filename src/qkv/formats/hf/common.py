@@ -1,4 +1,4 @@
-"""What every family mapping shares: the `Family` record, renaming rules, HF config reading helpers.
+"""What every family mapping shares: the `HfFamily` record, renaming rules, HF config reading helpers.
 
 A family maps one Hugging Face `model_type` to qkv and back with four pure functions:
 
@@ -38,7 +38,7 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class Family:
+class HfFamily:
     model_type: str  # HF config.json "model_type"
     architectures: tuple[str, ...]  # HF classes this family reads and writes
     config: Callable[[dict, str], ModelConfig]
@@ -49,7 +49,7 @@ class Family:
     exports_doc: str  # the qkv models it writes, for the error that lists the families
 
 
-FAMILIES: Registry[Family] = Registry("Hugging Face model_type")
+HF_FAMILIES: Registry[HfFamily] = Registry("Hugging Face model_type")
 
 # HF activation names (transformers.activations.ACT2FN) <-> qkv's registry names; only exact matches
 ACTIVATIONS_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",

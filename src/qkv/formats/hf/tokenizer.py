@@ -6,7 +6,7 @@ tokenizer_config.json / special_tokens_map.json `eos_token`, else config.json `e
 separator `sep_token` of BERT-style tokenizers) is renamed `<|endoftext|>` everywhere it is spelled in the
 JSON: ids are unchanged, only that token's text differs (docs/DEVIATIONS.md). Padding and truncation
 settings are dropped (qkv encodes one whole text; its batches pad themselves). The original JSON is kept
-(`ORIGINAL` in a converted run dir) and written back by `qkv.hf.save`.
+(`ORIGINAL` in a converted run dir) and written back by `qkv.formats.hf.save`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from qkv.files import read_json
 from qkv.data.tokenizer import EOS, Tokenizer
 from qkv.errors import QkvError
-from qkv.hf.files import TOKENIZER
+from qkv.formats.hf.files import TOKENIZER
 
 ORIGINAL = "hf_tokenizer.json"  # a converted run's unmodified HF tokenizer.json
 SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")

@@ -1,11 +1,11 @@
-"""qkv.hf.common: the activation names against transformers' own functions (ACT2FN), renaming rules both
+"""qkv.formats.hf.common: the activation names against transformers' own functions (ACT2FN), renaming rules both
 ways (transposes, missing and unmapped tensors named), prefixes, and config.json's types checked before use."""
 import pytest
 import torch
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.hf import common
+from qkv.formats.hf import common
 from qkv.nn.ffn import ACTIVATIONS
 
 activations = pytest.importorskip("transformers.activations")

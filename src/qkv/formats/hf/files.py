@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from qkv.errors import QkvError
-from qkv.hf.common import Tensors
+from qkv.formats.hf.common import Tensors
 from qkv.files import read_json, read_tensors
 
 CONFIG = "config.json"

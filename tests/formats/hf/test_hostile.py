@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import qkv
 from qkv.errors import QkvError
-from tests.hf import save_hf
-from tests.hf.test_files import bpe
+from tests.formats.hf import save_hf
+from tests.formats.hf.test_files import bpe
 
 
 def gpt2(tmp_path, **config):

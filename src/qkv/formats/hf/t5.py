@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from qkv.config import ModelConfig
-from qkv.hf.common import (FAMILIES, Family, Rule, Tensors, activation_to_hf, block_rules, ensure, import_tensors,
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_to_hf, block_rules, ensure, import_tensors,
                            linear, need, rename)
 from qkv.nn.relative import T5_BUCKETS
 
@@ -127,7 +127,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
         "n_positions": cfg.max_seq_len}
 
 
-FAMILIES.register("t5")(Family(
+HF_FAMILIES.register("t5")(HfFamily(
     model_type="t5", architectures=(ARCHITECTURE,), config=config, to_qkv=to_qkv, hf_config=hf_config,
     to_hf=to_hf, exports=exports,
     exports_doc="t5: encoder-decoder, t5 positional, rmsnorm, pre, no bias, mlp+relu or glu+gelu_tanh"))

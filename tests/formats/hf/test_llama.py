@@ -1,10 +1,10 @@
-"""qkv.hf.llama: LlamaForCausalLM in and out (RMSNorm, RoPE with its theta, SwiGLU, grouped K/V heads,
+"""qkv.formats.hf.llama: LlamaForCausalLM in and out (RMSNorm, RoPE with its theta, SwiGLU, grouped K/V heads,
 optional biases and tying), logits and greedy generation equal to transformers'."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf import V, check_decoder, check_greedy  # noqa: E402
+from tests.formats.hf import V, check_decoder, check_greedy  # noqa: E402
 
 
 def llama_config(**kw):

@@ -1,4 +1,4 @@
-"""qkv.hf.gpt2: GPT2LMHeadModel in and out (Conv1D's (in, out) layout, the fused c_attn split, tying, the
+"""qkv.formats.hf.gpt2: GPT2LMHeadModel in and out (Conv1D's (in, out) layout, the fused c_attn split, tying, the
 activation names), logits and greedy generation equal to transformers', and OpenAI's hub layout."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import qkv  # noqa: E402
-from tests.hf import TOL, V, check_decoder, check_greedy, max_diff, save_hf  # noqa: E402
+from tests.formats.hf import TOL, V, check_decoder, check_greedy, max_diff, save_hf  # noqa: E402
 
 
 def gpt2_config(**kw):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from qkv.config import ModelConfig
-from qkv.hf.common import (FAMILIES, Family, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
                            ensure, import_tensors, is_zero, linear, need, refuse, rename)
 
 ARCHITECTURE = "BartForConditionalGeneration"
@@ -103,7 +103,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
         "tie_word_embeddings": True, "is_encoder_decoder": True}
 
 
-FAMILIES.register("bart")(Family(
+HF_FAMILIES.register("bart")(HfFamily(
     model_type="bart", architectures=(ARCHITECTURE,), config=config, to_qkv=to_qkv, hf_config=hf_config,
     to_hf=to_hf, exports=exports,
     exports_doc="bart: encoder-decoder, learned positions, layernorm (eps 1e-5), post, mlp, bias, embed_norm, tied"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from qkv.config import ModelConfig
-from qkv.hf.common import (FAMILIES, Family, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
                            ensure, import_tensors, linear, need, refuse, rename, strip_prefix)
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -100,7 +100,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
         "tie_word_embeddings": cfg.tie_embeddings}
 
 
-FAMILIES.register("gpt2")(Family(
+HF_FAMILIES.register("gpt2")(HfFamily(
     model_type="gpt2", architectures=(ARCHITECTURE,), config=config, to_qkv=to_qkv, hf_config=hf_config,
     to_hf=to_hf, exports=exports,
     exports_doc="gpt2: decoder, learned positions, layernorm, pre, mlp, bias, MHA"))

@@ -1,4 +1,4 @@
-"""qkv.hf.bert: BertModel, BertForMaskedLM and BertForSequenceClassification in and out (Post-LN, token types,
+"""qkv.formats.hf.bert: BertModel, BertForMaskedLM and BertForSequenceClassification in and out (Post-LN, token types,
 the embedding LayerNorm, the MLM transform and pooler heads), outputs equal to transformers', and task
 checkpoints' `bert.` prefix."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import qkv  # noqa: E402
-from tests.hf import LENGTHS, TOL, V, check_export, max_diff, right_padded, save_hf  # noqa: E402
+from tests.formats.hf import LENGTHS, TOL, V, check_export, max_diff, right_padded, save_hf  # noqa: E402
 
 
 def bert_config(**kw):

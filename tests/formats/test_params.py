@@ -1,10 +1,10 @@
-"""qkv.interop: parameters between the torch engine and the reference engine."""
+"""qkv.formats.params: parameters between the torch engine and the reference engine."""
 import numpy as np
 import pytest
 import torch
 
 from qkv.errors import QkvError
-from qkv.interop import grads_to_numpy, load_numpy, to_numpy
+from qkv.formats.params import grads_to_numpy, load_numpy, to_numpy
 from qkv.models import build_model
 
 

@@ -1,43 +1,40 @@
 """Hugging Face checkpoints in and out (GPT-2, LLaMA, BERT, BART, T5 families).
 
     run = qkv.load(hf_dir)              # config.json + model.safetensors (or shards) [+ tokenizer.json]
-    qkv.hf.save(run, out_dir)           # a dir transformers' from_pretrained loads, same outputs
-    qkv.hf.convert_from_hf(hf_dir, run_dir)   # a qkv run dir (qkv convert --from-hf DIR --out RUN)
+    qkv.formats.hf.save(run, out_dir)           # a dir transformers' from_pretrained loads, same outputs
+    qkv.formats.hf.convert_from_hf(hf_dir, run_dir)   # a qkv run dir (qkv convert --from-hf DIR --out RUN)
 
 Reading uses JSON and safetensors only: transformers is never imported here. Each family (one module per
-HF `model_type`) maps config and tensor names both ways (qkv.hf.common.Family).
+HF `model_type`) maps config and tensor names both ways (qkv.formats.hf.common.HfFamily).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
-from qkv.files import MODEL_FILE, load_model_tensors, model_tensors
-from qkv.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family)
-from qkv.hf.common import FAMILIES, Family, check_types
-from qkv.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
-from qkv.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
+from qkv.files import load_model_tensors, model_tensors
+from qkv.formats.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family: the package assembles them)
+from qkv.formats.hf.common import HF_FAMILIES, HfFamily, check_types
+from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
+from qkv.formats.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
 from qkv.models.build import check_model
-from qkv.run import Run, check_vocabulary
+from qkv.formats import run_dir
+from qkv.formats.base import Run, check_vocabulary
 
 __all__ = ["convert_from_hf", "is_hf_dir", "load", "save", "supported"]
 
 
 def supported() -> list[str]:
     """The HF architectures qkv reads and writes."""
-    return sorted(arch for name in FAMILIES.names() for arch in FAMILIES.get(name).architectures)
+    return sorted(arch for name in HF_FAMILIES.names() for arch in HF_FAMILIES.get(name).architectures)
 
 
-def detect(hf: dict) -> tuple[Family, str]:
+def detect(hf: dict) -> tuple[HfFamily, str]:
     """The family and architecture of an HF config.json; QkvError naming it and the supported ones."""
     if not isinstance(hf, dict):
         raise QkvError("config.json must be a JSON object")
@@ -45,9 +42,9 @@ def detect(hf: dict) -> tuple[Family, str]:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
     architecture = architectures[0] if architectures else None
-    by_architecture = {arch: FAMILIES.get(name) for name in FAMILIES.names()
-                       for arch in FAMILIES.get(name).architectures}  # a config.json without model_type
-    family = FAMILIES.get(model_type) if model_type in FAMILIES else by_architecture.get(architecture)
+    by_architecture = {arch: HF_FAMILIES.get(name) for name in HF_FAMILIES.names()
+                       for arch in HF_FAMILIES.get(name).architectures}  # a config.json without model_type
+    family = HF_FAMILIES.get(model_type) if model_type in HF_FAMILIES else by_architecture.get(architecture)
     if family is not None and architecture is None:
         architecture = family.architectures[0]  # config.json of a bare config: the family's main class
     if family is None or architecture not in family.architectures:
@@ -88,7 +85,7 @@ def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
     return RunConfig(model=cfg, train=train, data=DataConfig(vocab_size=max(257, tokenizer_vocab)))
 
 
-def exporter(cfg: ModelConfig) -> Family:
+def exporter(cfg: ModelConfig) -> HfFamily:
     if cfg.qk_norm:
         raise QkvError("model.qk_norm=true: none of the exported Hugging Face families (GPT-2, LLaMA, BERT, BART, "
                        "T5) normalises q and k; this model cannot be written as one")
@@ -98,10 +95,10 @@ def exporter(cfg: ModelConfig) -> Family:
     if cfg.bigram_vocab:
         raise QkvError(f"model.bigram_vocab={cfg.bigram_vocab}: none of the exported Hugging Face families (GPT-2, "
                        "LLaMA, BERT, BART, T5) has a bigram embedding; this model cannot be written as one")
-    for name in FAMILIES.names():
-        if FAMILIES.get(name).exports(cfg):
-            return FAMILIES.get(name)
-    kinds = "; ".join(FAMILIES.get(name).exports_doc for name in FAMILIES.names())
+    for name in HF_FAMILIES.names():
+        if HF_FAMILIES.get(name).exports(cfg):
+            return HF_FAMILIES.get(name)
+    kinds = "; ".join(HF_FAMILIES.get(name).exports_doc for name in HF_FAMILIES.names())
     raise QkvError(f"no Hugging Face family matches this model (arch={cfg.arch}, positional={cfg.positional}, "
                    f"norm={cfg.norm}, ffn={cfg.ffn}); exportable: {kinds}")
 
@@ -113,7 +110,7 @@ def save(run_or_model: Run | nn.Module, out_dir: str | Path, *, config: ModelCon
     model = run.model if run is not None else run_or_model
     cfg = run.config.model if run is not None else config
     if cfg is None:
-        raise QkvError("qkv.hf.save(model, dir) needs config=ModelConfig (or pass a Run)")
+        raise QkvError("qkv.formats.hf.save(model, dir) needs config=ModelConfig (or pass a Run)")
     family = exporter(cfg)
     architecture, hf = family.hf_config(cfg)
     tensors = family.to_hf(model_tensors(model), cfg)
@@ -129,7 +126,7 @@ def save(run_or_model: Run | nn.Module, out_dir: str | Path, *, config: ModelCon
 
 
 def original_tokenizer(run: Run | None) -> str | None:
-    """The unmodified HF tokenizer.json a run came from, if any (qkv.hf.tokenizer)."""
+    """The unmodified HF tokenizer.json a run came from, if any (qkv.formats.hf.tokenizer)."""
     if run is None:
         return None
     for file in (run.path / ORIGINAL, run.path / TOKENIZER if is_hf_dir(run.path) else None):
@@ -140,23 +137,9 @@ def original_tokenizer(run: Run | None) -> str | None:
 
 def convert_from_hf(src: str | Path, out: str | Path) -> Path:
     """HF dir -> qkv run dir (config.json, tokenizer.json, model.safetensors [, hf_tokenizer.json]), atomically."""
-    src, out = Path(src), Path(out)
+    src = Path(src)
     run = load(src)
     if run.tokenizer is None:
         raise QkvError(f"{src}: a qkv run needs a tokenizer, and this dir has no tokenizer.json "
                        f"(or one without an end-of-text or separator token)")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise QkvError(f"{out} already exists and is not empty; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        run.config.save(tmp / CONFIG)
-        run.tokenizer.save(tmp / TOKENIZER)
-        (tmp / ORIGINAL).write_text((src / TOKENIZER).read_text(encoding="utf-8"), encoding="utf-8")
-        save_file(model_tensors(run.model), str(tmp / MODEL_FILE))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return run_dir.save(run, out, extra={ORIGINAL: (src / TOKENIZER).read_text(encoding="utf-8")})

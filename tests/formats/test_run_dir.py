@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from qkv.errors import QkvError
 from qkv.models import build_model
-from qkv.run import load
+from qkv.formats import load
 from qkv import files
 from qkv.files import MODEL_FILE, read_tensors
 from tests.train import setup_env, trained_run

@@ -1,10 +1,10 @@
-"""qkv.hf.bart: BartForConditionalGeneration in and out (learned positions offset by 2, the embedding
+"""qkv.formats.hf.bart: BartForConditionalGeneration in and out (learned positions offset by 2, the embedding
 LayerNorm, scaled embeddings, ReLU or GELU), logits equal to transformers' on padded sources and targets."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf import V, check_seq2seq  # noqa: E402
+from tests.formats.hf import V, check_seq2seq  # noqa: E402
 
 MODELS = {
     "bart": lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.hf.common import (FAMILIES, Family, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
                            ensure, import_tensors, linear, need, refuse, rename)
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -82,6 +82,6 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
         "tie_word_embeddings": cfg.tie_embeddings}
 
 
-FAMILIES.register("llama")(Family(
+HF_FAMILIES.register("llama")(HfFamily(
     model_type="llama", architectures=(ARCHITECTURE,), config=config, to_qkv=to_qkv, hf_config=hf_config,
     to_hf=to_hf, exports=exports, exports_doc="llama: decoder, rope, rmsnorm, pre, glu"))

@@ -11,7 +11,7 @@ import torch
 
 import qkv
 import qkv.cli
-from qkv import hf
+from qkv.formats import hf
 
 V = 100  # vocabulary of the random models
 TOL = 1e-5

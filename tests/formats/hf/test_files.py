@@ -15,7 +15,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv import files
-from tests.hf import V, cli, max_diff, right_padded, save_hf
+from tests.formats.hf import V, cli, max_diff, right_padded, save_hf
 from tests.train import verse
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +76,7 @@ def test_qkv_hf_qkv_round_trip_is_bit_for_bit(name, tmp_path):
 
 def test_exported_gpt2_run_matches_in_transformers_and_keeps_its_tokenizer(tmp_path):
     run = qkv.load(write_run(tmp_path / "run", ModelConfig(**{**SMALL, "vocab_size": bpe().vocab_size})))
-    out = qkv.hf.save(run, tmp_path / "hf")
+    out = qkv.formats.hf.save(run, tmp_path / "hf")
     oracle = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     ids, mask = right_padded(2, 20, [20, 11])
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_loading_never_imports_transformers(tmp_path):
     path = save_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=V, n_positions=16, n_embd=32, n_layer=1, n_head=4)), tmp_path / "hf")
     code = ("import sys, torch, qkv; run = qkv.load(sys.argv[1]); run.model(torch.zeros(1, 3, dtype=torch.long)); "
-            "qkv.hf.save(run, sys.argv[2]); assert 'transformers' not in sys.modules, 'imported'")
+            "qkv.formats.hf.save(run, sys.argv[2]); assert 'transformers' not in sys.modules, 'imported'")
     done = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "out")], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
@@ -208,13 +208,13 @@ def test_save_takes_a_bare_model_with_its_config(tmp_path):
     cfg = QKV_MODELS["llama"]
     model = build_model(cfg).eval()
     with pytest.raises(QkvError, match="needs config"):
-        qkv.hf.save(model, tmp_path / "none")
-    oracle = transformers.LlamaForCausalLM.from_pretrained(qkv.hf.save(model, tmp_path / "hf", config=cfg)).eval()
+        qkv.formats.hf.save(model, tmp_path / "none")
+    oracle = transformers.LlamaForCausalLM.from_pretrained(qkv.formats.hf.save(model, tmp_path / "hf", config=cfg)).eval()
     ids = torch.randint(0, V, (2, 12))
     with torch.no_grad():
         assert max_diff(model(ids), oracle(input_ids=ids).logits) <= 1e-5
     with pytest.raises(QkvError, match="not empty"):  # never overwrites
-        qkv.hf.save(model, tmp_path / "hf", config=cfg)
+        qkv.formats.hf.save(model, tmp_path / "hf", config=cfg)
 
 
 NOT_EXPORTABLE = {  # a field none of the Hugging Face families has, and the start of its one-line refusal
@@ -230,5 +230,5 @@ def test_a_model_no_family_can_hold_is_refused_and_nothing_is_written(tmp_path, 
     cfg = ModelConfig(**{**SMALL, "vocab_size": bpe().vocab_size, field: value})
     run = qkv.load(write_run(tmp_path / "run", cfg))
     with pytest.raises(QkvError, match=message):
-        qkv.hf.save(run, tmp_path / "hf")
+        qkv.formats.hf.save(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -9,7 +9,7 @@ prefix; the task models do.
 from __future__ import annotations
 
 from qkv.config import ModelConfig
-from qkv.hf.common import (FAMILIES, Family, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
                            ensure, import_tensors, linear, need, refuse, rename, strip_prefix)
 
 HEADS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classifier"}
@@ -107,7 +107,7 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
     return ARCHITECTURE[cfg.head], hf
 
 
-FAMILIES.register("bert")(Family(
+HF_FAMILIES.register("bert")(HfFamily(
     model_type="bert", architectures=tuple(HEADS), config=config, to_qkv=to_qkv, hf_config=hf_config,
     to_hf=to_hf, exports=exports,
     exports_doc="bert: encoder, learned positions, layernorm, post, mlp, bias, embed_norm, token types"))

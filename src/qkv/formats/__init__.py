@@ -1,0 +1,46 @@
+"""File formats: every kind of file a model comes in or goes out as, behind one `load(path)`.
+
+    run = qkv.formats.load(path)         # (qkv.load) a qkv run dir or a Hugging Face model dir -> Run
+    qkv.formats.save(run, out, "hf")     # write it in a format: "run" (a qkv run dir) or "hf"
+
+Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
+the package is assembled; `load` asks each entry's `detect` in the order below (an HF dir also has a
+config.json, so it is asked first). `qkv.formats.params` moves parameters between the two engines (a torch
+state dict and the reference engine's NumPy dict, the same keys).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkv.errors import QkvError
+from qkv.formats import hf, run_dir
+from qkv.formats.base import FORMATS, Format, Run
+
+__all__ = ["FORMATS", "Format", "Run", "load", "save"]
+
+FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save,
+                              describe="a Hugging Face model dir (config.json with model_type or architectures)"))
+FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=run_dir.save,
+                               describe="a qkv run dir (config.json, tokenizer.json, model.safetensors)"))
+ORDER = ("hf", "run")  # the first whose detect says yes reads the path
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
+    """Read a model from any format qkv knows: its model (eval mode, on `device`), tokenizer and config."""
+    path = Path(path)
+    if not path.exists():
+        raise QkvError(f"{path}: no such run directory or model file")
+    for name in ORDER:
+        if FORMATS.get(name).detect(path):
+            return FORMATS.get(name).load(path, device)
+    if path.is_dir():
+        return run_dir.load(path, device)  # names what a run dir lacks
+    kinds = "; ".join(FORMATS.get(name).describe for name in ORDER)
+    raise QkvError(f"{path}: not a model qkv can read; it reads {kinds}")
+
+
+def save(run: Run, out: str | Path, format: str) -> Path:
+    """Write `run` to `out` in `format` (a name of FORMATS)."""
+    return FORMATS.get(format).save(run, out)

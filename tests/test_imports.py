@@ -1,0 +1,177 @@
+"""The import graph of qkv (docs/ARCHITECTURE.md, "Layers"): no module imports, directly or through others, a
+module that imports it back, and imports sit at the top of their module except the few listed below, each
+with its reason.
+
+An import counts wherever it stands (module level or inside a function; only `if TYPE_CHECKING:` imports are
+left out, as they never run), and importing `qkv.a.b` counts as importing the package `qkv.a` too, because
+Python runs `qkv/a/__init__.py` first.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# (importing module, imported module) -> why the import stays inside a function
+LOCAL_IMPORTS = {
+    ("qkv", "qkv.generate.decode"): "the package's lazy attributes: `import qkv` stays light for `qkv --help`",
+    ("qkv", "qkv.models"): "the package's lazy attributes",
+    ("qkv", "qkv.presets"): "the package's lazy attributes",
+    ("qkv", "qkv.formats"): "the package's lazy attributes",
+    ("qkv", "qkv.formats.hf"): "the package's lazy attributes",
+    ("qkv.cli", "qkv.cli.commands"): "start-up time: `qkv CMD` imports the module of its own command group only",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str
+    line: int
+    local: bool  # inside a function
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def qkv_module(name: str, modules: dict[str, Path]) -> str | None:
+    """The module a dotted name lives in (`qkv.nn.kernels.KERNELS` -> `qkv.nn.kernels`)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def targets(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        base = node.module or ""
+        if node.level:
+            parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(parent + ([base] if base else []))
+        return [f"{base}.{alias.name}" for alias in node.names]
+
+    def visit(node, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in targets(child):
+                    module = qkv_module(target, modules) if target.startswith("qkv") else None
+                    if module and module != name:
+                        found.append(Import(name, module, child.lineno, inner))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return found
+
+
+def graph() -> tuple[dict[str, set[str]], list[Import]]:
+    modules = module_names()
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    found = [imp for name, path in modules.items() for imp in imports_of(name, path, modules)]
+    for imp in found:
+        target = imp.imported
+        while target:  # qkv.a.b runs qkv/a/__init__.py first
+            if target in modules and target != imp.importer and not imp.importer.startswith(target + "."):
+                edges[imp.importer].add(target)
+            target = target.rpartition(".")[0]
+    return edges, found
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def connect(root: str) -> None:
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for name in sorted(edges):
+        if name not in index:
+            connect(name)
+    return found
+
+
+def test_the_graph_sees_the_package():
+    edges, found = graph()
+    assert len(edges) > 150 and "qkv.models.build" in edges["qkv.formats.run_dir"]
+    assert any(imp.local for imp in found)  # the listed lazy imports are seen
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    found = cycles(graph()[0])
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_function_local_imports_are_the_listed_ones():
+    local = {(imp.importer, imp.imported): imp for imp in graph()[1] if imp.local}
+    unlisted = sorted(f"{imp.importer}:{imp.line} imports {imp.imported}" for key, imp in local.items()
+                      if key not in LOCAL_IMPORTS)
+    assert not unlisted, "move these imports to the top of their module (or list them with a reason):\n" + \
+        "\n".join(unlisted)
+    assert not set(LOCAL_IMPORTS) - set(local), "listed but gone: " + str(sorted(set(LOCAL_IMPORTS) - set(local)))
+
+
+@pytest.mark.parametrize("module", ["qkv.formats", "qkv.generate", "qkv.evaluate", "qkv.analysis.calc",
+                                    "qkv.serve.server", "qkv.explain"])
+def test_readers_never_import_training(module):
+    """Loading files, generating, evaluating, calculating and serving never need the training loop: no path
+    of imports leads from them to qkv.train or qkv.parallel."""
+    edges = graph()[0]
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(edges[name])
+    assert not {name for name in seen if name.startswith(("qkv.train", "qkv.parallel"))}
