@@ -36,7 +36,7 @@ def check_run(cfg: RunConfig) -> RunConfig:
     for key, registry in NAMED.items():
         section, name = key.split(".")
         registry.check(key, getattr(getattr(cfg, section), name))
-    # auto: the objective of model.arch (qkv.train.objectives.AUTO)
+    # auto: the objective of model.arch (its qkv.models.build.ARCHITECTURES entry)
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
     choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))

@@ -10,16 +10,15 @@ import torch
 import qkv
 from qkv.errors import QkvError
 from qkv.generate import CachedDecoder, PromptTruncatedWarning, Seq2SeqDecoder, beam_search, generate, pad_left
-from qkv.generate.families import FAMILIES
+from qkv.generate.families import PROMPTS
+from qkv.models.build import ARCHITECTURES
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, make_generator, process
-from qkv.models.decoder import DecoderLM
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.kernels import kernel_for
 from qkv.nn.positional import POSITIONALS
 
 POSITIONAL_NAMES = POSITIONALS.names()
-ARCH = {DecoderLM: "decoder", EncoderDecoder: "encoder-decoder"}
-FAMILY_NAMES = [ARCH[cls] for cls in FAMILIES]  # every family generate supports
+FAMILY_NAMES = [name for name in ARCHITECTURES.names() if ARCHITECTURES.get(name).prompt in PROMPTS]  # every family generate supports
 START = 1  # decoder_start of the encoder-decoder tests
 
 

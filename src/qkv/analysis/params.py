@@ -107,7 +107,7 @@ def lm_head(cfg: ModelConfig) -> int:
 
 # ---- one function per architecture family: {component: parameters} ----------------------------
 
-FAMILIES: Registry[Callable[[ModelConfig], dict[str, int]]] = Registry("architecture")
+COUNTS: Registry[Callable[[ModelConfig], dict[str, int]]] = Registry("architecture")
 
 
 def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False) -> dict[str, int]:
@@ -127,7 +127,7 @@ def _embeddings(cfg: ModelConfig, tables: int = 1) -> dict[str, int]:
     return {**parts, "embed_norm": norm(cfg)} if cfg.embed_norm else parts
 
 
-@FAMILIES.register("decoder")
+@COUNTS.register("decoder")
 def decoder(cfg: ModelConfig) -> dict[str, int]:
     return {**_embeddings(cfg), **_stack(cfg, cfg.decoder_layers, ""), "lm_head": lm_head(cfg)}
 
@@ -141,13 +141,13 @@ HEADS: dict[str, Callable[[ModelConfig], int]] = {  # encoder heads (qkv.models.
 }
 
 
-@FAMILIES.register("encoder")
+@COUNTS.register("encoder")
 def encoder(cfg: ModelConfig) -> dict[str, int]:
     """BERT-style stack (note 000 §7) and its head (`model.head`)."""
     return {**_embeddings(cfg), **_stack(cfg, cfg.encoder_layers, ""), "head": HEADS[cfg.head](cfg)}
 
 
-@FAMILIES.register("encoder-decoder")
+@COUNTS.register("encoder-decoder")
 def encoder_decoder(cfg: ModelConfig) -> dict[str, int]:
     """Each stack embeds with its own positional module (and embedding norm); tied, one W_E serves the
     source, the target and the output projection (Vaswani et al. §3.4), untied they are three tables."""
@@ -160,7 +160,7 @@ def encoder_decoder(cfg: ModelConfig) -> dict[str, int]:
 def breakdown(cfg: ModelConfig) -> dict[str, int]:
     """{component: parameters} plus `total`, `non_embedding` (Kaplan et al.'s N: without the token and
     position tables) and `active` (per token: top-k experts of an MoE)."""
-    parts = {name: count for name, count in FAMILIES.get(cfg.arch)(cfg).items()}
+    parts = {name: count for name, count in COUNTS.get(cfg.arch)(cfg).items()}
     total = sum(parts.values())
     ffn_layers = sum(n // ffn(cfg) for name, n in parts.items() if name.endswith("ffn"))
     unused = ffn_layers * (ffn(cfg) - active_ffn(cfg))  # the experts a token is not routed to

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from qkv.errors import QkvError
+from qkv.models.build import architecture_of
 
 
 def to_numpy(model: nn.Module, dtype=np.float64) -> dict[str, np.ndarray]:
@@ -47,12 +48,10 @@ def torch_forward(model: nn.Module, inputs, attention_mask=None):
     """Call a model of any family with NumPy inputs: `inputs` is the ids array or a tuple (ids,),
     (ids, token_type_ids) for an encoder, (src_ids, tgt_ids) for an encoder-decoder, whose attention_mask
     is None or the pair (src_mask, tgt_mask); the same convention as qkv.ref.loss_and_grads."""
-    from qkv.models.encoder_decoder import EncoderDecoder
-
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     tensor = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
     tensors = [tensor(a) for a in inputs]
-    if isinstance(model, EncoderDecoder):  # (src, tgt, src_mask, tgt_mask)
+    if architecture_of(model).prompt == "source":  # (src, tgt, src_mask, tgt_mask)
         masks = attention_mask if attention_mask is not None else (None, None)
         return model(*tensors, *(tensor(m) for m in masks))
     return model(tensors[0], tensor(attention_mask), *tensors[1:])  # (ids, mask[, token_type_ids])

@@ -8,10 +8,10 @@ import types
 
 from qkv.generate.decode import (CachedDecoder, Hypothesis, PromptTruncatedWarning, beam_search, generate,
                                  pad_left)
-from qkv.generate.families import FAMILIES, Seq2SeqDecoder
+from qkv.generate.families import PROMPTS, Seq2SeqDecoder
 from qkv.generate.sampling import PROCESSORS, STRATEGIES, SamplingParams, SamplingState, Strategy
 
-__all__ = ["CachedDecoder", "FAMILIES", "Hypothesis", "PROCESSORS", "PromptTruncatedWarning", "STRATEGIES",
+__all__ = ["CachedDecoder", "PROMPTS", "Hypothesis", "PROCESSORS", "PromptTruncatedWarning", "STRATEGIES",
            "SamplingParams", "SamplingState", "Seq2SeqDecoder", "Strategy", "beam_search", "generate", "pad_left"]
 
 

@@ -5,7 +5,7 @@ The prompt is fed once (prefill), then one token per call; every call appends it
 to a preallocated cache, so step t costs O(t) attention instead of a forward over all t tokens.
 With a local kernel (window w) the cache rolls: it keeps the last w columns only (qkv.nn.cache).
 
-One API for every family, dispatched on the model's class (qkv.generate.families.FAMILIES):
+One API for every family, dispatched on the `prompt` of the model's architecture (qkv.generate.families.PROMPTS):
 
     generate(decoder_lm, prompt_ids, ...)                          -> (B, T + new)  the prompt, then new tokens
     generate(encoder_decoder, src_ids, ..., decoder_start=BOS,
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.generate.families import CachedDecoder, Prompt, PromptTruncatedWarning, family_of  # noqa: F401
+from qkv.generate.families import CachedDecoder, Prompt, PromptTruncatedWarning, prompt_feeder  # noqa: F401
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, Strategy, make_generator, process
 from qkv.nn.hooks import has_hooks
 
@@ -152,7 +152,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, str
     if chosen.choose is None and (on_token is not None or stop_if is not None):
         raise QkvError("on_token and stop_if act step by step; beam search settles its tokens only at the end")
     one_row = torch.as_tensor(input_ids).dim() == 1
-    prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
+    prompt = prompt_feeder(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
     device = prompt.ids.device
     stop = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
     with torch.inference_mode(), eval_mode(model), decoding_linears(model):
@@ -259,7 +259,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, 
     up to `num_beams` hypotheses, best score first."""
     params = SamplingParams(repetition_penalty=repetition_penalty).validate()
     beams = BeamConfig(num_beams, length_penalty, early_stopping).validate()
-    prompt = family_of(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
+    prompt = prompt_feeder(model)(model, input_ids, attention_mask, max_new_tokens, decoder_start)
     if prompt.ids.shape[0] != 1:
         raise QkvError(f"beam_search takes one prompt, got {prompt.ids.shape[0]}; generate(strategy='beam') "
                        "takes a batch")

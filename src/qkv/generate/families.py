@@ -33,9 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.models.decoder import DecoderLM
+from qkv.models.build import ARCHITECTURES, architecture_of
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import rolling_window
+from qkv.registry import Registry
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -94,23 +95,18 @@ class Prompt:
     open: Callable[[int], Decoder]  # max_len -> a fresh cached decoder for the batch (runs the encoder)
 
 
-Family = Callable[[nn.Module, Tensor, "Tensor | None", int, "int | None"], Prompt]
-FAMILIES: dict[type, Family] = {}  # model class -> family; subclasses inherit their base's entry
+PromptFeeder = Callable[[nn.Module, Tensor, "Tensor | None", int, "int | None"], Prompt]
+PROMPTS: Registry[PromptFeeder] = Registry("prompt")  # the `prompt` of a model's qkv.models.build.Architecture
 
 
-def family(model_class: type) -> Callable[[Family], Family]:
-    def register(fn: Family) -> Family:
-        FAMILIES[model_class] = fn
-        return fn
-    return register
-
-
-def family_of(model: nn.Module) -> Family:
-    for cls in type(model).__mro__:
-        if cls in FAMILIES:
-            return FAMILIES[cls]
-    names = ", ".join(cls.__name__ for cls in FAMILIES)
-    raise QkvError(f"generate supports {names} models; got a {type(model).__name__}")
+def prompt_feeder(model: nn.Module) -> PromptFeeder:
+    """How `generate` feeds `model` its prompt: its architecture's entry says which PROMPTS entry."""
+    kind = architecture_of(model).prompt
+    if kind is None:
+        writers = [cls.__name__ for name in ARCHITECTURES.names() if ARCHITECTURES.get(name).prompt
+                   for cls in ARCHITECTURES.get(name).classes]
+        raise QkvError(f"generate supports {', '.join(writers)} models; got a {type(model).__name__}")
+    return PROMPTS.get(kind)
 
 
 def context_limit(model: nn.Module) -> int | None:
@@ -120,7 +116,7 @@ def context_limit(model: nn.Module) -> int | None:
     return None if rolls and model.positional.shift_invariant else model.max_seq_len
 
 
-@family(DecoderLM)
+@PROMPTS.register("continue")
 def decoder_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int,
                    decoder_start: int | None) -> Prompt:
     if decoder_start is not None:
@@ -130,7 +126,7 @@ def decoder_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     return Prompt(ids, model_ids, model_mask, max_new, lambda max_len: CachedDecoder(model, ids.shape[0], max_len))
 
 
-@family(EncoderDecoder)
+@PROMPTS.register("source")
 def seq2seq_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int,
                    decoder_start: int | None) -> Prompt:
     if decoder_start is None:

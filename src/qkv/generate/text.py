@@ -16,7 +16,7 @@ import torch
 from qkv.data.tokenizer import StreamDecoder, Tokenizer
 from qkv.errors import QkvError
 from qkv.generate.decode import generate
-from qkv.models.encoder_decoder import EncoderDecoder
+from qkv.models.build import architecture_of
 from qkv.formats.base import Run
 
 
@@ -69,7 +69,7 @@ def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, 
     device = next(run.model.parameters()).device
     # a language model continues [end-of-text] + prompt; an encoder-decoder reads the prompt as its source
     # and writes a new text from the start token, exactly as the seq2seq objective trains it
-    seq2seq = isinstance(run.model, EncoderDecoder)
+    seq2seq = architecture_of(run.model).prompt == "source"
     source = tokenizer.encode(prompt) if seq2seq else [tokenizer.eos_id] + tokenizer.encode(prompt)
     if not source:
         raise QkvError("an encoder-decoder needs a non-empty --prompt: it is the source text")

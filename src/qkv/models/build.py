@@ -2,6 +2,7 @@
 the modules, which themselves take plain arguments."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
@@ -25,7 +26,20 @@ from qkv.nn.moe import MoE
 from qkv.nn.residual import RESIDUALS, sublayer_norm
 from qkv.registry import Registry
 
-ARCHITECTURES: Registry[Callable[[ModelConfig], nn.Module]] = Registry("architecture")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family (model.arch): how to build it, and everything other places ask of it."""
+
+    build: Callable[[ModelConfig], nn.Module]
+    classes: tuple[type, ...]  # what it builds: a finished model is told by its class (architecture_of)
+    objective: str  # what train.objective=auto trains (qkv.train.objectives)
+    prompt: str | None  # how generate feeds it (qkv.generate.families.PROMPTS); None: it writes no text
+    embeds: bool  # its hidden states are the text's embedding (qkv serve's /v1/embeddings)
+
+
+ARCHITECTURES: Registry[Architecture] = Registry("architecture")
 HEADS: Registry[Callable[[ModelConfig, Encoder], nn.Module]] = Registry("encoder head")  # model.head
 
 
@@ -47,12 +61,21 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Check `cfg`, build the model and initialise it with `cfg.init`."""
     check_model(cfg)
-    model = ARCHITECTURES.get(cfg.arch)(cfg)
+    model = ARCHITECTURES.get(cfg.arch).build(cfg)
     depth = cfg.encoder_layers if cfg.arch == "encoder" else cfg.decoder_layers
     INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=depth)
     if getattr(model, "bigram_emb", None) is not None:
         nn.init.zeros_(model.bigram_emb.weight)  # every scheme: the bigram table starts as no change (modded-nanogpt)
     return model
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """The entry of a finished model (by its class, or a base class of it)."""
+    for name in ARCHITECTURES.names():
+        if isinstance(model, ARCHITECTURES.get(name).classes):
+            return ARCHITECTURES.get(name)
+    raise QkvError(f"a {type(model).__name__} is not a qkv model; qkv builds "
+                   f"{', '.join(cls.__name__ for n in ARCHITECTURES.names() for cls in ARCHITECTURES.get(n).classes)}")
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -107,7 +130,6 @@ def final_norm(cfg: ModelConfig) -> nn.Module:
     return norm(cfg) if RESIDUALS.get(cfg.norm_placement).final_norm else nn.Identity()
 
 
-@ARCHITECTURES.register("decoder")
 def decoder(cfg: ModelConfig) -> DecoderLM:
     tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
     lm_head = (SoftCapHead(cfg.d_model, cfg.vocab_size, cap=cfg.logit_softcap) if cfg.logit_softcap else
@@ -133,7 +155,6 @@ def encoder_stack(cfg: ModelConfig, tok_emb: nn.Embedding) -> Encoder:
                    embed_scale=cfg.embed_scale)
 
 
-@ARCHITECTURES.register("encoder")
 def encoder(cfg: ModelConfig) -> nn.Module:
     return HEADS.get(cfg.head)(cfg, encoder_stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model)))
 
@@ -161,7 +182,6 @@ def classifier_head(cfg: ModelConfig, stack: Encoder) -> EncoderClassifier:
     return EncoderClassifier(stack, head)
 
 
-@ARCHITECTURES.register("encoder-decoder")
 def encoder_decoder(cfg: ModelConfig) -> EncoderDecoder:
     """Vaswani et al. §3.4: with tie_embeddings one W_E serves the source and target embeddings and the
     output projection."""
@@ -174,3 +194,11 @@ def encoder_decoder(cfg: ModelConfig) -> EncoderDecoder:
                           blocks=[block(cfg, cross=True) for _ in range(cfg.decoder_layers)],
                           final_norm=final_norm(cfg), lm_head=lm_head, dropout=cfg.dropout,
                           max_seq_len=cfg.max_seq_len, embed_norm=embed_norm(cfg), embed_scale=cfg.embed_scale)
+
+
+ARCHITECTURES.register("decoder")(Architecture(
+    build=decoder, classes=(DecoderLM,), objective="lm", prompt="continue", embeds=False))
+ARCHITECTURES.register("encoder")(Architecture(
+    build=encoder, classes=(Encoder, EncoderMLM, EncoderClassifier), objective="mlm", prompt=None, embeds=True))
+ARCHITECTURES.register("encoder-decoder")(Architecture(
+    build=encoder_decoder, classes=(EncoderDecoder,), objective="seq2seq", prompt="source", embeds=False))

@@ -24,7 +24,7 @@ from qkv.ref.attention import MEMORY_GRAD, AttentionContext
 from qkv.ref.functional import (Grads, activation_backward, activation_forward, linear_backward,
                                 linear_forward, scope)
 from qkv.ref.kernels import KERNELS
-from qkv.ref.model import (ARCHITECTURES, Family, check_supported, embed_backward, embed_forward, make_context,
+from qkv.ref.model import (ARCHITECTURES, RefArchitecture, check_supported, embed_backward, embed_forward, make_context,
                            output_name, owner, stack_backward, stack_forward)
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
@@ -164,7 +164,7 @@ def encoder_backward(dout, cache) -> dict:
     return grads.store
 
 
-ARCHITECTURES.register("encoder")(Family(encoder_forward, encoder_backward))
+ARCHITECTURES.register("encoder")(RefArchitecture(encoder_forward, encoder_backward))
 
 
 def cross_context(cfg, positions, src_mask, memory_len: int) -> AttentionContext:
@@ -214,4 +214,4 @@ def encoder_decoder_backward(dlogits, cache) -> dict:
     return grads.store
 
 
-ARCHITECTURES.register("encoder-decoder")(Family(encoder_decoder_forward, encoder_decoder_backward))
+ARCHITECTURES.register("encoder-decoder")(RefArchitecture(encoder_decoder_forward, encoder_decoder_backward))

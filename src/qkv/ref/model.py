@@ -7,7 +7,7 @@ accumulates every parameter gradient with += (llm.c's train_gpt2.c; STYLE.md 3).
     logits = LN(H^L) W_out         (§2.3; W_out = W_E when tied), backward §3.2
     loss = CE(logits, y)           (§2.4), backward (P - onehot) / N (§3.1)
 
-`ARCHITECTURES.get(cfg.arch)` gives a `Family(forward, backward)`: "decoder" here, "encoder" (bare, MLM,
+`ARCHITECTURES.get(cfg.arch)` gives a `RefArchitecture(forward, backward)`: "decoder" here, "encoder" (bare, MLM,
 classifier heads) and "encoder-decoder" in qkv.ref.encoder, built from the same pieces (embedding, stack,
 output projection). A family's cache is a dict whose "blocks" lists every block cache (for the MoE loss).
 """
@@ -29,12 +29,12 @@ from qkv.ref.positional import POSITIONALS
 from qkv.registry import Registry
 
 
-class Family(NamedTuple):
+class RefArchitecture(NamedTuple):
     forward: Callable  # (params, cfg, input_ids, attention_mask=None, aux_weight=0.0) -> (logits, cache)
     backward: Callable  # (dlogits, cache) -> grads, keyed by the torch parameter names
 
 
-ARCHITECTURES: Registry[Family] = Registry("architecture")
+ARCHITECTURES: Registry[RefArchitecture] = Registry("architecture")
 
 
 def check_supported(cfg) -> None:
@@ -192,7 +192,7 @@ def decoder_backward(dlogits: np.ndarray, cache) -> dict:
     return grads.store
 
 
-ARCHITECTURES.register("decoder")(Family(decoder_forward, decoder_backward))
+ARCHITECTURES.register("decoder")(RefArchitecture(decoder_forward, decoder_backward))
 
 
 def aux_loss(cache) -> float:

@@ -33,7 +33,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from qkv.data.tokenizer import Tokenizer
-from qkv.models.heads import POOLINGS, EncoderClassifier, EncoderMLM
+from qkv.models.build import architecture_of
+from qkv.models.heads import POOLINGS
 from qkv.formats.base import Run
 from qkv.serve import api
 from qkv.serve.api import ApiError, Completion
@@ -61,7 +62,7 @@ class Served:
 
     @property
     def encoder(self) -> bool:
-        return isinstance(self.run.model, (EncoderMLM, EncoderClassifier))
+        return architecture_of(self.run.model).embeds
 
 
 def error(exc: ApiError) -> JSONResponse:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from qkv.generate.decode import decoding_linears, eval_mode
 from qkv.generate.families import Seq2SeqDecoder
 from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_generator, process
-from qkv.models.encoder_decoder import EncoderDecoder
+from qkv.models.build import architecture_of
 from qkv.nn.cache import KVCache
 
 
@@ -101,7 +101,7 @@ class Engine:
     def __init__(self, model: nn.Module, *, max_batch: int = 16, max_queue: int = 64, threads: int | None = None):
         """`threads`: torch's intra-op threads on the engine's thread (None: torch's default; see THREADS)."""
         self.model, self.max_batch, self.max_queue, self.threads = model, max_batch, max_queue, threads
-        self.seq2seq = isinstance(model, EncoderDecoder)
+        self.seq2seq = architecture_of(model).prompt == "source"
         self.waiting: deque[Job] = deque()
         self.rows: list[Job] = []  # the running batch, in cache row order
         self.admitting: Job | None = None  # the job being prefilled, between the queue and the batch

@@ -5,8 +5,7 @@ import time
 from pathlib import Path
 
 from qkv.errors import QkvError
-from qkv.models.encoder_decoder import EncoderDecoder
-from qkv.models.heads import EncoderClassifier, EncoderMLM
+from qkv.models.build import architecture_of
 from qkv.formats.base import Run
 from qkv.serve import api
 from qkv.serve.app import Served, make_app
@@ -17,9 +16,9 @@ from qkv.serve.engine import THREADS, Engine
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
                  api_key: str | None, threads: int | None = None) -> Served:
     model = run.model
-    context = model.max_seq_len if not isinstance(model, (EncoderMLM, EncoderClassifier)) else \
-        run.config.model.max_seq_len
-    seq2seq = isinstance(model, EncoderDecoder)
+    architecture = architecture_of(model)
+    context = run.config.model.max_seq_len if architecture.embeds else model.max_seq_len
+    seq2seq = architecture.prompt == "source"
     limit = context - 1  # a decoder needs a prompt token; an encoder-decoder's decoder its start token
     limits = api.Limits(context=context, vocab=run.tokenizer.vocab_size,
                         max_tokens=min(limit, max_tokens or limit), seq2seq=seq2seq)

@@ -26,14 +26,12 @@ from qkv.data.mlm import MLMBatches
 from qkv.data.seq2seq import Seq2SeqBatches
 from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError
+from qkv.models.build import ARCHITECTURES
 from qkv.nn.hooks import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.train import classify, transduction
 from qkv.train.parallel import unwrapped
-
-AUTO = {"decoder": "lm", "encoder": "mlm", "encoder-decoder": "seq2seq"}
-
 
 def token_streams(cfg, tokenizer: Tokenizer | None):
     """The data of the token-stream objectives: qkv.data.sources.prepare_data (a fixed tokenizer or a trained one)."""
@@ -110,7 +108,7 @@ OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("enc
 
 def name_for(cfg) -> str:
     """The objective a RunConfig trains: train.objective, or the architecture's own for auto."""
-    return AUTO[cfg.model.arch] if cfg.train.objective == "auto" else cfg.train.objective
+    return ARCHITECTURES.get(cfg.model.arch).objective if cfg.train.objective == "auto" else cfg.train.objective
 
 
 def for_run(cfg) -> Objective:
