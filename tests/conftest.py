@@ -28,7 +28,7 @@ def tiny_cfg() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def verified() -> list[dict]:
-    """`qkv verify --json` once per session (about 15 s): tests/test_verify.py reads the command's output,
+    """`qkv verify --json` once per session (about 15 s): tests/claims/test_verify.py reads the command's output,
     tests/claims/ checks each claim's measured figures against closed forms of its own."""
     import json
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from qkv.config import RunConfig, choice
 from qkv.data.corpus import BUNDLED_CORPORA, SPELLINGS
-from qkv.data.seq2seq import TASKS as SEQ2SEQ_TASKS
+from qkv.data.seq2seq import SEQ2SEQ_TASKS
 from qkv.data.sources import SPLITS
 from qkv.models.build import check_model
 from qkv.errors import QkvError
 from qkv.registry import Registry
 from qkv.train.objectives import OBJECTIVES
 from qkv.train.optim import OPTIMIZERS
-from qkv.train.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from qkv.train.pipeline import PIPELINE_SCHEDULES
 from qkv.train.schedules import LR_SCALING, SCHEDULES
 
 NAMED: dict[str, Registry] = {  # section.field -> the registry that names its choices (model: check_model)

@@ -233,7 +233,7 @@ class DataConfig:
     spelling: str = "modern"  # modern | first-folio (bundled corpus only)
     vocab_size: int = 2048  # BPE vocabulary to train; the model's V comes from the trained tokenizer
     val_fraction: float = 0.1  # user corpora: held-out share (whole documents where there are several)
-    seq2seq_task: str = "next-line"  # objective seq2seq: next-line | reverse | folio (qkv.data.seq2seq.TASKS)
+    seq2seq_task: str = "next-line"  # objective seq2seq: next-line | reverse | folio (qkv.data.seq2seq.SEQ2SEQ_TASKS)
     # bundled corpus: standard (corpus.VALIDATION_WORKS) | genre (qkv.data.genres) | folio (qkv.data.folio)
     split: str = "standard"
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from qkv.data.seq2seq import IGNORE, Seq2SeqBatches, TASKS, collate, line_spans
+from qkv.data.seq2seq import IGNORE, Seq2SeqBatches, SEQ2SEQ_TASKS, collate, line_spans
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 
@@ -21,9 +21,9 @@ def test_lines_are_the_non_empty_runs_between_breaks():
 def test_tasks():
     tokens = np.array([1, 2, NL, 3, 4, 5])
     spans = line_spans(tokens, [NL])
-    src, tgt = TASKS.get("next-line")(tokens, spans, 0)
+    src, tgt = SEQ2SEQ_TASKS.get("next-line")(tokens, spans, 0)
     assert (src.tolist(), tgt.tolist()) == ([1, 2], [3, 4, 5])
-    src, tgt = TASKS.get("reverse")(tokens, spans, 1)
+    src, tgt = SEQ2SEQ_TASKS.get("reverse")(tokens, spans, 1)
     assert (src.tolist(), tgt.tolist()) == ([3, 4, 5], [5, 4, 3])
 
 

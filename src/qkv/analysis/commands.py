@@ -157,7 +157,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from qkv import verify
+    from qkv.claims import verify
 
     results = verify.run(args.claim)
     print(json.dumps(results) if args.json else verify.table(results))

@@ -1,6 +1,6 @@
 """Recording what a model computes, from outside the model (STYLE.md 12: no output flags in forward).
 
-`attention_maps(model, ids)` uses qkv.nn.kernels.record_attention, which swaps every attention layer's
+`attention_maps(model, ids)` uses record_attention, which swaps every attention layer's
 kernel (a plain function attribute of qkv.nn.attention.Attention) for one that forms the explicit
 A = softmax(Q K^T / sqrt(d_k) + M) (note 000 §14.1) that layer's kernel computes, and restores them.
 
@@ -9,11 +9,38 @@ A = softmax(Q K^T / sqrt(d_k) + M) (note 000 §14.1) that layer's kernel compute
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
 from qkv.nn.attention import Attention
-from qkv.nn.kernels import record_attention
+from qkv.nn.kernels import recording_kernel, weights_for
+
+
+@contextlib.contextmanager
+def record_attention(model: torch.nn.Module) -> Iterator[list]:
+    """Record the attention weights of every attention layer (note 000 §14; SPEC A9), without flags:
+
+        with record_attention(model) as maps:
+            model(ids)
+        maps[layer]  # (B, H, T, S) weights of the layer-th attention module (model.modules() order) in its
+                     # latest call; cross-attention modules count as layers too
+
+    Each layer's kernel is swapped for one that forms the weights its own kernel computes (the sparse
+    kinds with their pattern, linear attention its normalised feature-map products) and restored after.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    records: list = [None] * len(layers)
+    saved = [layer.kernel for layer in layers]
+    for slot, layer in enumerate(layers):
+        layer.kernel = recording_kernel(weights_for(layer.kernel_name, window=layer.window), records, slot)
+    try:
+        yield records
+    finally:
+        for layer, kernel in zip(layers, saved):
+            layer.kernel = kernel
 
 
 def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
@@ -24,7 +51,7 @@ def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
 def attention_maps(model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor | None = None
                    ) -> dict[str, torch.Tensor]:
     """{layer name: (H, T, S)} for one sequence (1, T) through a decoder or encoder (an encoder-decoder
-    also takes target_ids), recorded by qkv.nn.kernels.record_attention (each layer's kernel swapped for
+    also takes target_ids), recorded by record_attention (each layer's kernel swapped for
     one that also forms A)."""
     model.eval()
     names = [name for name, _ in attention_layers(model)]  # model.modules() order, as the records

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from qkv.analysis.measure import count_flops
-from qkv.claims import Result, claim, status
+from qkv.claims.base import Result, claim, status
 from qkv.nn.kernels import naive
 
 F64 = torch.float64

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qkv.claims import Result, claim, status
+from qkv.claims.base import Result, claim, status
 
 F64 = torch.float64
 

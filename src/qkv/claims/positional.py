@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from qkv.claims import Result, claim, status
+from qkv.claims.base import Result, claim, status
 from qkv.nn.positional import Rotary, sinusoidal_table
 
 F64 = torch.float64

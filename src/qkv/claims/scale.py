@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from qkv.analysis import flops, memory, params, scaling
-from qkv.claims import Result, claim, status
+from qkv.claims.base import Result, claim, status
 
 GB = 1e9
 

@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from qkv.claims import Result, claim, status
+from qkv.claims.base import Result, claim, status
 
 F64 = torch.float64
 

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from qkv.data.tokenizer import PAD, Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
 from qkv.registry import Registry
 
@@ -43,7 +44,7 @@ class Task:
         return self.pair(tokens, spans, index)
 
 
-TASKS: Registry[Task] = Registry("seq2seq task")
+SEQ2SEQ_TASKS: Registry[Task] = Registry("seq2seq task")
 
 
 def line_spans(tokens: np.ndarray, break_ids: Sequence[int]) -> np.ndarray:
@@ -76,9 +77,9 @@ def before_separator(tokens: np.ndarray, spans: np.ndarray, separator_ids: np.nd
     return np.flatnonzero(np.isin(tokens[ends], separator_ids) & (spans[1:, 0] == ends + 1))
 
 
-TASKS.register("next-line")(Task(next_line, all_but_last))
-TASKS.register("reverse")(Task(reverse_line, all_but_last))
-TASKS.register("folio")(Task(next_line, before_separator, separated=True))
+SEQ2SEQ_TASKS.register("next-line")(Task(next_line, all_but_last))
+SEQ2SEQ_TASKS.register("reverse")(Task(reverse_line, all_but_last))
+SEQ2SEQ_TASKS.register("folio")(Task(next_line, before_separator, separated=True))
 
 
 def pad_right(rows: Sequence[np.ndarray], fill: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +113,7 @@ class Seq2SeqBatches:
                  rank: int = 0, world: int = 1):
         if seq_len < 2:
             raise QkvError(f"seq2seq needs seq_len >= 2 (BOS + one target token), got {seq_len}")
-        self.task, self.make = task, TASKS.get(task)
+        self.task, self.make = task, SEQ2SEQ_TASKS.get(task)
         separators = np.asarray(list(separator_ids), dtype=np.int64)
         breaks = [*break_ids, *separators.tolist()] if self.make.separated else break_ids
         self.tokens, self.spans = tokens, line_spans(tokens, breaks)
@@ -149,3 +150,15 @@ class Seq2SeqBatches:
                            f"{(self.task, self.seq_len, self.batch_size)}")
         self._rng.bit_generator.state = state["bit_generator"]
         self.drawn = int(state["batches"])
+
+
+def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int,
+                    seed: int) -> Seq2SeqBatches:
+    """The seq2seq objective's batches of a token stream: line pairs cut at the tokens that hold a line
+    break (and, for task folio, a tab), BOS = EOS = the end-of-text token, padding with [PAD]."""
+    tokenizer = needs_tokenizer(tokenizer, "seq2seq")
+    breaks = [i for i, data in enumerate(tokenizer.token_bytes) if b"\n" in data] + [tokenizer.eos_id]
+    separators = [i for i, data in enumerate(tokenizer.token_bytes) if b"\t" in data]  # task folio
+    return Seq2SeqBatches(tokens, cfg.train.seq_len, batch_size, seed, task=cfg.data.seq2seq_task,
+                          break_ids=breaks, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id,
+                          pad_id=tokenizer.special_id(PAD), separator_ids=separators)

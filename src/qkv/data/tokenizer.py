@@ -177,3 +177,9 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is held back (an incomplete character becomes U+FFFD); the decoder is then empty."""
         return self._utf8.decode(b"", final=True)
+
+
+def needs_tokenizer(tokenizer: Tokenizer | None, name: str) -> Tokenizer:
+    if tokenizer is None:
+        raise QkvError(f"objective {name!r} needs the run's tokenizer for its special tokens")
+    return tokenizer

@@ -167,32 +167,6 @@ def recording_kernel(weights: Callable[..., Tensor], records: list, slot: int) -
     return kernel
 
 
-@contextlib.contextmanager
-def record_attention(model: torch.nn.Module) -> Iterator[list]:
-    """Record the attention weights of every attention layer (note 000 §14; SPEC A9), without flags:
-
-        with record_attention(model) as maps:
-            model(ids)
-        maps[layer]  # (B, H, T, S) weights of the layer-th attention module (model.modules() order) in its
-                     # latest call; cross-attention modules count as layers too
-
-    Each layer's kernel is swapped for one that forms the weights its own kernel computes (the sparse
-    kinds with their pattern, linear attention its normalised feature-map products) and restored after.
-    """
-    from qkv.nn.attention import Attention  # attention imports this module
-
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    records: list = [None] * len(layers)
-    saved = [layer.kernel for layer in layers]
-    for slot, layer in enumerate(layers):
-        layer.kernel = recording_kernel(weights_for(layer.kernel_name, window=layer.window), records, slot)
-    try:
-        yield records
-    finally:
-        for layer, kernel in zip(layers, saved):
-            layer.kernel = kernel
-
-
 KERNELS.register("naive")(KernelSpec(fn=naive, weights=attention_weights,
                                      backward_scores=lambda T, S: 2 * T * S))  # dA and dS
 KERNELS.register("sdpa")(KernelSpec(fn=sdpa, weights=attention_weights, keeps_probabilities=False,

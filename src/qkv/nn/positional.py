@@ -177,5 +177,3 @@ class ALiBi(Positional):
         distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().float()  # (B, T, S)
         return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, T, S)
 
-
-from qkv.nn import relative  # noqa: E402,F401  (Shaw, Transformer-XL, T5: registered there)

@@ -27,6 +27,11 @@ Muon (with AdamW for the non-matrix parameters), global-norm clipping, gradient 
 from qkv.ref.model import ARCHITECTURES, backward, forward, loss_and_grads
 from qkv.ref.train import train_ref, train_step
 
+# The package is assembled here: each of these registers its entries when imported, so importing any module
+# of qkv.ref imports them all: the relative encodings into ref.positional.POSITIONALS, the "encoder" and
+# "encoder-decoder" architectures into ref.model.ARCHITECTURES, the layer cases into ref.gradcheck.CASES.
+from qkv.ref import relative, encoder, cases, cases_relative  # noqa: E402,F401,I001
+
 # What the reference engine does not do, each with the reason (also in docs/DEVIATIONS.md).
 UNSUPPORTED = {
     "dropout > 0": "the reference engine is deterministic; torch's dropout RNG cannot be reproduced",

@@ -224,6 +224,3 @@ def flash_matches_naive(n: int = 33, d: int = 8, block: int = 8, seed: int = 0) 
     diffs = [np.abs(a - b).max() for a, b in zip(naive_backward(dout, cache_n)[:3], flash_backward(dout, cache_f)[:3])]
     return {"forward": float(np.abs(out_n - out_f).max()), "backward": float(max(diffs))}
 
-
-from qkv.ref import cases as _cases  # noqa: E402,F401  (registers the layer cases)
-from qkv.ref import cases_relative as _cases_relative  # noqa: E402,F401

@@ -223,5 +223,3 @@ def loss_and_grads(params: dict, cfg, input_ids, targets: np.ndarray, *, attenti
         grads.setdefault(name, np.zeros_like(value))
     return ce + aux_weight * aux_loss(cache), grads, logits
 
-
-from qkv.ref import encoder as _encoder  # noqa: E402,F401  (registers "encoder" and "encoder-decoder")

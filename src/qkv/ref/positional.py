@@ -142,5 +142,3 @@ class ALiBi(Positional):
         distance = np.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(np.float64)  # (B, T, S)
         return -alibi_slopes(self.cfg.n_heads)[None, :, None, None] * distance[:, None]  # (B, H, T, S)
 
-
-from qkv.ref import relative  # noqa: E402,F401  (Shaw, Transformer-XL, T5: registered there)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
+from qkv.train.fused import fused_applies
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
@@ -97,8 +99,6 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw(self, group: dict) -> None:
         """torch's own AdamW update (torch.optim.adamw.adamw, fused where it applies) on this group."""
-        from qkv.train.optim import fused_applies  # optim registers this module's optimizer: imported late
-
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]

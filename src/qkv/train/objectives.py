@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from qkv.data.dataset import Batches
 from qkv.data.mlm import MLMBatches
-from qkv.data.seq2seq import Seq2SeqBatches
-from qkv.data.tokenizer import MASK, PAD, Tokenizer
+from qkv.data.seq2seq import seq2seq_batches
+from qkv.data.tokenizer import MASK, PAD, Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
 from qkv.models.build import ARCHITECTURES
 from qkv.nn.hooks import has_hooks
@@ -80,16 +80,6 @@ def mlm_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float
     return head_cross_entropy(head.decoder, head.features(hidden), targets, label_smoothing)
 
 
-def seq2seq_batches(tokens: np.ndarray, tokenizer: Tokenizer | None, cfg, *, batch_size: int,
-                    seed: int) -> Seq2SeqBatches:
-    tokenizer = needs_tokenizer(tokenizer, "seq2seq")
-    breaks = [i for i, data in enumerate(tokenizer.token_bytes) if b"\n" in data] + [tokenizer.eos_id]
-    separators = [i for i, data in enumerate(tokenizer.token_bytes) if b"\t" in data]  # task folio
-    return Seq2SeqBatches(tokens, cfg.train.seq_len, batch_size, seed, task=cfg.data.seq2seq_task,
-                          break_ids=breaks, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id,
-                          pad_id=tokenizer.special_id(PAD), separator_ids=separators)
-
-
 def seq2seq_loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
     src, src_mask, tgt_in, tgt_mask, labels = batch  # (B, S), (B, S), (B, T), (B, T), (B, T)
     hidden, lm_head = model(src, tgt_in, src_mask, tgt_mask, head=False), unwrapped(model).lm_head  # (B, T, D)
@@ -123,12 +113,6 @@ def for_run(cfg) -> Objective:
         raise QkvError(f"train.seq_warmup_steps={cfg.train.seq_warmup_steps}: train.objective={name!r} has no "
                        f"position-wise batches to shorten; the sequence-length warmup needs lm or mlm")
     return objective
-
-
-def needs_tokenizer(tokenizer: Tokenizer | None, name: str) -> Tokenizer:
-    if tokenizer is None:
-        raise QkvError(f"objective {name!r} needs the run's tokenizer for its special tokens")
-    return tokenizer
 
 
 @torch.no_grad()

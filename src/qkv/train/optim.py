@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from qkv.registry import Registry
+from qkv.train.fused import fused_applies
+from qkv.train.muon import muon  # its own module: the Newton-Schulz iteration and the update
 
 OPTIMIZERS: Registry[Callable[..., torch.optim.Optimizer]] = Registry("optimizer")
 
@@ -25,17 +27,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-FUSED_DEVICES = ("cpu", "cuda")
-
-
-def fused_applies(groups: list[dict]) -> bool:
-    """torch's fused Adam/AdamW kernel takes plain floating-point tensors on CPU or CUDA (a pipeline's meta
-    parameters of other stages never get a gradient, so never reach it)."""
-    params = [p for group in groups for p in group["params"] if not p.is_meta]  # meta: another stage's, no step
-    return bool(params) and all(type(p) in (nn.Parameter, torch.Tensor) and p.is_floating_point()
-                                and p.device.type in FUSED_DEVICES for p in params)
 
 
 @OPTIMIZERS.register("adamw")
@@ -59,7 +50,5 @@ def sgd(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """SGD with momentum beta1 and coupled L2 decay."""
     return torch.optim.SGD(parameter_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.beta1)
 
-
-from qkv.train.muon import muon  # noqa: E402  (its own module: the Newton-Schulz iteration and the update)
 
 OPTIMIZERS.register("muon")(muon)

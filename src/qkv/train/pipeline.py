@@ -53,9 +53,9 @@ from qkv.train.stages import Stage, StagedForward, release, retie
 
 # parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
 # package takes over a second to import, and a config check only needs the names)
-SCHEDULES: Registry[str] = Registry("pipeline schedule")
-SCHEDULES.register("gpipe")("ScheduleGPipe")
-SCHEDULES.register("1f1b")("Schedule1F1B")
+PIPELINE_SCHEDULES: Registry[str] = Registry("pipeline schedule")
+PIPELINE_SCHEDULES.register("gpipe")("ScheduleGPipe")
+PIPELINE_SCHEDULES.register("1f1b")("Schedule1F1B")
 
 
 def validate(cfg: RunConfig, dp: int = 1) -> None:
@@ -130,7 +130,7 @@ class Pipeline:
         self.named = list(model.named_parameters())  # after the wrap: FSDP2's sharded parameters
         self.params = [p for _, p in self.named]
         self.weight = 1.0 / (pc.microbatches * tc.accumulation)  # each micro-batch's share of the step
-        self.schedule = getattr(pipelining, SCHEDULES.get(pc.schedule))(
+        self.schedule = getattr(pipelining, PIPELINE_SCHEDULES.get(pc.schedule))(
             self.stage, n_microbatches=pc.microbatches, loss_fn=self.micro_loss, scale_grads=False)
 
     @property

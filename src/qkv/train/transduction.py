@@ -18,7 +18,7 @@ from torch import nn
 
 from qkv.data.corpus import read_documents
 from qkv.data.dataset import encode_stream
-from qkv.data.seq2seq import Pair, pad_right
+from qkv.data.seq2seq import Pair, pad_right, seq2seq_batches
 from qkv.data.tokenizer import PAD, Tokenizer
 from qkv.errors import QkvError
 from qkv.train.chrf import chrf, exact
@@ -30,8 +30,6 @@ ROWS = 50  # sources per generate call
 
 def held_out_pairs(tokens: np.ndarray, tokenizer: Tokenizer, cfg) -> list[Pair]:
     """(source, target) pairs of a token stream, evenly spread, cut as the training batches cut them."""
-    from qkv.train.objectives import seq2seq_batches
-
     sampler = seq2seq_batches(tokens, tokenizer, cfg, batch_size=1, seed=0)
     T, count = cfg.train.seq_len, min(MAX_PAIRS, cfg.train.eval_batches * cfg.train.batch_size)
     return [(src[:T], tgt[:T - 1]) for src, tgt in sampler.pairs(count)]

@@ -3,7 +3,7 @@ the notes' errors reported as `corrected`, the JSON fields and the readable tabl
 
 import pytest
 
-from qkv import verify
+from qkv.claims import verify
 from qkv.claims import load_all
 from tests.analysis import run_cli
 

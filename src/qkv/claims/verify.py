@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from qkv.claims import load_all
 from qkv.errors import QkvError
 
 STATUSES = ("holds", "corrected", "fails")
@@ -35,8 +36,6 @@ def _jsonable(value):
 
 
 def run_one(number: int) -> dict:
-    from qkv.claims import load_all
-
     spec = load_all()[number]
     start = time.perf_counter()
     try:
@@ -51,8 +50,6 @@ def run_one(number: int) -> dict:
 def run(numbers: list[int] | None = None) -> list[dict]:
     """Compute the claims `numbers` (default all, in order) on one torch thread: the tensors are tiny,
     and more threads only add wake-ups on a shared machine."""
-    from qkv.claims import load_all
-
     claims = load_all()
     chosen = sorted(set(numbers)) if numbers else sorted(claims)
     unknown = [n for n in chosen if n not in claims]
