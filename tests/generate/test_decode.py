@@ -296,21 +296,8 @@ def test_beam_search_matches_transformers_gpt2(length_penalty, early_stopping):
             assert hyp.score == pytest.approx(float(score), rel=1e-6, abs=1e-5)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 4), (0, 1), (3, 50)])  # 150 rows > max_rows
-def test_decoding_linear_equals_nn_linear(bias, shape):
-    from qkv.generate.decode import DecodingLinear
-
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(16, 40, bias=bias)
-    x = torch.randn(*shape, 16)
-    out = DecodingLinear(layer)(x)
-    torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
-    assert out.is_contiguous()
-
-
 def test_decoding_linears_swap_shares_parameters_and_put_back():
-    from qkv.generate.decode import DecodingLinear, decoding_linears
+    from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
     model = tiny_model()
     layers = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}

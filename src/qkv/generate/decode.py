@@ -34,13 +34,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.generate.families import CachedDecoder, Prompt, PromptTruncatedWarning, prompt_feeder  # noqa: F401
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, Strategy, make_generator, process
-from qkv.nn.hooks import has_hooks
+from qkv.nn.decoding_linear import decoding_linears
 
 OnToken = Callable[[int, Tensor], None]
 StopIf = Callable[[Tensor], Tensor]  # (B, n) new tokens so far -> (B,) bool: stop these rows now
@@ -69,57 +68,6 @@ def eval_mode(model: nn.Module):
     finally:
         for module, training in modes:
             module.training = training
-
-
-class DecodingLinear(nn.Module):
-    """nn.Linear for a decoding step's few rows on CPU: y^T = W x^T + b, with W kept (out, in) as it is.
-
-    A decoding step multiplies every weight matrix by a few rows (the batch, or its beams), with weights
-    that do not fit in cache, so its time is the time to read W. On these machines torch's CPU product
-    x W^T (nn.Linear's form) reads W at 4.5-5.2 GB/s for 2-16 rows and 8.8 GB/s for one; the same product
-    taken as W x^T (W on the left, x^T a transposed view) reads it at 5-11 GB/s (benchmarks/decode_kernels.py,
-    one step of the benchmark GPT-2: 1 row 6.2 -> 5.4 ms, 2 rows 11.9 -> 5.4 ms, 8 rows 10.7 -> 7.2 ms; equal
-    at 128 rows). One row is widened to two with a zero row: a single column falls back to a matrix-vector
-    kernel as slow as nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path. The
-    parameters stay registered under the layer's own names (state_dict unchanged); nothing is copied.
-    """
-
-    max_rows = 64
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # (out, in), (out,) or None
-        # plain attributes as well: read on every call without nn.Module's __getattr__
-        object.__setattr__(self, "w", linear.weight)
-        object.__setattr__(self, "b", None if linear.bias is None else linear.bias[:, None])  # (out, 1)
-
-    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-        rows = flat.shape[0]
-        if rows > self.max_rows:
-            return F.linear(x, self.w, self.bias)
-        if rows == 1:
-            flat = torch.cat((flat, torch.zeros_like(flat)))  # (2, in)
-        y = torch.mm(self.w, flat.t()) if self.b is None else torch.addmm(self.b, self.w, flat.t())  # (out, rows)
-        return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
-
-
-@contextmanager
-def decoding_linears(model: nn.Module):
-    """Swap every nn.Linear of a CPU model for a DecodingLinear for the duration; put them back afterwards.
-
-    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
-    """
-    swapped = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and type(child.weight) is nn.Parameter
-               and child.weight.device.type == "cpu" and not has_hooks(child)]
-    try:
-        for parent, name, child in swapped:
-            setattr(parent, name, DecodingLinear(child))
-        yield model
-    finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
 
 
 def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int = 128, strategy: str = "greedy", *,

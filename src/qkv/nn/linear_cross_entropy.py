@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.hooks import has_hooks, is_dtensor
+from qkv.nn.fastpath import has_hooks, is_dtensor
 
 IGNORE = -100
 CHUNK_ELEMENTS = 2 ** 21  # logits per chunk: 8 MiB of fp32

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.generate.decode import decoding_linears, eval_mode
+from qkv.generate.decode import eval_mode
+from qkv.nn.decoding_linear import decoding_linears
 from qkv.generate.families import Seq2SeqDecoder
 from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_generator, process
 from qkv.models.build import architecture_of

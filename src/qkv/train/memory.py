@@ -60,7 +60,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """Bytes this rank holds of the weights, their gradients and the optimizer's per-parameter states:
     a sharded (DTensor) tensor counts its local shard, a pipeline's meta parameter nothing, a ZeRO-1
     optimizer its own partition; scalar step counters are left out (qkv calc counts them as 0)."""
-    from qkv.nn.hooks import is_dtensor
+    from qkv.nn.fastpath import is_dtensor
 
     def size(tensor) -> int:
         tensor = tensor.to_local() if is_dtensor(tensor) else tensor

@@ -27,7 +27,7 @@ from qkv.data.seq2seq import seq2seq_batches
 from qkv.data.tokenizer import MASK, PAD, Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
 from qkv.models.build import ARCHITECTURES
-from qkv.nn.hooks import has_hooks
+from qkv.nn.fastpath import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.train import classify, transduction

@@ -30,7 +30,7 @@ from torch import nn
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
-from qkv.nn.hooks import is_dtensor
+from qkv.nn.fastpath import is_dtensor
 from qkv.nn.block import Block
 from qkv.nn.moe import MoE
 from qkv.train.memory import apply_activation_checkpointing

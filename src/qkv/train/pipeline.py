@@ -45,7 +45,7 @@ from qkv import files
 from qkv.analysis.params import stage_layers  # the split, shared with the calculator
 from qkv.config import RunConfig
 from qkv.errors import QkvError
-from qkv.nn.hooks import is_dtensor
+from qkv.nn.fastpath import is_dtensor
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.registry import Registry
 from qkv.train.precision import autocast

@@ -1,10 +1,10 @@
-"""qkv.nn.hooks: the questions the fast paths ask before bypassing a module's call."""
+"""qkv.nn.fastpath: the questions the fast paths ask before bypassing a module's call."""
 import sys
 
 import torch
 from torch import nn
 
-from qkv.nn.hooks import has_hooks, is_dtensor
+from qkv.nn.fastpath import has_hooks, is_dtensor
 
 
 def test_has_hooks_sees_every_kind_of_hook():

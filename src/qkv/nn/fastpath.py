@@ -1,4 +1,4 @@
-"""What the fast paths ask before they bypass the general one.
+"""The guards of the fast paths: what they ask before they bypass the general path.
 
 `has_hooks`: the fast paths that bypass a module's call (the chunked head + loss, the decoding layers) step
 aside for a module with hooks, so that its hooks still run. `is_dtensor`: a tensor sharded by tensor

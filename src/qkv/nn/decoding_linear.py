@@ -1,0 +1,61 @@
+"""The linear layer of a decoding step on CPU (DecodingLinear), swapped in from outside for the duration of
+a generate call or a serving step (qkv.nn.swap)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.nn.fastpath import has_hooks
+from qkv.nn.swap import swapped
+
+
+class DecodingLinear(nn.Module):
+    """nn.Linear for a decoding step's few rows on CPU: y^T = W x^T + b, with W kept (out, in) as it is.
+
+    A decoding step multiplies every weight matrix by a few rows (the batch, or its beams), with weights
+    that do not fit in cache, so its time is the time to read W. On these machines torch's CPU product
+    x W^T (nn.Linear's form) reads W at 4.5-5.2 GB/s for 2-16 rows and 8.8 GB/s for one; the same product
+    taken as W x^T (W on the left, x^T a transposed view) reads it at 5-11 GB/s (benchmarks/decode_kernels.py,
+    one step of the benchmark GPT-2: 1 row 6.2 -> 5.4 ms, 2 rows 11.9 -> 5.4 ms, 8 rows 10.7 -> 7.2 ms; equal
+    at 128 rows). One row is widened to two with a zero row: a single column falls back to a matrix-vector
+    kernel as slow as nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path. The
+    parameters stay registered under the layer's own names (state_dict unchanged); nothing is copied.
+    """
+
+    max_rows = 64
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # (out, in), (out,) or None
+        # plain attributes as well: read on every call without nn.Module's __getattr__
+        object.__setattr__(self, "w", linear.weight)
+        object.__setattr__(self, "b", None if linear.bias is None else linear.bias[:, None])  # (out, 1)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
+        flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+        rows = flat.shape[0]
+        if rows > self.max_rows:
+            return F.linear(x, self.w, self.bias)
+        if rows == 1:
+            flat = torch.cat((flat, torch.zeros_like(flat)))  # (2, in)
+        y = torch.mm(self.w, flat.t()) if self.b is None else torch.addmm(self.b, self.w, flat.t())  # (out, rows)
+        return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
+
+
+@contextmanager
+def decoding_linears(model: nn.Module):
+    """Swap every nn.Linear of a CPU model for a DecodingLinear for the duration; put them back afterwards.
+
+    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
+    """
+    with swapped(model, decodes_faster, DecodingLinear):
+        yield model
+
+
+def decodes_faster(name: str, module: nn.Module) -> bool:
+    """A plain nn.Linear with a CPU weight and no hooks: the layers DecodingLinear may stand in for."""
+    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter
+            and module.weight.device.type == "cpu" and not has_hooks(module))

@@ -1,0 +1,56 @@
+"""qkv.nn.swap: layers of a finished model replaced from outside, by qualified name, and put back."""
+import pytest
+import torch
+from torch import nn
+
+import qkv
+from qkv.nn.swap import places, swap, swapped
+
+
+class Scaled(nn.Module):
+    """A stand-in layer: the wrapped linear's output times 2 (so a swap is visible in the logits)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return 2 * self.inner(x)
+
+
+def tiny():
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_seq_len=16)
+    return qkv.build_model(cfg).eval()
+
+
+def test_places_are_picked_by_qualified_name():
+    model = tiny()
+    names = [name for _, _, name, _ in places(model, lambda name, m: name.endswith("attn.q_proj"))]
+    assert names == ["blocks.0.attn.q_proj", "blocks.1.attn.q_proj"]
+    assert all(dict(model.named_modules())[name] is module
+               for _, _, name, module in places(model, lambda name, m: isinstance(m, nn.Linear)))
+
+
+def test_swapped_changes_the_output_and_puts_every_module_back_after_an_error():
+    model = tiny()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = model(ids)
+    originals = dict(model.named_modules())
+    pick = lambda name, m: name.endswith("lm_head")  # noqa: E731
+    with pytest.raises(RuntimeError), swapped(model, pick, Scaled):
+        torch.testing.assert_close(model(ids), 2 * before, rtol=0, atol=1e-5)  # logits = h W^T, doubled
+        raise RuntimeError("a failing step")
+    assert all(dict(model.named_modules())[name] is module for name, module in originals.items())
+    assert torch.equal(model(ids), before)
+
+
+def test_swap_is_for_good_and_returns_what_it_replaced():
+    model = tiny()
+    ids = torch.tensor([[5, 6, 7]])
+    before = model(ids)
+    replaced = swap(model, lambda name, m: name == "lm_head", Scaled)
+    assert [name for name, _ in replaced] == ["lm_head"] and type(model.lm_head) is Scaled
+    assert model.lm_head.inner is replaced[0][1]
+    torch.testing.assert_close(model(ids), 2 * before, rtol=0, atol=1e-5)
+    assert swap(model, lambda name, m: False, Scaled) == []
