@@ -47,7 +47,7 @@ def status(field: str) -> int:
 
 
 def local_bytes(tensors) -> int:
-    from qkv.train.parallel import is_dtensor
+    from qkv.parallel.layout import is_dtensor
 
     return sum((t.to_local() if is_dtensor(t) else t).nbytes for t in tensors if t is not None)
 

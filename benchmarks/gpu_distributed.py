@@ -6,7 +6,7 @@ For one GPU and for dp=N with zero 0, 1, 2, 3 it launches torchrun with N proces
 (bf16 autocast, fp32 master weights, AdamW; activation checkpointing with --checkpointing) for --steps steps
 on random tokens and reports torch.cuda.max_memory_allocated over the timed steps, next to
 `qkv calc`'s figures for the same setup (qkv.analysis.memory.training), and tokens/s of the whole job with
-its ratio to one GPU (ideal: N). NCCL is chosen automatically on CUDA (qkv.train.parallel.setup).
+its ratio to one GPU (ideal: N). NCCL is chosen automatically on CUDA (qkv.parallel.layout.setup).
 Without at least two CUDA GPUs it says so and exits 2; on CPU use benchmarks/distributed.py.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training stack: activation checkpointing (memory and time) and mixed precision (loss curves).
 
-1. Activation checkpointing (qkv.train.memory) on a configuration where activations dominate: T = 1024,
+1. Activation checkpointing (qkv.parallel.memory) on a configuration where activations dominate: T = 1024,
    D = 128, L = 4, H = 4, F = 512, B = 4, V = 256, fp32, AdamW. Each variant runs in a fresh subprocess:
    - kept MiB: bytes the autograd graph keeps for the backward after the forward (saved-tensor hooks),
    - peak MiB: growth of the process's peak RSS (ru_maxrss) over one whole training step (forward, backward,
@@ -47,7 +47,7 @@ def child(variant: str) -> dict:
     """One variant, measured in this (fresh) process."""
     import qkv
     from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.train.memory import apply_activation_checkpointing
+    from qkv.parallel.memory import apply_activation_checkpointing
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def timing_child(repeats: int) -> dict:
     so that the load of other processes hits them alike; the fastest of `repeats` per variant."""
     import qkv
     from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.train.memory import apply_activation_checkpointing
+    from qkv.parallel.memory import apply_activation_checkpointing
 
     torch.set_num_threads(1)
     cfg = qkv.ModelConfig(vocab_size=VOCAB, d_model=WIDTH, n_heads=HEADS, n_layers=LAYERS, d_ff=FFN,

@@ -99,8 +99,8 @@ class FullLogits(torch.nn.Module):
 
 
 def peer_bits_per_char(model, stoi: dict, text: str) -> float:
-    """qkv eval's own sliding-window scorer (qkv.train.evaluate.score_tokens) over the characters."""
-    from qkv.train.evaluate import score_tokens
+    """qkv eval's own sliding-window scorer (qkv.evaluate.tokens.score_tokens) over the characters."""
+    from qkv.evaluate.tokens import score_tokens
 
     ids = np.array([stoi[c] for c in text], dtype=np.int64)
     block = model.config.block_size

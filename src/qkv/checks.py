@@ -16,8 +16,8 @@ from qkv.errors import QkvError
 from qkv.registry import Registry
 from qkv.train.objectives import OBJECTIVES
 from qkv.train.optim import OPTIMIZERS
-from qkv.train.pipeline import PIPELINE_SCHEDULES
-from qkv.train.schedules import LR_SCALING, SCHEDULES
+from qkv.parallel.pipeline import PIPELINE_SCHEDULES
+from qkv.schedules import LR_SCALING, SCHEDULES
 
 NAMED: dict[str, Registry] = {  # section.field -> the registry that names its choices (model: check_model)
     "train.schedule": SCHEDULES,

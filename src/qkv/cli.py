@@ -198,7 +198,8 @@ def cmd_train(args) -> int:
 
 
 def train_into(args, out: Path, cfg, log) -> int:
-    from qkv.train import job, objectives, reference
+    from qkv.models.build import objective_of
+    from qkv.train import job, reference
 
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
@@ -221,7 +222,7 @@ def train_into(args, out: Path, cfg, log) -> int:
         print(summary_line(summary))
     else:
         print(describe(summary))
-    if not args.no_sample and objectives.name_for(cfg) == "lm":  # only a language model continues text
+    if not args.no_sample and objective_of(cfg) == "lm":  # only a language model continues text
         print(sample(trainer, cfg))
     return 0
 
@@ -284,7 +285,7 @@ def sample(trainer, cfg, max_new_tokens: int = 200) -> str:
 
 def cmd_eval(args) -> int:
     from qkv.formats import load
-    from qkv.train import evaluators
+    from qkv.evaluate import runs as evaluators
 
     run = load(args.run)
     result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
@@ -294,7 +295,7 @@ def cmd_eval(args) -> int:
 
 def cmd_classify(args) -> int:
     from qkv.formats import load
-    from qkv.train.classify import classify_text
+    from qkv.evaluate.classify import classify_text
 
     run = load(args.run)
     require_objective(run, "classify", ("classify",))
@@ -356,9 +357,9 @@ def cmd_generate(args) -> int:
 
 
 def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
-    from qkv.train.objectives import name_for
+    from qkv.models.build import objective_of
 
-    objective = name_for(run.config)
+    objective = objective_of(run.config)
     if objective not in supported:
         raise QkvError(f"qkv {command} supports {' and '.join(supported)} runs; {run.path} is a "
                        f"model.arch={run.config.model.arch!r} run (objective {objective!r})")

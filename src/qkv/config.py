@@ -24,7 +24,7 @@ from qkv.config_values import (MAX_VOCAB, _at_least, _finite_and_bounded, _no_un
 from qkv.errors import QkvError
 from qkv.files import read_json
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.train.precision.autocast)
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.parallel.precision.autocast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,11 +174,11 @@ class TrainConfig:
     objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
     init: str = ""  # a run (qkv or HF dir) whose weights, all but the head, start this one (qkv.train.finetune)
-    # batch size (note 000 LLM §10.2; qkv.train.schedules): rows ramp linearly from batch_warmup_start to
+    # batch size (note 000 LLM §10.2; qkv.schedules): rows ramp linearly from batch_warmup_start to
     # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
     batch_warmup_steps: int = 0
     batch_warmup_start: int = 1
-    # sequence length (Li et al. 2022's sequence-length warmup; qkv.train.schedules): each step's first
+    # sequence length (Li et al. 2022's sequence-length warmup; qkv.schedules): each step's first
     # cols(step) columns, seq_warmup_start, 2 x seq_warmup_start, ... up to seq_len over seq_warmup_steps (0: off)
     seq_warmup_steps: int = 0
     seq_warmup_start: int = 64
@@ -255,7 +255,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
-    schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b (qkv.train.pipeline)
+    schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b (qkv.parallel.pipeline)
     microbatches: int = 4  # pp > 1: micro-batches per batch, at least pp
 
     def validate(self) -> "ParallelConfig":

@@ -186,3 +186,28 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise QkvError(f"{path}: cannot write ({exc.strerror or exc}); nothing was written") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Flatten an optimizer's state to `optim.{index}.{key}` tensors plus JSON param groups."""
+    import torch
+
+    sd = optimizer.state_dict()
+    tensors = {}
+    for index, entry in sd["state"].items():
+        for key, value in entry.items():
+            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
+    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, groups
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise QkvError(f"optimizer state does not match the model ({exc})") from None

@@ -41,9 +41,9 @@ def test_the_trained_model_has_the_tokenizer_vocabulary():
 
 
 def test_the_calculators_schedules_are_the_pipelines():
-    """qkv calc's in-flight rule per schedule names exactly the schedules qkv.train.pipeline runs."""
+    """qkv calc's in-flight rule per schedule names exactly the schedules qkv.parallel.pipeline runs."""
     from qkv.analysis.memory import IN_FLIGHT
-    from qkv.train.pipeline import PIPELINE_SCHEDULES
+    from qkv.parallel.pipeline import PIPELINE_SCHEDULES
 
     assert sorted(IN_FLIGHT) == sorted(PIPELINE_SCHEDULES.names())
     assert [IN_FLIGHT["1f1b"](8, 4, s) for s in range(4)] == [4, 3, 2, 1] and IN_FLIGHT["gpipe"](8, 4, 3) == 8

@@ -17,13 +17,13 @@ from qkv.data.dataset import Batches
 from qkv.formats.params import to_numpy
 from qkv.ref.optim import OPTIMIZERS
 from qkv.ref.train import learning_rate, train_ref, train_step
-from qkv.train.schedules import SCHEDULES
+from qkv.schedules import SCHEDULES
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def torch_loop_lr(step, tc, total):
-    """The schedule the torch loop (qkv.train.loop) uses: qkv.train.schedules, shared by both engines."""
+    """The schedule the torch loop (qkv.train.loop) uses: qkv.schedules, shared by both engines."""
     return SCHEDULES.get(tc.schedule)(step, lr=tc.lr, min_lr=tc.min_lr, warmup=tc.warmup_steps, total=total, d_model=32)
 
 

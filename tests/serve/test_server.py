@@ -1,7 +1,7 @@
 """`qkv serve` (qkv.serve.server, with its engine behind the app) against the real `openai` client on 127.0.0.1.
 
 Oracles: `qkv generate`'s text (qkv.generate.text.generate_text) for the same prompt and settings, alone;
-`qkv eval`'s per-token log-likelihoods (qkv.train.evaluate.score_tokens) for echo; one uncached forward for
+`qkv eval`'s per-token log-likelihoods (qkv.evaluate.tokens.score_tokens) for echo; one uncached forward for
 logprobs; transformers' generate for a served HF dir. Capacity (429), disconnects, SIGTERM and bad options
 are the server's; tests/serve/test_app.py has the routes, errors and embeddings."""
 import json
@@ -21,8 +21,8 @@ import torch
 import qkv
 from qkv.generate.text import generate_text
 from qkv.serve.chat import DEFAULT_STOP
-from qkv.train.evaluate import score_tokens
-from qkv.train.scoring import text_tokens
+from qkv.evaluate.tokens import score_tokens
+from qkv.evaluate.scoring import text_tokens
 from tests.serve.live import Live, write_run
 
 PROMPTS = ["the cat", "the dog ran", "where", "on the mat, said", "the", "said the dog.\n", "cat? on", "mat"]

@@ -1,6 +1,6 @@
 """One torchrun launch (2 processes, gloo) for tests/train/test_rank_memory.py and benchmarks/rank_memory.py:
 every rank trains one step of each layout of LAYOUTS with the Trainer and records what it holds
-(qkv.train.memory.state_bytes): the weights at the end of the forward (a step's peak: FSDP2's units are
+(qkv.parallel.memory.state_bytes): the weights at the end of the forward (a step's peak: FSDP2's units are
 gathered then), the gradients after the backward and the optimizer states after the update.
 
 Then one step of each of PEAK_LAYOUTS (16 sequences of 64 tokens: activations matter) inside
@@ -24,9 +24,9 @@ import torch
 from qkv import presets
 from qkv.analysis.measure import LiveBytes, optimizer_tensors
 from qkv.data.sources import prepare_data
-from qkv.train import parallel
+from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
-from qkv.train.memory import state_bytes
+from qkv.parallel.memory import state_bytes
 
 LAYOUTS = {  # name: settings, 2 ranks each
     "zero0": ["parallel.dp=2"], "zero1": ["parallel.dp=2", "parallel.zero=1"],

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.models.build import build_model
 from qkv.nn.linear_cross_entropy import cross_entropy, vocab_parallel_loss
-from qkv.train import pipeline, tensor_parallel
+from qkv.parallel import pipeline
+from qkv.parallel import tensor as tensor_parallel
 from qkv.train.objectives import lm_loss
 
 LR, CLIP = 1e-2, 1.0

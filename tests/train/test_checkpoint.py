@@ -30,7 +30,7 @@ def train_steps(model, optimizer, steps: int, seed: int = 0) -> list[float]:
 
 
 def save_set(run_dir, model, optimizer, step: int) -> None:
-    tensors, groups = checkpoint.optimizer_tensors(optimizer)
+    tensors, groups = files.optimizer_tensors(optimizer)
     checkpoint.save(run_dir, model, tensors, {"step": step, "optimizer": groups})
 
 
@@ -39,7 +39,7 @@ def load_set(run_dir, cfg):
     files.load_model_tensors(model, files.read_tensors(run_dir / MODEL_FILE), "test")
     optimizer = OPTIMIZERS.get("adamw")(model, TC)
     tensors, state = checkpoint.load_state(run_dir)
-    checkpoint.load_optimizer(optimizer, tensors, state["optimizer"])
+    files.load_optimizer(optimizer, tensors, state["optimizer"])
     return model, optimizer, state
 
 
@@ -175,5 +175,5 @@ def test_optimizer_state_for_another_model_is_refused(tmp_path, tiny_cfg, two_se
     optimizer = OPTIMIZERS.get("adamw")(other, TC)
     tensors, state = checkpoint.load_state(tmp_path)
     with pytest.raises(QkvError, match="does not match"):
-        checkpoint.load_optimizer(optimizer, tensors, state["optimizer"])
+        files.load_optimizer(optimizer, tensors, state["optimizer"])
     assert (tmp_path / STATE_TENSORS).is_file()

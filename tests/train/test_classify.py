@@ -15,7 +15,7 @@ from qkv.config import ModelConfig
 from qkv.data import genres
 from qkv.errors import QkvError
 from qkv.models import build_model
-from qkv.train import classify
+from qkv.evaluate import classify
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.finetune import load_backbone
 from tests.test_cli import assert_one_error_line, cli

@@ -14,7 +14,7 @@ from qkv import files
 from qkv.errors import QkvError
 from qkv.train import checkpoint
 from qkv.config import RunConfig
-from qkv.train.parallel import Layout
+from qkv.parallel.layout import Layout
 from qkv.train.steps import MicroBatches
 
 

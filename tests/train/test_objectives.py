@@ -18,7 +18,7 @@ from qkv.models import build_model
 from qkv.formats import load
 from qkv.train import objectives
 from qkv.files import MODEL_FILE, read_tensors
-from qkv.train.evaluate import val_loss
+from qkv.evaluate.tokens import val_loss
 from qkv.train.metrics import MetricsLog
 from qkv.train.objectives import OBJECTIVES
 from tests.train import setup_env, verse

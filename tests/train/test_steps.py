@@ -7,7 +7,7 @@ import torch
 from qkv import presets
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import cross_entropy
-from qkv.train.parallel import Layout
+from qkv.parallel.layout import Layout
 from qkv.train.steps import MicroBatches, runner_for
 
 

@@ -56,7 +56,7 @@ def loss(args) -> list[Path]:
 
 def lr(args) -> list[Path]:
     from qkv.analysis.calc import resolve
-    from qkv.train.schedules import SCHEDULES
+    from qkv.schedules import SCHEDULES
 
     cfg = resolve(args.preset, args.config, args.set)
     train = cfg.train

@@ -14,9 +14,9 @@ Note 000 LLM §8.1 counts "Adam 175B x 2 x 2 bytes": fp16 moments and no master 
 ZeRO (Rajbhandari et al. 2020; note 000 LLM §7.3) over N data-parallel GPUs divides by N: stage 1 the
 optimizer states and master weights, stage 2 also the gradients, stage 3 also the weights (qkv's FSDP2
 keeps its root unit, everything outside the blocks, gathered through the step: `root_params`).
-Tensor parallel over t ranks (qkv.train.tensor_parallel) splits the blocks' projections and the
+Tensor parallel over t ranks (qkv.parallel.tensor) splits the blocks' projections and the
 vocabulary-parallel W_E / head by t and replicates norms and positional tables; pipeline parallel over p
-stages (qkv.train.pipeline) gives each rank its layers, the first stage the embedding, the last the final
+stages (qkv.parallel.pipeline) gives each rank its layers, the first stage the embedding, the last the final
 norm and the head (W_E again when tied). The figures are those of the most loaded rank.
 
 Activations are the tensors autograd keeps for the backward pass of qkv's layers (qkv.nn), per layer
@@ -154,7 +154,7 @@ def kernel_spec(cfg: ModelConfig):
 
 def root_params(cfg: ModelConfig, setup: Setup) -> float:
     """Parameters outside the blocks (embeddings, final norm, head; a pipeline stage's own, the larger of
-    the first's and the last's): FSDP2's root unit (qkv.train.parallel.shard_fully), which stays gathered
+    the first's and the last's): FSDP2's root unit (qkv.parallel.layout.shard_fully), which stays gathered
     from the forward into the backward under ZeRO-3 (the head and the loss run on the model's output)."""
     parts = params.breakdown(cfg)
     blocks = sum(n for name, n in parts.items() if name.split(".")[-1] in ("attention", "cross_attention", "ffn", "norms"))

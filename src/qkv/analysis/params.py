@@ -173,7 +173,7 @@ def count(cfg: ModelConfig) -> int:
 
 
 def stage_layers(n_layers: int, stages: int) -> list[range]:
-    """Pipeline parallel's split (qkv.train.pipeline): contiguous blocks per stage, sizes differing by at
+    """Pipeline parallel's split (qkv.parallel.pipeline): contiguous blocks per stage, sizes differing by at
     most one (earlier stages get the extra ones)."""
     bounds = [round(s * n_layers / stages) for s in range(stages + 1)]
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]

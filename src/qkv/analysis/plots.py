@@ -161,8 +161,8 @@ def loss_curves(runs: list[Path], out: Path) -> Path:
 
 
 def lr_schedules(train_cfg, d_model: int, out: Path, names: list[str] | None = None) -> Path:
-    """Every schedule of qkv.train.schedules (or `names`) over train_cfg.max_steps updates."""
-    from qkv.train.schedules import SCHEDULES
+    """Every schedule of qkv.schedules (or `names`) over train_cfg.max_steps updates."""
+    from qkv.schedules import SCHEDULES
 
     names = names or SCHEDULES.names()
     steps = np.arange(train_cfg.max_steps)

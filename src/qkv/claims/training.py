@@ -35,7 +35,7 @@ def _flat_grads(model) -> torch.Tensor:
 def accumulation() -> Result:
     from qkv.config import RunConfig, TrainConfig
     from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.train.parallel import Layout
+    from qkv.parallel.layout import Layout
     from qkv.train.steps import MicroBatches
 
     model, cfg = _tiny_model()
@@ -84,7 +84,7 @@ def data_parallel() -> Result:
         with tempfile.TemporaryDirectory() as tmp:
             start_processes(_dp_rank, args=(DP_RANKS, _free_port(), tmp), nprocs=DP_RANKS, start_method="spawn")
             averaged = load_file(f"{tmp}/grads.safetensors")["grads"]
-        how = f"{DP_RANKS} processes on a gloo group, qkv's DDP wrapper (qkv.train.parallel) and step runner"
+        how = f"{DP_RANKS} processes on a gloo group, qkv's DDP wrapper (qkv.parallel.layout) and step runner"
     diff = (full - averaged).abs().max().item()
     return Result(status(diff < 1e-14), {f"max|DDP gradient over {DP_RANKS} ranks - full batch|": diff},
                   f"{how}, float64, batch 8 split 4 + 4: DDP's all-reduce / K gives every rank "
@@ -117,7 +117,7 @@ def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
 
     from qkv.config import ParallelConfig, RunConfig, TrainConfig
     from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.train.parallel import Layout
+    from qkv.parallel.layout import Layout
     from qkv.train.steps import MicroBatches
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -146,7 +146,7 @@ def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
 @claim(26, "Noam schedule peaks at step = warmup; cosine and linear schedules reach their endpoints",
        "000 §17.2, LLM §4.2, §10.1")
 def schedules() -> Result:
-    from qkv.train.schedules import SCHEDULES
+    from qkv.schedules import SCHEDULES
 
     kw = dict(lr=1.0, min_lr=0.1, warmup=100, total=1000, d_model=512)
     noam = [SCHEDULES.get("noam")(s, **kw) for s in range(1000)]
@@ -159,7 +159,7 @@ def schedules() -> Result:
     ends = [measured[f"{name} lr at step warmup, at the last step"] for name in ("cosine", "linear")]
     ok = (peak + 1 == 100 and abs(noam[peak] - 512 ** -0.5 * 0.1) < 1e-12
           and all(abs(a - 1.0) < 1e-12 and abs(b - 0.1) < 1e-12 for a, b in ends))
-    return Result(status(ok), measured, "qkv.train.schedules, warmup 100 of 1000 steps, lr 1, min_lr 0.1. Steps "
+    return Result(status(ok), measured, "qkv.schedules, warmup 100 of 1000 steps, lr 1, min_lr 0.1. Steps "
                   "count from 0 and s = step + 1, so the first update is not at lr 0 (docs/DEVIATIONS.md); the "
                   "decays end at min_lr on the last update (the notes decay to 0 at t_total).")
 

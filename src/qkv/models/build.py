@@ -78,6 +78,12 @@ def architecture_of(model: nn.Module) -> Architecture:
                    f"{', '.join(cls.__name__ for n in ARCHITECTURES.names() for cls in ARCHITECTURES.get(n).classes)}")
 
 
+def objective_of(cfg) -> str:
+    """The objective a RunConfig trains (its model was trained with): train.objective, or for auto its
+    architecture's own. What `qkv eval`, `generate` and `classify` ask of a run before they use it."""
+    return ARCHITECTURES.get(cfg.model.arch).objective if cfg.train.objective == "auto" else cfg.train.objective
+
+
 def norm(cfg: ModelConfig) -> nn.Module:
     return NORMS.get(cfg.norm)(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 

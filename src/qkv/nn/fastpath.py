@@ -2,7 +2,7 @@
 
 `has_hooks`: the fast paths that bypass a module's call (the chunked head + loss, the decoding layers) step
 aside for a module with hooks, so that its hooks still run. `is_dtensor`: a tensor sharded by tensor
-parallel or FSDP2 (qkv.train.parallel) takes the general path too.
+parallel or FSDP2 (qkv.parallel.layout) takes the general path too.
 """
 from __future__ import annotations
 

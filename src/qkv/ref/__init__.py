@@ -21,7 +21,7 @@ rope, alibi, shaw with key and value terms, xl with u / v / W_R, t5 and t5_causa
 relu6, relu2), FFN (mlp, glu), MHA/GQA/MQA, QK-norm, tied or untied output, bias or not, padding masks; attention kernels
 naive/sdpa, local, dilated, random (BigBird pattern, as masks), linear (O(n) causal/full, explicit form
 with masks, biases or value terms), tiled flash (bias gradients and value terms included); MoE top-k FFN
-with capacity limits and its load-balancing loss; Adam, AdamW, SGD, the schedules of qkv.train.schedules,
+with capacity limits and its load-balancing loss; Adam, AdamW, SGD, the schedules of qkv.schedules,
 Muon (with AdamW for the non-matrix parameters), global-norm clipping, gradient accumulation.
 """
 from qkv.ref.model import ARCHITECTURES, backward, forward, loss_and_grads

@@ -8,7 +8,7 @@ semantics of torch.optim so the two engines train identically:
     Muon            the hidden matrices: B = mu B + G; W -= lr_m (NS5(G + mu B) sqrt(max(1, rows/cols)) + wd W);
                     AdamW for the rest (qkv.train.muon)
 Weight decay applies only to parameters with >= 2 dimensions (matrices), as qkv.train.optim does.
-The learning-rate schedules are qkv.train.schedules (plain Python, shared by both engines).
+The learning-rate schedules are qkv.schedules (plain Python, shared by both engines).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ with no autograd anywhere (SPEC D). One step, as qkv.train.loop.Trainer.step:
     g <- g * min(1, c / (||g||_2 + 1e-6))                     (clipping, LLM §4.3)
     theta <- optimizer(theta, g, lr(step))                    (AdamW by default, LLM §4.1 / §10.3)
 
-lr(step) is qkv.train.schedules.SCHEDULES[train.schedule] with total = `steps`; for "cosine":
+lr(step) is qkv.schedules.SCHEDULES[train.schedule] with total = `steps`; for "cosine":
     lr * (step + 1) / warmup                                          for step < warmup
     min_lr + 0.5 (lr - min_lr) (1 + cos(pi * min(1, (step - warmup) / max(1, steps - 1 - warmup))))   after.
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from qkv.ref.model import loss_and_grads
 from qkv.ref.optim import OPTIMIZERS, clip_grad_norm
-from qkv.train.schedules import schedule_of
+from qkv.schedules import schedule_of
 
 
 def unpack_batch(batch) -> tuple:

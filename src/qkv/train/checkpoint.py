@@ -298,29 +298,6 @@ def load_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return read_tensors(run_dir / STATE_TENSORS), state
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Flatten an optimizer's state to `optim.{index}.{key}` tensors plus JSON param groups."""
-    sd = optimizer.state_dict()
-    tensors = {}
-    for index, entry in sd["state"].items():
-        for key, value in entry.items():
-            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value)
-    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, groups
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
-    state: dict[int, dict] = {}
-    for name, value in tensors.items():
-        if name.startswith("optim."):
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = value
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise QkvError(f"optimizer state does not match the model ({exc})") from None
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -13,7 +13,8 @@ from qkv.config import RunConfig, merge_file
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE, TOKENIZER_FILE
-from qkv.train import finetune, objectives, parallel
+from qkv.train import finetune, objectives
+from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
 
 
@@ -231,7 +232,7 @@ def save_resumed_config(out: Path, cfg: RunConfig) -> None:
 def bits_per_char(trainer: Trainer) -> float | None:
     """The final model's bits per character on the whole validation text (sliding window); None for
     objectives other than lm (an MLM or seq2seq loss is not a per-character code length)."""
-    from qkv.train.evaluate import score_tokens
+    from qkv.evaluate.tokens import score_tokens
 
     if objectives.name_for(trainer.cfg) != "lm":
         return None

@@ -12,9 +12,9 @@ a row double it. The weights and the optimizer stay fp32 (master weights); autoc
 the low precision while softmax, norms and the loss compute in fp32 inside the model.
 
 The Trainer holds the run together; each concern lives beside its kind: the layout's forward and backward
-in its step runner (qkv.train.steps, qkv.train.pipeline), the state, RNG and the resume / save of the
+in its step runner (qkv.train.steps, qkv.parallel.pipeline), the state, RNG and the resume / save of the
 checkpoint set in qkv.train.checkpoint, the skip / stop / spike checks in qkv.train.guards, the learning rate, the batch rows,
-the clock and the time-budget horizon in qkv.train.schedules, the report in qkv.cli.
+the clock and the time-budget horizon in qkv.schedules, the report in qkv.cli.
 """
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ from qkv.data.dataset import Prepared
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import vocab_parallel_loss
 from qkv.nn.moe import MoE, aux_loss
-from qkv.train import checkpoint, objectives, parallel, schedules
+from qkv.train import checkpoint, objectives
+from qkv.parallel import layout as parallel
+from qkv import schedules
 from qkv.train.checkpoint import State, seed_everything
 from qkv.train.guards import DeferredInterrupt, StepGuards
 from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
-from qkv.train.precision import autocast
+from qkv.parallel.precision import autocast
 from qkv.train.steps import runner_for
 
 

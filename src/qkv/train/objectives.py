@@ -26,12 +26,13 @@ from qkv.data.mlm import MLMBatches
 from qkv.data.seq2seq import seq2seq_batches
 from qkv.data.tokenizer import MASK, PAD, Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
-from qkv.models.build import ARCHITECTURES
+from qkv.models.build import objective_of
 from qkv.nn.fastpath import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
-from qkv.train import classify, transduction
-from qkv.train.parallel import unwrapped
+from qkv.evaluate import classify as classify_figures, transduction
+from qkv.train import classify
+from qkv.parallel.layout import unwrapped
 
 def token_streams(cfg, tokenizer: Tokenizer | None):
     """The data of the token-stream objectives: qkv.data.sources.prepare_data (a fixed tokenizer or a trained one)."""
@@ -93,12 +94,10 @@ OBJECTIVES.register("mlm")(Objective(mlm_batches, mlm_loss, ("encoder", "mlm"), 
 OBJECTIVES.register("seq2seq")(Objective(seq2seq_batches, seq2seq_loss, ("encoder-decoder", "none"),
                                          specials=(PAD,), report=transduction.report))
 OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("encoder", "classifier"),
-                                          prepare=classify.prepare_passages, report=classify.report))
+                                          prepare=classify.prepare_passages, report=classify_figures.report))
 
 
-def name_for(cfg) -> str:
-    """The objective a RunConfig trains: train.objective, or the architecture's own for auto."""
-    return ARCHITECTURES.get(cfg.model.arch).objective if cfg.train.objective == "auto" else cfg.train.objective
+name_for = objective_of  # the objective a RunConfig trains (qkv.models.build)
 
 
 def for_run(cfg) -> Objective:

@@ -8,7 +8,7 @@ checkpoint files. Only the steps are the reference engine's.
 from __future__ import annotations
 
 from qkv.errors import QkvError
-from qkv.train import parallel
+from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
 
 

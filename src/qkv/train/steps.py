@@ -13,7 +13,7 @@ A runner has these methods:
 `MicroBatches` serves one process, data parallel (DDP, ZeRO via FSDP2) and tensor parallel: the batch (this
 rank's b / dp rows) in micro-batches of batch_size / accumulation / dp rows, each weighted by its share b_i / b
 (note 000 LLM §10.4: the accumulated gradient is the gradient of the whole batch), communicated once per step.
-The pipeline's runner is qkv.train.pipeline.Pipeline.
+The pipeline's runner is qkv.parallel.pipeline.Pipeline.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.config import RunConfig
-from qkv.train import parallel
+from qkv.parallel import layout as parallel
 
 # backward(module, micro, share) -> (loss, aux), both detached: one micro-batch's forward and backward
 Backward = Callable[[nn.Module, tuple[Tensor, ...], float], tuple[Tensor, Tensor]]
@@ -69,10 +69,10 @@ def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler
     """parallel.pp > 1: this rank's pipeline stage under its schedule (tensor parallel splits the whole
     model first, data parallel wraps the stage); else micro-batches."""
     if layout.pp > 1:
-        from qkv.train.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
+        from qkv.parallel.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
 
         if layout.tp > 1:
-            from qkv.train import tensor_parallel
+            from qkv.parallel import tensor as tensor_parallel
 
             tensor_parallel.apply(model, layout.mesh["tp"], cfg.model, split_logits=False)  # the stage's loss
         return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, tp=layout.tp, scaler=scaler,

@@ -1,11 +1,11 @@
-"""The NumPy bag-of-words softmax regression (qkv.train.baselines): sparse products equal dense ones, the
+"""The NumPy bag-of-words softmax regression (qkv.evaluate.baselines): sparse products equal dense ones, the
 gradient equals finite differences and torch autograd, and gradient descent reaches the optimum (where
 autograd's gradient of the strongly convex objective vanishes)."""
 import numpy as np
 import pytest
 import torch
 
-from qkv.train.baselines import BagOfWords, BowClassifier, Sparse, fit_softmax, majority_rate, objective
+from qkv.evaluate.baselines import BagOfWords, BowClassifier, Sparse, fit_softmax, majority_rate, objective
 
 
 def random_sparse(rng, n=40, f=25, density=0.2) -> Sparse:

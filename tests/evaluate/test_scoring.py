@@ -1,4 +1,4 @@
-"""`qkv eval`'s scoring of a run (qkv.train.scoring): a text that fits the context is scored by one forward
+"""`qkv eval`'s scoring of a run (qkv.evaluate.scoring): a text that fits the context is scored by one forward
 of [eos] + its tokens, every token after the start counted, bits per character = nats / (ln 2 x characters);
 a longer text's sliding windows score each token once, whatever the stride; bad input is one error."""
 import math
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from qkv.errors import QkvError
 from qkv.formats import load
-from qkv.train.scoring import score_run, text_tokens
+from qkv.evaluate.scoring import score_run, text_tokens
 from tests.train import setup_env, trained_run
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallel (qkv.train.pipeline; note 000 LLM §7.2, SPEC C4) on 2 gloo processes against one
+"""Pipeline parallel (qkv.parallel.pipeline; note 000 LLM §7.2, SPEC C4) on 2 gloo processes against one
 process: the same losses over 10 AdamW steps (one case with 2-step accumulation), the same first gradients,
 each rank holding only its stage's parameters and moments, and the whole model and optimizer state gathered
 on rank 0 equal to one process's (fp32, dropout 0); mis-sized layouts exit 2."""
@@ -13,7 +13,8 @@ from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.analysis import params
-from qkv.train import parallel, pipeline
+from qkv.parallel import layout as parallel
+from qkv.parallel import pipeline
 from tests.train.model_parallel_worker import CASES, results
 
 PP_CASES = [name for name, case in CASES.items() if case["mode"] == "pp"]

@@ -7,7 +7,7 @@ import torch
 
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import cross_entropy
-from qkv.train.memory import apply_activation_checkpointing
+from qkv.parallel.memory import apply_activation_checkpointing
 from tests.train.test_loop import trainer
 
 

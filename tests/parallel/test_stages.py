@@ -1,4 +1,4 @@
-"""A pipeline stage's rewrites of the whole model (qkv.train.stages), in one process: `release` frees
+"""A pipeline stage's rewrites of the whole model (qkv.parallel.stages), in one process: `release` frees
 every parameter outside the stage (meta: shape kept, no storage), keeps names, order and ties; `retie`
 points the model's other references to a stage parameter's replacement."""
 import torch
@@ -6,7 +6,7 @@ from torch import nn
 
 from qkv.config import ModelConfig
 from qkv.models import build_model
-from qkv.train.stages import Stage, release, retie
+from qkv.parallel.stages import Stage, release, retie
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=3, d_ff=64, max_seq_len=16)
 

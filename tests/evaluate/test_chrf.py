@@ -1,10 +1,10 @@
-"""chrF (Popović 2015; qkv.train.chrf) against values computed by hand from its definition, and its properties;
+"""chrF (Popović 2015; qkv.evaluate.chrf) against values computed by hand from its definition, and its properties;
 exact-line accuracy."""
 import random
 
 import pytest
 
-from qkv.train.chrf import chrf, exact, statistics
+from qkv.evaluate.chrf import chrf, exact, statistics
 
 
 def f_beta(p: float, r: float, beta: float = 2.0) -> float:

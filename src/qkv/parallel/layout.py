@@ -33,7 +33,7 @@ from qkv.errors import QkvError
 from qkv.nn.fastpath import is_dtensor
 from qkv.nn.block import Block
 from qkv.nn.moe import MoE
-from qkv.train.memory import apply_activation_checkpointing
+from qkv.parallel.memory import apply_activation_checkpointing
 
 if TYPE_CHECKING:  # torch.distributed.tensor and device_mesh take seconds to import: a single process never does
     from torch.distributed.device_mesh import DeviceMesh
@@ -141,11 +141,11 @@ def check_layout(cfg: RunConfig, world: int) -> None:
     if pc.pp > 1 and layers is not None and pc.pp > layers:
         raise QkvError(f"parallel.pp={pc.pp} is larger than model.n_layers={layers}: each stage needs a layer")
     if pc.tp > 1:
-        from qkv.train import tensor_parallel
+        from qkv.parallel import tensor as tensor_parallel
 
         tensor_parallel.validate(cfg.model, pc.tp)
     if pc.pp > 1:
-        from qkv.train import pipeline
+        from qkv.parallel import pipeline
 
         pipeline.validate(cfg, pc.dp)
 
@@ -180,9 +180,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
     """Tensor parallel, activation checkpointing, then data parallel (torchtitan's order). Returns the
     module to call in the training forward: the DDP wrapper, or `model` itself (FSDP2 and tensor parallel
     change it in place). Parameter names never change. The pipeline split (parallel.pp) is done by
-    qkv.train.pipeline before this, on each stage's module (`tensor=False`: the whole model is already split)."""
+    qkv.parallel.pipeline before this, on each stage's module (`tensor=False`: the whole model is already split)."""
     if layout.tp > 1 and tensor:
-        from qkv.train import tensor_parallel
+        from qkv.parallel import tensor as tensor_parallel
 
         tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
     if cfg.train.activation_checkpointing:
@@ -277,7 +277,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                          layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """(tensors `optim.{index}.{key}`, JSON param groups) as a single process's optimizer writes them, on
     rank 0 ({} and [] elsewhere): index i is the i-th parameter of the groups in order. Collective."""
-    from qkv.train.checkpoint import optimizer_tensors
+    from qkv.files import optimizer_tensors
 
     if not layout.distributed:
         return optimizer_tensors(optimizer)
@@ -301,7 +301,7 @@ def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, tens
                         groups: list[dict], layout: Layout) -> None:
     """Load a single-process-format optimizer state (see full_optimizer_state) into any layout; every rank
     reads the same files. DDP and ZeRO-1 take it as it is (ZeRO-1 keeps its own partition)."""
-    from qkv.train.checkpoint import load_optimizer
+    from qkv.files import load_optimizer
 
     if layout.zero < 2 and layout.tp == 1:
         return load_optimizer(optimizer, tensors, groups)

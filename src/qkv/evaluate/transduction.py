@@ -5,7 +5,7 @@ train.eval_batches x train.batch_size pairs (the number the validation loss sees
 evenly over the validation text's pairs (qkv.data.seq2seq.Seq2SeqBatches.pairs,
 cut to train.seq_len as in training) are translated by beam search (BEAMS beams, length penalty 1, at most
 train.seq_len new tokens, the tokenizer's end-of-text ending a line) and compared as text with their targets
-(qkv.train.chrf). The copy baseline outputs each source unchanged: for modern -> First Folio it is the
+(qkv.evaluate.chrf). The copy baseline outputs each source unchanged: for modern -> First Folio it is the
 score of doing nothing, which a model has to beat to have learnt any spelling.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from qkv.data.dataset import encode_stream
 from qkv.data.seq2seq import Pair, pad_right, seq2seq_batches
 from qkv.data.tokenizer import PAD, Tokenizer
 from qkv.errors import QkvError
-from qkv.train.chrf import chrf, exact
+from qkv.evaluate.chrf import chrf, exact
 
 MAX_PAIRS = 1000
 BEAMS = 4

@@ -1,4 +1,4 @@
-"""A seq2seq run's held-out figures (qkv.train.transduction): on a tiny learnable fixture of "modern<TAB>folio"
+"""A seq2seq run's held-out figures (qkv.evaluate.transduction): on a tiny learnable fixture of "modern<TAB>folio"
 lines, training through `qkv train --preset folio` moves chrF and exact-line accuracy past the copy-the-input
 baseline; `qkv eval` reports the same figures and `qkv generate` writes the Folio spelling by beam search."""
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from qkv.cli import main
 from qkv.data.corpus import read_documents, split_documents
-from qkv.train.chrf import chrf, exact
+from qkv.evaluate.chrf import chrf, exact
 from tests.train import setup_env
 
 # a spelling for each word, as the Folio prints it; three words are spelled alike

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from qkv.data.dataset import Batches
 from qkv.models import build_model
-from qkv.train.evaluate import score_tokens, val_loss
+from qkv.evaluate.tokens import score_tokens, val_loss
 
 SEQ = 12
 

@@ -22,21 +22,21 @@ from qkv.data.sources import split
 from qkv.data.tokenizer import MASK
 from qkv.errors import QkvError
 from qkv.registry import Registry
+from qkv.evaluate.classify import check_data, score_model
 from qkv.formats.base import Run
+from qkv.models.build import objective_of
 
 EVALUATORS: Registry[Callable[[Run, list[str], int | None], dict]] = Registry("evaluator")
 MLM_EVAL_SEED = 0  # the masks of `qkv eval` on an MLM run: the same at every call
 
 
 def evaluate(run: Run, data_paths: list[str], stride: int | None = None) -> dict:
-    from qkv.train.objectives import name_for
-
-    return EVALUATORS.get(name_for(run.config))(run, data_paths, stride)
+    return EVALUATORS.get(objective_of(run.config))(run, data_paths, stride)
 
 
 @EVALUATORS.register("lm")
 def lm(run: Run, data_paths: list[str], stride: int | None) -> dict:
-    from qkv.train.scoring import score_run
+    from qkv.evaluate.scoring import score_run
 
     return score_run(run, data_paths, stride)
 
@@ -79,15 +79,13 @@ def mlm(run: Run, data_paths: list[str], stride: int | None) -> dict:
 @EVALUATORS.register("seq2seq")
 def seq2seq(run: Run, data_paths: list[str], stride: int | None) -> dict:
     """chrF and exact-line accuracy of beam search and of the copy baseline on held-out pairs (transduction.py)."""
-    from qkv.train.transduction import evaluate_run
+    from qkv.evaluate.transduction import evaluate_run
 
     return evaluate_run(run, data_paths, stride)
 
 
 @EVALUATORS.register("classify")
 def classify(run: Run, data_paths: list[str], stride: int | None) -> dict:
-    from qkv.train.classify import check_data, score_model
-
     if data_paths or stride is not None:
         raise QkvError("a classify run is scored on its own held-out plays; --data and --stride do not apply")
     check_data(run.config)

@@ -1,4 +1,4 @@
-"""Distributed training (qkv.train.parallel): 2 gloo processes reproduce one process.
+"""Distributed training (qkv.parallel.layout): 2 gloo processes reproduce one process.
 
 One torchrun launch (tests/train/parallel_worker.py) trains under parallel.dp=2 with zero 0, 1, 2, 3 and
 runs `qkv train` with dp=2, zero=3; the oracle is the single-process run of the same config (note 000 LLM
@@ -18,7 +18,7 @@ import torch
 from qkv.cli import main
 from qkv.data.dataset import Batches
 from qkv.files import CONFIG_FILE
-from qkv.train import parallel
+from qkv.parallel import layout as parallel
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
 from tests.train import setup_env, shared_dir, torchrun

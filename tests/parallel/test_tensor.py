@@ -1,4 +1,4 @@
-"""Tensor + sequence parallel (qkv.train.tensor_parallel; note 000 LLM §7.2, SPEC C3) on 2 gloo processes
+"""Tensor + sequence parallel (qkv.parallel.tensor; note 000 LLM §7.2, SPEC C3) on 2 gloo processes
 against one process: the same losses over 10 AdamW steps and the same first gradients (fp32, dropout 0),
 through the training step's vocabulary-parallel loss; mis-sized layouts exit 2."""
 import re
@@ -7,7 +7,8 @@ import pytest
 
 from qkv.config import ModelConfig, RunConfig
 from qkv.errors import QkvError
-from qkv.train import parallel, tensor_parallel
+from qkv.parallel import layout as parallel
+from qkv.parallel import tensor as tensor_parallel
 from tests.train.model_parallel_worker import CASES, results
 
 TP_CASES = [name for name, case in CASES.items() if case["mode"] == "tp"]

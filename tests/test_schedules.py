@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qkv.config import TrainConfig
-from qkv.train import schedules
-from qkv.train.schedules import LR_SCALING, SCHEDULES, batch_rows
+from qkv import schedules
+from qkv.schedules import LR_SCALING, SCHEDULES, batch_rows
 
 LR, MIN_LR, D_MODEL = 3e-3, 3e-4, 512
 

@@ -1,4 +1,4 @@
-"""`qkv eval` dispatches by the run's objective (qkv.train.evaluators): an MLM run is scored by masked-token
+"""`qkv eval` dispatches by the run's objective (qkv.evaluate.runs): an MLM run is scored by masked-token
 loss and accuracy over BERT's masks; the LM evaluator is the sliding-window score of `qkv train`."""
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 
 from qkv.data.mlm import mask_tokens
 from qkv.formats import load
-from qkv.train import evaluators
+from qkv.evaluate import runs as evaluators
 from tests.test_cli import assert_one_error_line, cli
 from tests.train import setup_env, trained_run
 

@@ -7,7 +7,7 @@ from qkv.data.corpus import join, read_documents
 from qkv.data.sources import split
 from qkv.errors import QkvError
 from qkv.formats.base import Run
-from qkv.train.evaluate import score_tokens
+from qkv.evaluate.tokens import score_tokens
 
 
 def text_tokens(run: Run, text: str) -> np.ndarray:

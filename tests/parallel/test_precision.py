@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.models import build_model
-from qkv.train.precision import autocast
+from qkv.parallel.precision import autocast
 from qkv.train.metrics import MetricsLog
 from tests.train.test_loop import params, trainer
 

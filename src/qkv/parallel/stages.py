@@ -1,4 +1,4 @@
-"""The modules of a pipeline stage (qkv.train.pipeline): the stage's part of a DecoderLM, the staged forward
+"""The modules of a pipeline stage (qkv.parallel.pipeline): the stage's part of a DecoderLM, the staged forward
 that evaluation runs, and the two rewrites of the whole model a stage needs: `release` (the other stages'
 parameters become meta tensors: shape, no storage) and `retie` (a weight tied across a stage's edge stays
 one parameter after FSDP2 replaced the stage's copy)."""
@@ -15,7 +15,7 @@ from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
 
 if TYPE_CHECKING:
-    from qkv.train.pipeline import Pipeline
+    from qkv.parallel.pipeline import Pipeline
 
 
 class Stage(nn.Module):
