@@ -9,7 +9,7 @@ import pytest
 from qkv.data.mlm import mask_tokens
 from qkv.formats import load
 from qkv.evaluate import runs as evaluators
-from tests.test_cli import assert_one_error_line, cli
+from tests.cli.test_main import assert_one_error_line, cli
 from tests.train import setup_env, trained_run
 
 TINY_MLM = ["--preset", "bert-shakespeare", "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set",

@@ -18,7 +18,7 @@ from qkv.models import build_model
 from qkv.evaluate import classify
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.finetune import load_backbone
-from tests.test_cli import assert_one_error_line, cli
+from tests.cli.test_main import assert_one_error_line, cli
 from tests.train import WORDS, setup_env, trained_run
 
 CUES = {0: "jest wedding dance laugh fool merry masque feast".split(),

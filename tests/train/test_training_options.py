@@ -176,7 +176,7 @@ def test_tensorboard_missing_is_one_warning(tmp_path, monkeypatch):
 
 
 def test_summary_with_a_nan_loss_is_strict_json(tmp_path):
-    from qkv.cli import summary_line
+    from qkv.cli.train import summary_line
 
     line = summary_line({"steps": 3, "val_loss": math.nan, "best_val_loss": math.inf, "spikes": 0})
     assert json.loads(line) == {"steps": 3, "val_loss": None, "best_val_loss": None, "spikes": 0}

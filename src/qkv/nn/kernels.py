@@ -21,10 +21,9 @@ S - T): query t sits at column S - T + t, and every pattern is a function of (qu
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -1,101 +1,46 @@
-"""The analysis sub-commands of `qkv`: calc, plot, scaling, verify (SPEC F1-F4).
-
-qkv.cli wires them in: `commands.add_parsers(sub)` adds the parsers and `commands.COMMANDS` maps each
-command name to its handler `(args) -> exit code`. Bad input raises QkvError (exit 2, one line).
-"""
+"""The analysis commands (SPEC F1-F4): `qkv calc`, `qkv scaling`, `qkv explain` and `qkv verify`. Bad input
+raises QkvError (exit 2, one line)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from qkv.analysis import report
 from qkv.analysis.memory import IN_FLIGHT
+from qkv.cli.options import config_options, count, number
 from qkv.errors import QkvError
 
 
-def _number(text: str) -> float:
-    """A float that may be written 3e23 or 300e9; must be positive."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise QkvError(f"{text!r} is not a number") from None
-    if not value > 0 or not math.isfinite(value):
-        raise QkvError(f"{text!r} must be a positive number")
-    return value
-
-
-def _count(text: str) -> int:
-    value = _number(text)
-    if value != int(value):
-        raise QkvError(f"{text!r} must be a whole number")
-    return int(value)
-
-
-def _config_options(parser, preset_default: str | None) -> None:
-    parser.add_argument("--preset", default=preset_default, help="named configuration (see `qkv presets`)")
-    parser.add_argument("--config", help="JSON file with sections model, train, data, parallel")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one field, e.g. --set model.n_kv_heads=2 (repeatable)")
-
-
 def add_parsers(sub) -> None:
-    """Add `calc`, `plot`, `scaling` and `verify` to the `qkv` sub-parsers."""
+    """Add `calc`, `scaling`, `explain` and `verify` to the `qkv` sub-parsers."""
     calc = sub.add_parser("calc", help="parameters, FLOPs, training memory, KV cache and MFU of a config")
-    _config_options(calc, None)
-    calc.add_argument("--seq", type=_count, help="tokens per sequence (default train.seq_len)")
-    calc.add_argument("--batch", type=_count, help="sequences per GPU per micro-batch (default: the config's)")
+    config_options(calc, None)
+    calc.add_argument("--seq", type=count, help="tokens per sequence (default train.seq_len)")
+    calc.add_argument("--batch", type=count, help="sequences per GPU per micro-batch (default: the config's)")
     calc.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default train.precision")
     calc.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "muon"), help="default train.optimizer")
     calc.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default parallel.zero)")
-    calc.add_argument("--gpus", type=_count, help="data-parallel GPUs (default parallel.dp)")
-    calc.add_argument("--tp", type=_count, help="tensor-parallel ranks (default parallel.tp)")
-    calc.add_argument("--pp", type=_count, help="pipeline stages (default parallel.pp)")
-    calc.add_argument("--microbatches", type=_count, help="pipeline micro-batches per step (default "
+    calc.add_argument("--gpus", type=count, help="data-parallel GPUs (default parallel.dp)")
+    calc.add_argument("--tp", type=count, help="tensor-parallel ranks (default parallel.tp)")
+    calc.add_argument("--pp", type=count, help="pipeline stages (default parallel.pp)")
+    calc.add_argument("--microbatches", type=count, help="pipeline micro-batches per step (default "
                       "parallel.microbatches; --batch is one micro-batch)")
     calc.add_argument("--schedule", choices=tuple(IN_FLIGHT), help="pipeline schedule (default parallel.schedule)")
     calc.add_argument("--layout", choices=("qkv", "textbook"),
                       help="mixed-precision layout: qkv's fp32 weights and gradients under autocast (default), "
                            "or low-precision weights and gradients with an fp32 master copy")
     calc.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
-    calc.add_argument("--tokens", type=_number, help="training tokens D: report 6ND and the exact count")
-    calc.add_argument("--step-time", type=_number, help="measured seconds per optimizer step: report MFU")
-    calc.add_argument("--peak-flops", type=_number, help="the hardware's peak FLOP/s for MFU (e.g. 312e12)")
+    calc.add_argument("--tokens", type=number, help="training tokens D: report 6ND and the exact count")
+    calc.add_argument("--step-time", type=number, help="measured seconds per optimizer step: report MFU")
+    calc.add_argument("--peak-flops", type=number, help="the hardware's peak FLOP/s for MFU (e.g. 312e12)")
     calc.add_argument("--json", action="store_true")
-
-    plot = sub.add_parser("plot", help="figures: attention, pe, rope, loss, lr, gradnorm (PNG; HTML for attention)")
-    figures = plot.add_subparsers(dest="figure", required=True, parser_class=type(plot))
-    attention = figures.add_parser("attention", help="heat maps per layer and head for a text (and an HTML page)")
-    attention.add_argument("run", help="run directory")
-    attention.add_argument("--text", required=True, help="text to run through the model")
-    attention.add_argument("--out", default="attention.png")
-    attention.add_argument("--html", help="also write the interactive page here")
-    pe = figures.add_parser("pe", help="sinusoidal positional encoding heat map and its frequencies")
-    pe.add_argument("--d-model", type=_count, default=128)
-    pe.add_argument("--positions", type=_count, default=100)
-    pe.add_argument("--out", default="pe.png")
-    rope = figures.add_parser("rope", help="RoPE rotation of q/k pairs and the relative score pattern")
-    rope.add_argument("--head-dim", type=_count, default=16)
-    rope.add_argument("--positions", type=_count, default=32)
-    rope.add_argument("--out", default="rope.png")
-    loss = figures.add_parser("loss", help="training and validation loss from metrics.csv")
-    loss.add_argument("runs", nargs="+", help="run directories")
-    loss.add_argument("--out", default="loss.png")
-    lr = figures.add_parser("lr", help="the learning-rate schedules over a config's steps")
-    _config_options(lr, "shakespeare")
-    lr.add_argument("--schedule", action="append", help="only these schedules (repeatable; default all)")
-    lr.add_argument("--steps", type=_count, help="steps to draw (default train.max_steps)")
-    lr.add_argument("--out", default="lr.png")
-    grad = figures.add_parser("gradnorm", help="gradient norm per layer at init, Pre-LN vs Post-LN")
-    grad.add_argument("--layers", type=_count, default=12)
-    grad.add_argument("--out", default="gradnorm.png")
 
     scaling = sub.add_parser("scaling", help="fit L = a / N^b + c to runs; Chinchilla split of a budget")
     scaling.add_argument("runs", nargs="*", help="run directories (3 or more for --x params)")
     scaling.add_argument("--x", choices=("params", "tokens"), default="params",
                          help="params: final validation loss per run vs non-embedding parameters; "
                               "tokens: each run's loss curve vs tokens seen (note 000 LLM §8.2)")
-    scaling.add_argument("--budget", type=_number, help="training FLOPs C: the compute-optimal N and D")
+    scaling.add_argument("--budget", type=number, help="training FLOPs C: the compute-optimal N and D")
     scaling.add_argument("--fit", choices=("hoffmann", "besiroglu"), default="hoffmann",
                          help="Chinchilla parametric fit (default: Hoffmann et al. 2022 as published)")
     scaling.add_argument("--out", default="scaling.png", help="plot of the fit")
@@ -128,14 +73,6 @@ def cmd_calc(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
-    from qkv.analysis import figures
-
-    for path in figures.FIGURES[args.figure](args):
-        print(path)
-    return 0
-
-
 def cmd_scaling(args) -> int:
     from qkv.analysis import scaling
 
@@ -164,4 +101,4 @@ def cmd_verify(args) -> int:
     return 0 if all(r["status"] != "fails" for r in results) else 1
 
 
-COMMANDS = {"explain": cmd_explain, "calc": cmd_calc, "plot": cmd_plot, "scaling": cmd_scaling, "verify": cmd_verify}
+COMMANDS = {"explain": cmd_explain, "calc": cmd_calc, "scaling": cmd_scaling, "verify": cmd_verify}

@@ -1,8 +1,8 @@
-"""qkv.analysis.figures (`qkv plot FIGURE`): each figure's handler writes a PNG that is not blank and prints
+"""qkv.cli.plot (`qkv plot FIGURE`): each figure's handler writes a PNG that is not blank and prints
 its path, the attention figure reads a trained run (with its page), and bad input is one line, exit 2."""
 import pytest
 
-from qkv.analysis.figures import token_strings
+from qkv.cli.plot import token_strings
 from tests.analysis import run_cli
 from tests.analysis.test_plots import not_blank
 from tests.train import setup_env, trained_run

@@ -8,7 +8,43 @@ from typing import Callable
 import numpy as np
 
 from qkv.analysis import attention_html, plots
+from qkv.cli.options import config_options, count
 from qkv.errors import QkvError
+
+
+def add_parsers(sub) -> None:
+    plot = sub.add_parser("plot", help="figures: attention, pe, rope, loss, lr, gradnorm (PNG; HTML for attention)")
+    figures = plot.add_subparsers(dest="figure", required=True, parser_class=type(plot))
+    attention = figures.add_parser("attention", help="heat maps per layer and head for a text (and an HTML page)")
+    attention.add_argument("run", help="run directory")
+    attention.add_argument("--text", required=True, help="text to run through the model")
+    attention.add_argument("--out", default="attention.png")
+    attention.add_argument("--html", help="also write the interactive page here")
+    pe = figures.add_parser("pe", help="sinusoidal positional encoding heat map and its frequencies")
+    pe.add_argument("--d-model", type=count, default=128)
+    pe.add_argument("--positions", type=count, default=100)
+    pe.add_argument("--out", default="pe.png")
+    rope = figures.add_parser("rope", help="RoPE rotation of q/k pairs and the relative score pattern")
+    rope.add_argument("--head-dim", type=count, default=16)
+    rope.add_argument("--positions", type=count, default=32)
+    rope.add_argument("--out", default="rope.png")
+    loss = figures.add_parser("loss", help="training and validation loss from metrics.csv")
+    loss.add_argument("runs", nargs="+", help="run directories")
+    loss.add_argument("--out", default="loss.png")
+    lr = figures.add_parser("lr", help="the learning-rate schedules over a config's steps")
+    config_options(lr, "shakespeare")
+    lr.add_argument("--schedule", action="append", help="only these schedules (repeatable; default all)")
+    lr.add_argument("--steps", type=count, help="steps to draw (default train.max_steps)")
+    lr.add_argument("--out", default="lr.png")
+    grad = figures.add_parser("gradnorm", help="gradient norm per layer at init, Pre-LN vs Post-LN")
+    grad.add_argument("--layers", type=count, default=12)
+    grad.add_argument("--out", default="gradnorm.png")
+
+
+def cmd_plot(args) -> int:
+    for path in FIGURES[args.figure](args):
+        print(path)
+    return 0
 
 
 def token_strings(tokenizer, ids: list[int]) -> list[str]:
@@ -83,3 +119,5 @@ def gradnorm(args) -> list[Path]:
 
 FIGURES: dict[str, Callable[..., list[Path]]] = {"attention": attention, "pe": pe, "rope": rope, "loss": loss,
                                                  "lr": lr, "gradnorm": gradnorm}
+
+COMMANDS = {"plot": cmd_plot}

@@ -1,9 +1,8 @@
-"""`qkv convert`: Hugging Face model dir <-> qkv run dir (wired into qkv.cli by `add_parsers` and
-`cmd_convert`). Importing this module is cheap: qkv.formats.hf (torch, the models) loads when the command runs.
+"""`qkv convert`: Hugging Face model dir <-> qkv run dir (its options beside
+its handler; qkv.formats loads when the command runs).
 
     qkv convert --from-hf DIR --out RUN      a run dir that qkv generate / eval / train --resume read
-    qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN may be an HF dir)
-"""
+    qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN may be an HF dir)"""
 from __future__ import annotations
 
 import json
@@ -41,3 +40,6 @@ def cmd_convert(args) -> int:
     else:
         print(f"qkv: wrote {out}")
     return 0
+
+
+COMMANDS = {"convert": cmd_convert}

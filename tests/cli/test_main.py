@@ -388,7 +388,7 @@ def test_resume_accepts_the_first_command_again_and_refuses_changes(capsys, text
 
 
 def test_json_output_is_strict_even_for_a_nan_loss():
-    from qkv.cli import strict_json
+    from qkv.cli.options import strict_json
 
     text = strict_json({"loss": float("nan"), "nested": {"perplexity": float("inf"), "values": [1.0, float("-inf")]}})
     assert json.loads(text) == {"loss": None, "nested": {"perplexity": None, "values": [1.0, None]}}

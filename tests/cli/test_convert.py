@@ -1,4 +1,4 @@
-"""qkv.hf_commands (`qkv convert`): each direction's output line and --json, the usage rules (exit 2, one
+"""qkv.cli.convert (`qkv convert`): each direction's output line and --json, the usage rules (exit 2, one
 line), and an existing --out left as it was. The converted weights are checked against transformers' own
 forward; tests/hf/test_files.py checks the conversions themselves in depth."""
 import json

@@ -1,0 +1,77 @@
+"""The `qkv` command: one module per command group, each with its commands' options beside their handlers
+(`add_parsers(sub)` and `COMMANDS`); this module assembles the parser and holds the error boundary.
+
+Exit codes: 0 done; 2 bad input or usage (one line `qkv: error: ...` on stderr); 1 a bug; 130 interrupted.
+A handler imports what its command runs when it runs (start-up time: `qkv --help` loads no model code).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from qkv.cli import analysis, convert, evaluate, generate, plot, serve, train
+from qkv.cli.options import Parser, main_rank
+from qkv.errors import QkvError
+
+GROUPS = (train, generate, evaluate, serve, convert, analysis, plot)  # the order of `qkv --help`
+COMMANDS = {name: handler for group in GROUPS for name, handler in group.COMMANDS.items()}
+
+
+def parser() -> Parser:
+    root = Parser(prog="qkv", description="A complete Transformer system built straight from the math.")
+    sub = root.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for group in GROUPS:
+        group.add_parsers(sub)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = show_warning
+    try:
+        args = parser().parse_args(argv)
+        code = COMMANDS[args.command](args) or 0
+        try:
+            sys.stdout.flush()  # a full disk fails here, inside the error boundary
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            quiet_stdout()
+            return fail(f"cannot write the output: {exc.strerror or exc}")
+        return code
+    except QkvError as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        print("qkv: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        quiet_stdout()
+        return 0
+    except OSError as exc:  # no space, read-only, permission, a missing file: the file and the reason
+        where = f"{exc.filename}: " if exc.filename else ""
+        return fail(f"{where}{exc.strerror or exc}")
+    except RecursionError:
+        return fail("input nested too deeply (a JSON file or value hundreds of levels deep)")
+    except (UnicodeError, OverflowError) as exc:
+        return fail(f"{type(exc).__name__.replace('Error', '').lower()} error: {exc}")
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line `qkv: warning: ...` (not Python's file:line and source format)."""
+    if main_rank():
+        print(f"qkv: warning: {message}", file=sys.stderr)
+
+
+def fail(message: str) -> int:
+    """One line `qkv: error: ...` (rank 0 alone under torchrun; every rank exits 2)."""
+    if main_rank():
+        print(f"qkv: error: {message}", file=sys.stderr)
+    return 2
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail on the closed pipe."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,49 @@
+"""`qkv eval` (each objective's held-out figures) and `qkv classify` (a classifier's labels for a text)."""
+from __future__ import annotations
+
+import json
+
+from qkv.cli.generate import require_objective
+from qkv.cli.options import positive_int, strict_json
+
+
+def add_parsers(sub) -> None:
+    evaluate = sub.add_parser("eval", help="held-out figures of a run: loss, perplexity and bits per character "
+                                           "(LM), masked-token accuracy (MLM), accuracy (classifier)")
+    evaluate.add_argument("run", help="run directory")
+    evaluate.add_argument("--data", action="append", default=[], metavar="PATH",
+                          help="score this text instead of the run's validation split")
+    evaluate.add_argument("--stride", type=positive_int, help="sliding-window stride (default: context / 2)")
+    evaluate.add_argument("--json", action="store_true")
+
+    classify = sub.add_parser("classify", help="label a text with a classifier run, with probabilities")
+    classify.add_argument("run", help="run directory of a classifier (qkv train --task classify)")
+    classify.add_argument("--text", required=True, help="the text to label")
+    classify.add_argument("--json", action="store_true")
+
+
+def cmd_eval(args) -> int:
+    from qkv.formats import load
+    from qkv.evaluate import runs as evaluators
+
+    run = load(args.run)
+    result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
+    print(strict_json(result) if args.json else evaluators.describe(result))
+    return 0
+
+
+def cmd_classify(args) -> int:
+    from qkv.formats import load
+    from qkv.evaluate.classify import classify_text
+
+    run = load(args.run)
+    require_objective(run, "classify", ("classify",))
+    probs = classify_text(run, args.text)
+    if args.json:
+        print(json.dumps(probs))
+    else:
+        print("\n".join(f"{label:<14} {p:.4f}" for label, p in sorted(probs.items(), key=lambda kv: -kv[1])))
+    return 0
+
+
+COMMANDS = {"eval": cmd_eval, "classify": cmd_classify}

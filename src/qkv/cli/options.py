@@ -1,0 +1,73 @@
+"""What every command group of the CLI shares: the parser whose errors are one line, the types of option
+values, strict JSON output, and the rank that reports under torchrun."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+from qkv.errors import QkvError
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints the whole usage otherwise)
+        raise QkvError(f"{self.prog.split(' ', 1)[-1] if ' ' in self.prog else 'usage'}: {message}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text}")
+    return value
+
+
+def strict_json(value) -> str:
+    """JSON that every parser reads: floats that are not finite become null, at any depth."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {key: clean(item) for key, item in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(item) for item in v]
+        return v
+
+    return json.dumps(clean(value), allow_nan=False)
+
+
+def main_rank() -> bool:
+    """Rank 0 of a torchrun launch, or a single process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def number(text: str) -> float:
+    """A float that may be written 3e23 or 300e9; must be positive."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise QkvError(f"{text!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise QkvError(f"{text!r} must be a positive number")
+    return value
+
+
+def count(text: str) -> int:
+    value = number(text)
+    if value != int(value):
+        raise QkvError(f"{text!r} must be a whole number")
+    return int(value)
+
+
+def config_options(parser, preset_default: str | None) -> None:
+    parser.add_argument("--preset", default=preset_default, help="named configuration (see `qkv presets`)")
+    parser.add_argument("--config", help="JSON file with sections model, train, data, parallel")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override one field, e.g. --set model.n_kv_heads=2 (repeatable)")
