@@ -37,3 +37,11 @@ def verified() -> list[dict]:
     rc, out, err = run_cli("verify", "--json")
     assert rc == 0, err
     return json.loads(out)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The system's Chromium for the page tests (tests/browser.py): skips without one, fails so in CI."""
+    from tests.browser import require_chromium
+
+    return require_chromium()

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qkv import presets
-from qkv.checks import check_run
+from qkv.train.checks import check_run
 from qkv.config import SECTIONS
 from qkv.errors import QkvError
 from qkv.formats.hf import detect

@@ -8,7 +8,7 @@ This module is a leaf: it imports nothing of qkv but the error type, its value r
 parsing, bounds) and the JSON reader (qkv.files). `validate()` checks what the config
 can check alone (types, ranges, combinations of fields); the variant names (norm, positional, attention,
 schedule, ...) belong to the registries beside the code they name, which check them where they are used,
-and `qkv.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every
+and `qkv.train.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every
 error names the field, the value and what is allowed.
 """
 from __future__ import annotations
@@ -192,7 +192,7 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard package)
 
     def validate(self) -> "TrainConfig":
-        """Sizes and ranges; the names are checked by qkv.checks.check_run."""
+        """Sizes and ranges; the names are checked by qkv.train.checks.check_run."""
         for name in ("batch_size", "seq_len", "max_steps", "accumulation", "eval_batches", "log_every",
                      "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))

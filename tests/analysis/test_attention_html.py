@@ -2,14 +2,13 @@
 given (to its stated 4 decimals) and, where Chromium is installed, renders and responds in a headless browser."""
 import json
 import re
-import shutil
 import subprocess
 
 import numpy as np
-import pytest
 
 from qkv.analysis import attention_html
 from tests.analysis.test_plots import not_blank
+from tests.browser import require_chromium
 
 
 def sample_page(tmp_path):
@@ -26,17 +25,12 @@ def test_page_is_self_contained(tmp_path):
     assert text.count("</script>") == 2  # the token "</script>" is escaped inside the data block
 
 
-CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(name)), None)
-
-
 def headless(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+    return subprocess.run([require_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                            "--disable-extensions", *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium) for the browser test")
-def test_page_in_headless_chromium(tmp_path):
+def test_page_in_headless_chromium(tmp_path, chromium):
     """The page's script runs offline: layer/head/token from the URL fragment drive the same code as the
     selects and hover; the status names the key that token attends to most; a screenshot is not blank."""
     path, maps, tokens = sample_page(tmp_path)

@@ -106,7 +106,7 @@ def test_training_windows_resume_from_their_json_state():
 
 
 def test_config_fields_of_the_task_are_validated():
-    from qkv.checks import check_run
+    from qkv.train.checks import check_run
     from qkv.config import DataConfig, ModelConfig, RunConfig
 
     with pytest.raises(QkvError, match="data.split='nope' is not allowed; choose from: .*genre.*standard"):

@@ -91,7 +91,7 @@ def test_lines_of_real_text_through_the_tokenizer(monkeypatch, tmp_path):
 
 
 def test_the_task_is_validated_with_the_data_config():
-    from qkv.checks import check_run
+    from qkv.train.checks import check_run
     from qkv.config import DataConfig, RunConfig
 
     with pytest.raises(QkvError, match="data.seq2seq_task='copy' is not allowed; choose from: folio, next-line, "

@@ -9,18 +9,16 @@ import torch
 from qkv.explain.page import build_page, read_data
 from qkv.explain.trace import trace
 from qkv.generate.sampling import SamplingParams, SamplingState, process
+from tests.browser import FLAGS
 from tests.explain.test_trace import PROMPT, VARIANTS, make_run
 
 sync_api = pytest.importorskip("playwright.sync_api")  # in the dev extra
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(chromium):
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        browser = p.chromium.launch(executable_path=chromium, args=FLAGS)
         yield browser
         browser.close()
 

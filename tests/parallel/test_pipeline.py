@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from qkv.checks import check_run
+from qkv.train.checks import check_run
 from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models import build_model

@@ -1,21 +1,13 @@
 """The playground page in headless Chromium (Playwright): it connects, streams a completion token by token,
 shows each token's probability and alternatives on hover, and logs no error."""
-import shutil
-
-import pytest
-
 from tests.analysis.test_plots import not_blank
 from tests.serve.live import Live, write_run
 from tests.serve.test_server import expected
 
-CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(name)), None)
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from tests.browser import FLAGS
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium) for the browser test")
-def test_playground_streams_a_completion_and_shows_token_probabilities(tmp_path):
+def test_playground_streams_a_completion_and_shows_token_probabilities(tmp_path, chromium):
     from playwright.sync_api import sync_playwright
 
     import qkv
@@ -23,7 +15,7 @@ def test_playground_streams_a_completion_and_shows_token_probabilities(tmp_path)
     path = write_run(tmp_path / "tiny")
     run = qkv.load(path)
     with Live(path) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        browser = p.chromium.launch(executable_path=chromium, args=FLAGS)
         page = browser.new_page(viewport={"width": 1100, "height": 700})
         problems = []
         page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from qkv import files
 from qkv.errors import QkvError
-from qkv.train import checkpoint
+from qkv.train import checkpoint, checks
 from qkv.config import RunConfig
 from qkv.parallel.layout import Layout
 from qkv.train.steps import MicroBatches
@@ -157,16 +157,15 @@ def test_impossible_settings_are_refused_before_any_work(tmp_path, setting):
 def test_the_memory_check_is_qkv_calcs_figure(monkeypatch):
     """Refused exactly when `qkv calc`'s per-process total for the run exceeds the machine's memory."""
     from qkv import presets
-    from qkv.analysis import calc
-    from qkv.train import job
-
     import dataclasses
+
+    from qkv.analysis import calc
 
     cfg = presets.get("shakespeare")  # the trained tokenizer's size is the model's: data.vocab_size
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.data.vocab_size))
     total = calc.calculate(cfg)["memory"]["bytes"]["total"]
-    monkeypatch.setattr(job, "machine_memory", lambda: int(total) + 1)
-    job.check_fits(cfg)
-    monkeypatch.setattr(job, "machine_memory", lambda: int(total) - 1)
+    monkeypatch.setattr(checks, "machine_memory", lambda: int(total) + 1)
+    checks.check_fits(cfg)
+    monkeypatch.setattr(checks, "machine_memory", lambda: int(total) - 1)
     with pytest.raises(QkvError, match=f"{total / 2 ** 30:,.1f} GiB per process by `qkv calc`"):
-        job.check_fits(cfg)
+        checks.check_fits(cfg)

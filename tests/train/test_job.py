@@ -10,7 +10,7 @@ from qkv import presets
 from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE
-from qkv.train import job
+from qkv.train import checks, job
 
 
 def test_precedence_preset_then_file_then_set_then_flags(tmp_path):
@@ -60,12 +60,12 @@ def test_a_failed_new_run_leaves_no_dir_and_an_existing_one_is_refused(tmp_path)
 
 
 def test_a_step_larger_than_the_machine_is_refused_by_the_calculator(monkeypatch):
-    monkeypatch.setattr(job, "machine_memory", lambda: 2 ** 30)  # a 1 GiB machine
-    job.check_fits(presets.get("tiny"))  # a few MiB: fits
+    monkeypatch.setattr(checks, "machine_memory", lambda: 2 ** 30)  # a 1 GiB machine
+    checks.check_fits(presets.get("tiny"))  # a few MiB: fits
     big = presets.get("tiny").override(["model.d_model=2048", "model.d_ff=8192", "train.batch_size=64",
                                         "train.seq_len=64"])
     with pytest.raises(QkvError, match="GiB per process by `qkv calc`"):
-        job.check_fits(big)
+        checks.check_fits(big)
 
 
 def test_a_resume_may_change_the_limits_and_layout_only(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.checks import check_run
+from qkv.train.checks import check_run
 from qkv.config import RunConfig, TrainConfig, ParallelConfig
 from qkv.errors import QkvError
 from qkv.train.muon import (NS_COEFFICIENTS, NS_STEPS, MuonAdamW, hidden_matrices, muon, newton_schulz,

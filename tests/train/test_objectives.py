@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from qkv import presets
 from qkv.cli import main
-from qkv.checks import check_run
+from qkv.train.checks import check_run
 from qkv.config import RunConfig, TrainConfig
 from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError

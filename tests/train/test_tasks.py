@@ -2,7 +2,7 @@
 import pytest
 
 from qkv import presets
-from qkv.checks import check_run
+from qkv.train.checks import check_run
 from qkv.data.genres import LABELS
 from qkv.train.tasks import TASKS
 

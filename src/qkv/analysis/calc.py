@@ -16,6 +16,7 @@ from qkv import presets
 from qkv.analysis import flops, memory, params
 from qkv.config import RunConfig, merge_file
 from qkv.errors import QkvError
+from qkv.models.build import check_model
 
 
 def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -> RunConfig:
@@ -24,7 +25,6 @@ def resolve(preset: str | None, config_file: str | None, overrides: list[str]) -
     if config_file:
         cfg = merge_file(cfg, Path(config_file))
     cfg = cfg.override(overrides)
-    from qkv.models.build import check_model  # torch: the registries name the variants
 
     check_model(cfg.model)
     return cfg

@@ -23,6 +23,7 @@ from dataclasses import replace
 from qkv.analysis import params
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
+from qkv.nn.kernels import KERNELS
 
 MAC = 2  # FLOPs per multiply-add
 
@@ -45,8 +46,6 @@ def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int, causal: bool 
 def score_pairs(kernel: str, T: int, S: int, window: int, causal: bool = False) -> int:
     """(query, key) scores per head that `kernel` computes for T queries over S keys (under the causal
     triangle when `causal`: a kernel that skips what it hides says how many it computes)."""
-    from qkv.nn.kernels import KERNELS  # torch: the kernel's registry entry says it
-
     spec = KERNELS.get(kernel)
     if causal and spec.causal_pairs is not None:
         return spec.causal_pairs(T, S)

@@ -46,6 +46,10 @@ from dataclasses import dataclass
 from qkv.analysis import params
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
+from qkv.analysis.flops import score_pairs
+from qkv.nn.kernels import KERNELS
+from qkv.nn.linear_cross_entropy import chunk_rows
+from qkv.nn.positional import POSITIONALS
 
 PRECISION_BYTES = {  # weights, gradients, master weights, activations: qkv's layout (fp32 under autocast)
     "fp32": (4, 4, 0, 4),
@@ -137,9 +141,6 @@ def rank_params(cfg: ModelConfig, setup: Setup) -> float:
 
 def running_kernel(cfg: ModelConfig) -> str:
     """The kernel that runs: sdpa hands a value term (Shaw) to the naive kernel."""
-    from qkv.nn.kernels import KERNELS  # torch: only when a memory estimate is asked for
-    from qkv.nn.positional import POSITIONALS
-
     spec = KERNELS.get(cfg.attention)
     if POSITIONALS.get(cfg.positional).value_term and spec.value_term_kernel:
         return spec.value_term_kernel
@@ -147,8 +148,6 @@ def running_kernel(cfg: ModelConfig) -> str:
 
 
 def kernel_spec(cfg: ModelConfig):
-    from qkv.nn.kernels import KERNELS
-
     return KERNELS.get(running_kernel(cfg))
 
 
@@ -169,8 +168,6 @@ def kernel_saves(cfg: ModelConfig, T: int, S: int) -> tuple[int, int]:
     """(probabilities, copied Dh-wide rows) the attention kernel saves per head for its backward (its registry
     entry): the scores it computes when it keeps them (else none: a flash-style kernel keeps one log-sum-exp
     per row), and its gathered or regrouped copies of q, k, v."""
-    from qkv.analysis.flops import score_pairs
-
     spec = kernel_spec(cfg)
     probabilities = score_pairs(running_kernel(cfg), T, S, cfg.window) if spec.keeps_probabilities else 0
     return probabilities, 0 if spec.copied_rows is None else spec.copied_rows(T, S, cfg.window)
@@ -182,8 +179,6 @@ def score_bias_bytes(cfg: ModelConfig, B: int, T: int, S: int, a: int, self_atte
     exactly that for sdpa and flash; a kernel that keeps A needs no bias in its backward). The bias is
     fp32 when made from positions (ALiBi) or a table (T5), in q's precision when made from q (Shaw, XL).
     Cross-attention has no positional hooks."""
-    from qkv.nn.positional import POSITIONALS
-
     positional = POSITIONALS.get(cfg.positional)
     if not self_attention or positional.score_bias_kind is None:
         return 0
@@ -268,8 +263,6 @@ def chunks_head(cfg: ModelConfig, setup: Setup, autocast: bool) -> bool:
 def head_chunk(cfg: ModelConfig, B: int, T: int, chunked: bool) -> float:
     """The chunked head-and-loss's one chunk of fp32 logits (C x V, C = chunk_rows(V)), alive in the forward
     beside everything saved; none when the head is not chunked."""
-    from qkv.nn.linear_cross_entropy import chunk_rows
-
     return FP32 * min(B * T, chunk_rows(cfg.vocab_size)) * cfg.vocab_size if chunked else 0
 
 
@@ -279,8 +272,6 @@ def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
     dS for flash; none counted for sdpa, the sparse and the linear kernels); a score bias with parameters
     adds its gradient (B, H, T, S) where the kernel keeps no A (whose dS it is) and what the positional's
     `hook_backward` forms from it."""
-    from qkv.nn.positional import POSITIONALS
-
     spec, H = kernel_spec(cfg), cfg.n_heads
     scores = 0 if spec.backward_scores is None else FP32 * B * H * spec.backward_scores(T, T)
     positional = POSITIONALS.get(cfg.positional)

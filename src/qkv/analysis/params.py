@@ -20,6 +20,8 @@ from typing import Callable
 
 from qkv.config import ModelConfig
 from qkv.registry import Registry
+from qkv.models import build
+from qkv.nn.residual import RESIDUALS
 
 # ---- one formula per variant axis; a variant without a formula is counted by building that one module ----
 
@@ -55,7 +57,6 @@ def _built(module) -> int:
 def dense_ffn(cfg: ModelConfig) -> int:
     if cfg.ffn in FFN_FORMULAS:
         return FFN_FORMULAS[cfg.ffn](cfg)
-    from qkv.models import build
     return _built(build.ffn(cfg))  # a variant added later: count the one module
 
 
@@ -76,28 +77,22 @@ def active_ffn(cfg: ModelConfig) -> int:
 def norm(cfg: ModelConfig) -> int:
     if cfg.norm in NORM_FORMULAS:
         return NORM_FORMULAS[cfg.norm](cfg)
-    from qkv.models import build
     return _built(build.norm(cfg))
 
 
 def positional(cfg: ModelConfig) -> int:
     if cfg.positional in POSITIONAL_FORMULAS:
         return POSITIONAL_FORMULAS[cfg.positional](cfg)
-    from qkv.models import build
     return _built(build.positional(cfg))
 
 
 def sublayer_norms(cfg: ModelConfig) -> int:
     """The norms of one sublayer: one (pre, post) or an inner and an outer one (sandwich)."""
-    from qkv.nn.residual import RESIDUALS
-
     return (2 if RESIDUALS.get(cfg.norm_placement).paired else 1) * norm(cfg)
 
 
 def final_norm(cfg: ModelConfig) -> int:
     """Pre-LN and sandwich stacks end with a norm (GPT-2's ln_f); Post-LN blocks already end in one."""
-    from qkv.nn.residual import RESIDUALS
-
     return norm(cfg) if RESIDUALS.get(cfg.norm_placement).final_norm else 0
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from qkv.errors import QkvError
+from qkv.nn.positional import Rotary, sinusoidal_table
+from qkv.schedules import SCHEDULES
 
 
 def _pyplot():
@@ -72,7 +74,6 @@ def sinusoidal_pe(out: Path, *, d_model: int = 128, positions: int = 100, base: 
     its wavelength 2 pi / w_i (note 000 §11.2: low dimensions fast, high dimensions slow)."""
     import torch
 
-    from qkv.nn.positional import sinusoidal_table
 
     if d_model < 2 or positions < 1:
         raise QkvError(f"--d-model={d_model} must be at least 2 and --positions={positions} positive")
@@ -97,7 +98,6 @@ def rope_rotation(out: Path, *, head_dim: int = 16, positions: int = 32, theta: 
     on n - m only (note 003, R_m^T R_n = R_{n-m})."""
     import torch
 
-    from qkv.nn.positional import Rotary
 
     if head_dim < 2 or head_dim % 2 or positions < 2:
         raise QkvError(f"--head-dim={head_dim} must be even and --positions={positions} at least 2")
@@ -162,8 +162,6 @@ def loss_curves(runs: list[Path], out: Path) -> Path:
 
 def lr_schedules(train_cfg, d_model: int, out: Path, names: list[str] | None = None) -> Path:
     """Every schedule of qkv.schedules (or `names`) over train_cfg.max_steps updates."""
-    from qkv.schedules import SCHEDULES
-
     names = names or SCHEDULES.names()
     steps = np.arange(train_cfg.max_steps)
     plt = _pyplot()

@@ -17,6 +17,7 @@ from torch import nn
 
 from qkv.nn.attention import Attention
 from qkv.nn.kernels import recording_kernel, weights_for
+from qkv.models import build_model
 
 
 @contextlib.contextmanager
@@ -70,8 +71,6 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 def layer_grad_norms(cfg, *, seed: int = 0, batch: int = 4, seq: int = 32) -> list[float]:
     """||d loss / d theta_l||_2 for the parameters of each layer l, at initialisation, for a random batch
     (a decoder's next-token cross-entropy)."""
-    from qkv.models import build_model
-
     torch.manual_seed(seed)
     model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from qkv.errors import QkvError
+from qkv.analysis import params, plots
+from qkv.analysis.plots import read_metrics
+from qkv.config import RunConfig
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -117,10 +120,6 @@ def chinchilla(flops: float, fit: str = "hoffmann") -> dict:
 def _run_points(run: Path, x: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, loss) of one run: its non-embedding parameters and last validation loss (x = params), or
     tokens seen and training loss after warmup (x = tokens)."""
-    from qkv.analysis import params
-    from qkv.analysis.plots import read_metrics
-    from qkv.config import RunConfig
-
     config_file = Path(run) / "config.json"
     if not config_file.is_file():
         raise QkvError(f"{run}: not a qkv run (no config.json)")
@@ -138,8 +137,6 @@ def _run_points(run: Path, x: str) -> tuple[np.ndarray, np.ndarray]:
 def analyse(runs: list[Path], *, x: str, budget: float | None, fit: str, out: Path) -> dict:
     """Fit L = a / x^b + c over the runs (one fit for x = params, one per run for x = tokens), plot it,
     and give the compute-optimal split of `budget` under both Chinchilla fits."""
-    from qkv.analysis import plots
-
     result: dict = {"x": x, "fits": []}
     if runs:
         points = [_run_points(run, x) for run in runs]

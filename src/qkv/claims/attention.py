@@ -4,9 +4,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from qkv.analysis.measure import count_flops
+from qkv.analysis.measure import count_flops, saved_for_backward_bytes
 from qkv.claims.base import Result, claim, status
-from qkv.nn.kernels import naive
+from qkv.nn.kernels import KERNELS, kernel_for, naive
+from qkv.config import ModelConfig
+from qkv.models import build, build_model
+from qkv.nn.attention import Attention, AttentionContext
+from qkv.nn.ffn import MLP
+from qkv.nn.positional import Positional
+from qkv.ref import gradcheck
+from qkv.ref.linear_attention import linear_explicit, linear_forward
 
 F64 = torch.float64
 
@@ -60,11 +67,6 @@ def multi_head_cost() -> Result:
 
 @claim(6, "self-attention without positional encoding is permutation-equivariant", "000 §20")
 def permutation_equivariance() -> Result:
-    from qkv.models import build
-    from qkv.config import ModelConfig
-    from qkv.nn.attention import AttentionContext
-    from qkv.nn.positional import Positional
-
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, positional="none", attention="naive")
     block = build.block(cfg).double().eval()
@@ -85,8 +87,6 @@ def permutation_equivariance() -> Result:
 
 @claim(7, "the position-wise FFN applied row by row equals the matrix form", "000 §9.1, §4.2")
 def ffn_rows() -> Result:
-    from qkv.nn.ffn import MLP
-
     torch.manual_seed(0)
     ffn = MLP(16, 64, activation="relu", bias=True).double()
     x = torch.randn(11, 16, generator=_gen(), dtype=F64)
@@ -120,8 +120,6 @@ def projection_invariance() -> Result:
 
 @claim(16, "local-window attention equals full attention with the band mask |i-j| <= w; cost O(n w)", "000 §15.1.1")
 def local_window() -> Result:
-    from qkv.nn.kernels import kernel_for
-
     w, d, measured = 4, 16, {}
     local = kernel_for("local", window=w)  # the kernel model.attention="local" trains with
 
@@ -147,15 +145,12 @@ def local_window() -> Result:
 
 @claim(17, "linear attention with feature map phi equals its explicit O(n^2) form and costs O(n d^2)", "000 §15.2")
 def linear_attention() -> Result:
-    from qkv.ref.linear_attention import linear_explicit, linear_forward
-
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, 2, 40, 8)) for _ in range(3))
     measured = {}
     for causal in (False, True):
         fast, _ = linear_forward(q, k, v, mask=None, causal=causal, bias=None, scale=None)
         measured[f"max|O(n d^2) - explicit| causal={causal}"] = float(np.abs(fast - linear_explicit(q, k, v, causal)).max())
-    from qkv.nn.kernels import KERNELS
 
     spec = KERNELS.get("linear")  # the kernel model.attention="linear" trains with, and its explicit form
     costs = {}
@@ -175,8 +170,6 @@ def linear_attention() -> Result:
 
 @claim(18, "flash (tiled online-softmax) attention equals standard attention; its extra memory is O(n)", "002 (Flash Attention)")
 def flash() -> Result:
-    from qkv.ref import gradcheck
-
     match = gradcheck.flash_matches_naive()
     sizes = (128, 256, 512)
     naive_bytes = [gradcheck.attention_peak_bytes("naive", n) for n in sizes]
@@ -200,9 +193,6 @@ def flash() -> Result:
 
 
 def torch_saved_bytes(kernel: str, n: int) -> int:
-    from qkv.analysis.measure import saved_for_backward_bytes
-    from qkv.nn.kernels import KERNELS
-
     q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
     fn = KERNELS.get(kernel).fn
     return saved_for_backward_bytes(lambda: fn(q, k, v, mask=None, causal=True, bias=None, scale=0.25))
@@ -210,10 +200,6 @@ def torch_saved_bytes(kernel: str, n: int) -> int:
 
 @claim(19, "attention costs 2n^2 d + 4 n d^2 and the FFN 8 n d^2 per layer", "000 §9.3, §10.1.4")
 def layer_costs() -> Result:
-    from qkv.nn.attention import Attention, AttentionContext
-    from qkv.nn.ffn import MLP
-    from qkv.nn.positional import Positional
-
     n, d = 64, 128
     attn = Attention(d, 4, 4, kernel="naive", bias=False).double()
     ffn = MLP(d, 4 * d, activation="relu", bias=False).double()
@@ -232,9 +218,6 @@ def layer_costs() -> Result:
 
 @claim(20, "the backward pass costs about 2x the forward", "000 LLM §5.3")
 def backward_cost() -> Result:
-    from qkv.config import ModelConfig
-    from qkv.models import build_model
-
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=300, d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=64,
                                     attention="naive"))

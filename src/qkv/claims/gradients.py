@@ -7,6 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from qkv.claims.base import Result, claim, status
+from qkv.analysis.record import layer_grad_norms
+from qkv.config import ModelConfig
+from qkv.formats.params import compare_engines
+from qkv.models.build import block
+from qkv.nn.ffn import GLU, MLP
+from qkv.nn.linear_cross_entropy import cross_entropy
+from qkv.nn.norms import LayerNorm, RMSNorm
+from qkv.nn.residual import RESIDUALS, post_norm, pre_norm
+from qkv.ref import gradcheck
+from qkv.ref.functional import cross_entropy_forward
 
 F64 = torch.float64
 
@@ -52,10 +62,6 @@ def residual_gradient() -> Result:
 
 def qkv_residual_identity() -> float:
     """J(x + F(LN(x))) - J(F(LN(x))) = I for the FFN sublayer of a block built by qkv.models.build."""
-    from qkv.config import ModelConfig
-    from qkv.models.build import block
-    from qkv.nn.residual import RESIDUALS
-
     torch.manual_seed(0)
     built = block(ModelConfig(d_model=8, n_heads=2, d_ff=16)).double()
     x = torch.randn(3, 8, generator=_gen(2), dtype=F64)
@@ -69,8 +75,6 @@ def qkv_residual_identity() -> float:
 @claim(9, "LayerNorm Jacobian: dx^_i/dx_j = (delta_ij - 1/d - x^_i x^_j / d) / sigma (the §12.2 form); the summary "
           "table's (I - 11^T/d)(I - x^x^T) gamma/sigma lacks the 1/d", "000 §12.2, LLM §3.3.1, LLM summary table")
 def layernorm_jacobian() -> Result:
-    from qkv.ref import gradcheck
-
     ref = gradcheck.layernorm_jacobian()
     d, eps = 8, 1e-5
     x = torch.randn(d, generator=_gen(), dtype=F64) * 2 + 0.5
@@ -94,8 +98,6 @@ def layernorm_jacobian() -> Result:
 
 @claim(10, "softmax cross-entropy gradient dL/dlogits = P - onehot", "000 LLM §3.1")
 def softmax_ce() -> Result:
-    from qkv.ref import gradcheck
-
     ref = gradcheck.softmax_ce_gradient()
     logits = torch.randn(6, 7, generator=_gen(), dtype=F64, requires_grad=True)
     targets = torch.randint(0, 7, (6,), generator=_gen(1))
@@ -110,8 +112,6 @@ def softmax_ce() -> Result:
 
 @claim(11, "softmax backward row rule dS = A * (dA - rowsum(A * dA))", "000 LLM §3.3.3 step 3")
 def softmax_rule() -> Result:
-    from qkv.ref import gradcheck
-
     ref = gradcheck.softmax_row_rule()
     S = torch.randn(6, 6, generator=_gen(), dtype=F64, requires_grad=True)
     dA = torch.randn(6, 6, generator=_gen(1), dtype=F64)
@@ -128,10 +128,6 @@ LLM_CASES = ("cross_entropy", "linear", "norm_layernorm", "activation_relu", "ff
 
 @claim(12, "every hand-derived gradient of LLM §3 matches autograd", "000 LLM §3.1-§3.5")
 def hand_gradients() -> Result:
-    from qkv.config import ModelConfig
-    from qkv.formats.params import compare_engines
-    from qkv.ref import gradcheck
-
     checks = [c for name in LLM_CASES if name in gradcheck.CASES.names() for c in gradcheck.check_fd(name)]
     # the LLM part's model: Post-LN, ReLU FFN, tied output layer (§1.2, §5.1), learned positions
     note_model = ModelConfig(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_seq_len=16,
@@ -151,8 +147,6 @@ def hand_gradients() -> Result:
 
 @claim(13, "embedding lookup equals the one-hot matmul; its gradient is a scatter-add", "000 LLM §3.5; 003 (词嵌入)")
 def embedding() -> Result:
-    from qkv.ref import gradcheck
-
     ref = gradcheck.embedding_scatter_add()
     weight = torch.randn(7, 5, generator=_gen(), dtype=F64, requires_grad=True)
     ids = torch.tensor([1, 3, 1, 6, 0, 1])
@@ -165,9 +159,6 @@ def embedding() -> Result:
 
 @claim(14, "label smoothing: target (1 - eps) onehot + eps/K and its loss", "000 §13.3, LLM §6.3")
 def label_smoothing() -> Result:
-    from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.ref.functional import cross_entropy_forward
-
     eps, K = 0.1, 10
     logits = torch.randn(1, 6, K, generator=_gen(), dtype=F64, requires_grad=True)
     targets = torch.randint(0, K, (1, 6), generator=_gen(1))
@@ -187,8 +178,6 @@ def label_smoothing() -> Result:
 @claim(28, "sigmoid' = sigma(1 - sigma); Swish(z) = z sigma(z); SwiGLU = (xW) * Swish(xV); GELU vs ReLU",
        "003 (sigmoid, SwiGLU, ReLU)")
 def activations() -> Result:
-    from qkv.nn.ffn import GLU
-
     z = torch.linspace(-6, 6, 241, dtype=F64, requires_grad=True)
     sig = torch.sigmoid(z)
     (dsig,) = torch.autograd.grad(sig.sum(), z)
@@ -213,8 +202,6 @@ def activations() -> Result:
 
 @claim(29, "RMSNorm equals LayerNorm without mean subtraction: equal when the mean is zero", "003 (RMSNorm)")
 def rmsnorm() -> Result:
-    from qkv.nn.norms import LayerNorm, RMSNorm
-
     d = 32
     ln, rms = LayerNorm(d, eps=1e-6, bias=True).double(), RMSNorm(d, eps=1e-6).double()
     x = torch.randn(10, d, generator=_gen(), dtype=F64) * 3 + 1.5
@@ -228,12 +215,6 @@ def rmsnorm() -> Result:
 @claim(31, "Post-LN is LN(x + F(x)), Pre-LN x + F(LN(x)); note 002's 'Post-Norm' x + LN(F(x)) is neither; "
           "gradient norms per layer at init differ", "002 (Pre-Norm vs Post-Norm); 000 §6.1")
 def norm_placement() -> Result:
-    from qkv.analysis.record import layer_grad_norms
-    from qkv.config import ModelConfig
-    from qkv.nn.ffn import MLP
-    from qkv.nn.norms import LayerNorm
-    from qkv.nn.residual import post_norm, pre_norm
-
     torch.manual_seed(0)
     f, norm = MLP(16, 64, activation="gelu", bias=True).double(), LayerNorm(16, eps=1e-5).double()
     x = torch.randn(4, 16, generator=_gen(), dtype=F64) * 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from qkv.analysis import flops, memory, params, scaling
 from qkv.claims.base import Result, claim, status
+from qkv import presets
 
 GB = 1e9
 
@@ -10,8 +11,6 @@ GB = 1e9
 @claim(23, "GPT-3 175B: parameters from L=96, d=12288; 6ND = 3.14e23 FLOPs; memory of fp16 weights, gradients "
           "and Adam states", "000 LLM §8.1")
 def gpt3() -> Result:
-    from qkv import presets
-
     cfg = presets.get("gpt3-175b").model
     counts = params.breakdown(cfg)
     N, D = counts["total"], 300e9

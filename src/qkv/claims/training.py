@@ -6,14 +6,18 @@ import copy
 import torch
 
 from qkv.claims.base import Result, claim, status
+from qkv.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from qkv.models import build_model
+from qkv.nn.linear_cross_entropy import cross_entropy
+from qkv.parallel.layout import Layout
+from qkv.schedules import SCHEDULES
+from qkv.train.optim import OPTIMIZERS
+from qkv.train.steps import MicroBatches
 
 F64 = torch.float64
 
 
 def _tiny_model():
-    from qkv.config import ModelConfig
-    from qkv.models import build_model
-
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_seq_len=16)
     return build_model(cfg).double(), cfg
@@ -21,8 +25,6 @@ def _tiny_model():
 
 def _grads(model, ids: torch.Tensor, scale: float = 1.0) -> None:
     """Accumulate d(scale * mean next-token CE)/d theta into .grad."""
-    from qkv.nn.linear_cross_entropy import cross_entropy
-
     logits = model(ids[:, :-1])
     (scale * cross_entropy(logits.double(), ids[:, 1:])).backward()
 
@@ -33,11 +35,6 @@ def _flat_grads(model) -> torch.Tensor:
 
 @claim(21, "gradient accumulation of k micro-batches equals one batch k times the size", "000 LLM §10.4")
 def accumulation() -> Result:
-    from qkv.config import RunConfig, TrainConfig
-    from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.parallel.layout import Layout
-    from qkv.train.steps import MicroBatches
-
     model, cfg = _tiny_model()
     ids = torch.randint(0, cfg.vocab_size, (8, 13), generator=torch.Generator().manual_seed(1))
 
@@ -115,10 +112,6 @@ def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qkv.config import ParallelConfig, RunConfig, TrainConfig
-    from qkv.nn.linear_cross_entropy import cross_entropy
-    from qkv.parallel.layout import Layout
-    from qkv.train.steps import MicroBatches
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -146,8 +139,6 @@ def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
 @claim(26, "Noam schedule peaks at step = warmup; cosine and linear schedules reach their endpoints",
        "000 §17.2, LLM §4.2, §10.1")
 def schedules() -> Result:
-    from qkv.schedules import SCHEDULES
-
     kw = dict(lr=1.0, min_lr=0.1, warmup=100, total=1000, d_model=512)
     noam = [SCHEDULES.get("noam")(s, **kw) for s in range(1000)]
     peak = max(range(1000), key=noam.__getitem__)
@@ -171,8 +162,6 @@ def adam_first_step() -> Result:
     g = torch.randn(1000, generator=gen, dtype=F64) * 10 ** torch.empty(1000, dtype=F64).uniform_(
         -3, 3, generator=gen)  # gradients spanning six decades, the same at each of the first steps
     grads = [g, g, g]
-    from qkv.config import TrainConfig
-    from qkv.train.optim import OPTIMIZERS
 
     theta = torch.nn.Parameter(torch.zeros(1000, dtype=F64))
     holder = torch.nn.Module()

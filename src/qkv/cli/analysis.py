@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from qkv.analysis import report
-from qkv.analysis.memory import IN_FLIGHT
 from qkv.cli.options import config_options, count, number
 from qkv.errors import QkvError
 
@@ -25,7 +24,7 @@ def add_parsers(sub) -> None:
     calc.add_argument("--pp", type=count, help="pipeline stages (default parallel.pp)")
     calc.add_argument("--microbatches", type=count, help="pipeline micro-batches per step (default "
                       "parallel.microbatches; --batch is one micro-batch)")
-    calc.add_argument("--schedule", choices=tuple(IN_FLIGHT), help="pipeline schedule (default parallel.schedule)")
+    calc.add_argument("--schedule", help="pipeline schedule, a name of parallel.schedule (default: the config's)")
     calc.add_argument("--layout", choices=("qkv", "textbook"),
                       help="mixed-precision layout: qkv's fp32 weights and gradients under autocast (default), "
                            "or low-precision weights and gradients with an fp32 master copy")

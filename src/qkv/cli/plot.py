@@ -5,9 +5,6 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
-from qkv.analysis import attention_html, plots
 from qkv.cli.options import config_options, count
 from qkv.errors import QkvError
 
@@ -56,6 +53,7 @@ def attention(args) -> list[Path]:
     """Heat maps per layer and head for `--text` through a run's model (a recording kernel, no flags)."""
     import torch
 
+    from qkv.analysis import attention_html, plots
     from qkv.analysis.record import attention_maps
     from qkv.formats import load
 
@@ -79,18 +77,25 @@ def attention(args) -> list[Path]:
 
 
 def pe(args) -> list[Path]:
+    from qkv.analysis import plots
+
     return [plots.sinusoidal_pe(Path(args.out), d_model=args.d_model, positions=args.positions)]
 
 
 def rope(args) -> list[Path]:
+    from qkv.analysis import plots
+
     return [plots.rope_rotation(Path(args.out), head_dim=args.head_dim, positions=args.positions)]
 
 
 def loss(args) -> list[Path]:
+    from qkv.analysis import plots
+
     return [plots.loss_curves([Path(r) for r in args.runs], Path(args.out))]
 
 
 def lr(args) -> list[Path]:
+    from qkv.analysis import plots
     from qkv.analysis.calc import resolve
     from qkv.schedules import SCHEDULES
 
@@ -105,6 +110,9 @@ def lr(args) -> list[Path]:
 
 def gradnorm(args) -> list[Path]:
     """Pre-LN vs Post-LN per-layer gradient norms at init (the setting of claim 31)."""
+    import numpy as np
+
+    from qkv.analysis import plots
     from qkv.analysis.record import layer_grad_norms
     from qkv.config import ModelConfig
 

@@ -9,6 +9,8 @@ from qkv.data.corpus import Document, bundled_split, read_documents, split_docum
 from qkv.data.dataset import Prepared, default_cache_dir, prepare
 from qkv.data.tokenizer import Tokenizer
 from qkv.registry import Registry
+from qkv.data.folio import folio_split as aligned_split
+from qkv.data.genres import genre_documents
 
 
 # data.split: how the bundled corpus is held out; each entry maps a spelling to (train, validation)
@@ -19,8 +21,6 @@ SPLITS.register("standard")(bundled_split)  # corpus.VALIDATION_WORKS
 @SPLITS.register("genre")
 def genre_split(spelling: str) -> tuple[list[Document], list[Document]]:
     """Every work but the genre task's validation and test plays; validation: its validation plays."""
-    from qkv.data.genres import genre_documents
-
     return genre_documents(spelling)
 
 
@@ -28,8 +28,6 @@ def genre_split(spelling: str) -> tuple[list[Document], list[Document]]:
 def folio_split(spelling: str) -> tuple[list[Document], list[Document]]:
     """The 35 works in both spellings as aligned "modern<TAB>Folio" lines (qkv.data.folio); validation: the
     Folio twins of corpus.VALIDATION_WORKS. Both spellings are in every line, so data.spelling plays no part."""
-    from qkv.data.folio import folio_split as aligned_split
-
     return aligned_split()
 
 

@@ -25,6 +25,8 @@ from qkv.registry import Registry
 from qkv.evaluate.classify import check_data, score_model
 from qkv.formats.base import Run
 from qkv.models.build import objective_of
+from qkv.evaluate.scoring import score_run
+from qkv.evaluate.transduction import evaluate_run
 
 EVALUATORS: Registry[Callable[[Run, list[str], int | None], dict]] = Registry("evaluator")
 MLM_EVAL_SEED = 0  # the masks of `qkv eval` on an MLM run: the same at every call
@@ -36,8 +38,6 @@ def evaluate(run: Run, data_paths: list[str], stride: int | None = None) -> dict
 
 @EVALUATORS.register("lm")
 def lm(run: Run, data_paths: list[str], stride: int | None) -> dict:
-    from qkv.evaluate.scoring import score_run
-
     return score_run(run, data_paths, stride)
 
 
@@ -79,8 +79,6 @@ def mlm(run: Run, data_paths: list[str], stride: int | None) -> dict:
 @EVALUATORS.register("seq2seq")
 def seq2seq(run: Run, data_paths: list[str], stride: int | None) -> dict:
     """chrF and exact-line accuracy of beam search and of the copy baseline on held-out pairs (transduction.py)."""
-    from qkv.evaluate.transduction import evaluate_run
-
     return evaluate_run(run, data_paths, stride)
 
 

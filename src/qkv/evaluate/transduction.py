@@ -22,6 +22,8 @@ from qkv.data.seq2seq import Pair, pad_right, seq2seq_batches
 from qkv.data.tokenizer import PAD, Tokenizer
 from qkv.errors import QkvError
 from qkv.evaluate.chrf import chrf, exact
+from qkv.data.sources import split
+from qkv.generate import generate
 
 MAX_PAIRS = 1000
 BEAMS = 4
@@ -39,8 +41,6 @@ def held_out_pairs(tokens: np.ndarray, tokenizer: Tokenizer, cfg) -> list[Pair]:
 def translate(model: nn.Module, tokenizer: Tokenizer, sources: Sequence[np.ndarray], *, max_new_tokens: int,
               num_beams: int = BEAMS, device=None) -> list[list[int]]:
     """Each source's best beam-search output, without the start and end tokens."""
-    from qkv.generate import generate
-
     device = device or next(model.parameters()).device
     eos, outputs = tokenizer.eos_id, []
     for first in range(0, len(sources), ROWS):
@@ -85,8 +85,6 @@ def report(trainer) -> dict:
 
 def evaluate_run(run, data_paths: list[str], stride: int | None) -> dict:
     """`qkv eval` on a seq2seq run: its validation split (or --data's pairs), as the train summary scores it."""
-    from qkv.data.sources import split
-
     if stride is not None:
         raise QkvError("--stride applies to language models; a seq2seq run is scored by translating its pairs")
     texts = [doc.text for doc in (read_documents(data_paths) if data_paths else split(run.config.data)[1])]

@@ -8,6 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkv.errors import QkvError
+from qkv import files
+from qkv.explain.page import build_page
+from qkv.explain.trace import trace
+from qkv.formats import load
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "derivations"  # a checkout's pages (linked when present)
 
@@ -16,11 +20,6 @@ def explain_page(runs: list[str | Path], text: str, *, target: str | None = None
                  ) -> tuple[Path, int]:
     """Trace each run on `text` and write the page; returns (path, size in bytes). `out` is written whole
     or not at all."""
-    from qkv import files
-    from qkv.explain.page import build_page
-    from qkv.explain.trace import trace
-    from qkv.formats import load
-
     out = Path(out)
     if out.is_dir():
         raise QkvError(f"--out {out}: is a directory")

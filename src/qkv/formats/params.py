@@ -12,6 +12,11 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.models.build import architecture_of
+from qkv.config import TrainConfig
+from qkv.models import build_model
+from qkv.nn.moe import aux_loss
+from qkv.ref.model import loss_and_grads
+from qkv.ref.optim import OPTIMIZERS
 
 
 def to_numpy(model: nn.Module, dtype=np.float64) -> dict[str, np.ndarray]:
@@ -61,8 +66,6 @@ def torch_loss_and_grads(model: nn.Module, input_ids, targets: np.ndarray, *,
                          attention_mask=None, label_smoothing: float = 0.0, aux_weight: float = 0.0):
     """The torch engine's (loss, {name: grad}, logits) by autograd, in the model's dtype. Any family:
     logits (..., K) against targets (...), plus aux_weight times the MoE load-balancing losses."""
-    from qkv.nn.moe import aux_loss
-
     model.zero_grad(set_to_none=True)
     logits = torch_forward(model, input_ids, attention_mask)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets).flatten(),
@@ -121,11 +124,6 @@ def compare_engines(cfg, *, seed: int = 0, batch: int = 2, seq: int = 5, steps: 
     the max abs difference between the engines in logits, loss (CE + aux_weight * the MoE balance loss),
     every parameter gradient, and after `steps` AdamW steps (TrainConfig defaults, lr 1e-2) the per-step
     losses and every parameter."""
-    from qkv.config import TrainConfig
-    from qkv.models import build_model
-    from qkv.ref.model import loss_and_grads
-    from qkv.ref.optim import OPTIMIZERS
-
     torch.manual_seed(seed)
     model = build_model(cfg).double()
     params = randomize(model, seed)

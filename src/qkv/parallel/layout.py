@@ -34,6 +34,8 @@ from qkv.nn.fastpath import is_dtensor
 from qkv.nn.block import Block
 from qkv.nn.moe import MoE
 from qkv.parallel.memory import apply_activation_checkpointing
+from qkv.files import load_optimizer, model_tensors, optimizer_tensors
+from qkv.parallel import pipeline
 
 if TYPE_CHECKING:  # torch.distributed.tensor and device_mesh take seconds to import: a single process never does
     from torch.distributed.device_mesh import DeviceMesh
@@ -141,12 +143,10 @@ def check_layout(cfg: RunConfig, world: int) -> None:
     if pc.pp > 1 and layers is not None and pc.pp > layers:
         raise QkvError(f"parallel.pp={pc.pp} is larger than model.n_layers={layers}: each stage needs a layer")
     if pc.tp > 1:
-        from qkv.parallel import tensor as tensor_parallel
+        from qkv.parallel import tensor as tensor_parallel  # torch.distributed.tensor: only for tensor parallel
 
         tensor_parallel.validate(cfg.model, pc.tp)
     if pc.pp > 1:
-        from qkv.parallel import pipeline
-
         pipeline.validate(cfg, pc.dp)
 
 
@@ -182,7 +182,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
     change it in place). Parameter names never change. The pipeline split (parallel.pp) is done by
     qkv.parallel.pipeline before this, on each stage's module (`tensor=False`: the whole model is already split)."""
     if layout.tp > 1 and tensor:
-        from qkv.parallel import tensor as tensor_parallel
+        from qkv.parallel import tensor as tensor_parallel  # torch.distributed.tensor: only for tensor parallel
 
         tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
     if cfg.train.activation_checkpointing:
@@ -261,8 +261,6 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 def full_model_state(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
     """The whole model's tensors on rank 0 (empty elsewhere), named as in a single process: parameters
     (a tied weight once, under its first name) and persistent buffers. Collective."""
-    from qkv.files import model_tensors
-
     if not layout.distributed:
         return model_tensors(model)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -277,8 +275,6 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                          layout: Layout) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """(tensors `optim.{index}.{key}`, JSON param groups) as a single process's optimizer writes them, on
     rank 0 ({} and [] elsewhere): index i is the i-th parameter of the groups in order. Collective."""
-    from qkv.files import optimizer_tensors
-
     if not layout.distributed:
         return optimizer_tensors(optimizer)
     if layout.zero == 1:
@@ -301,8 +297,6 @@ def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, tens
                         groups: list[dict], layout: Layout) -> None:
     """Load a single-process-format optimizer state (see full_optimizer_state) into any layout; every rank
     reads the same files. DDP and ZeRO-1 take it as it is (ZeRO-1 keeps its own partition)."""
-    from qkv.files import load_optimizer
-
     if layout.zero < 2 and layout.tp == 1:
         return load_optimizer(optimizer, tensors, groups)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from qkv.nn.block import Block
+from qkv.nn.fastpath import is_dtensor
 
 
 # the fused attention kernels: their outputs are (B, H, T, Dh) + softmax statistics (B, H, T), as small as
@@ -60,8 +61,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """Bytes this rank holds of the weights, their gradients and the optimizer's per-parameter states:
     a sharded (DTensor) tensor counts its local shard, a pipeline's meta parameter nothing, a ZeRO-1
     optimizer its own partition; scalar step counters are left out (qkv calc counts them as 0)."""
-    from qkv.nn.fastpath import is_dtensor
-
     def size(tensor) -> int:
         tensor = tensor.to_local() if is_dtensor(tensor) else tensor
         return 0 if tensor.is_meta else tensor.numel() * tensor.element_size()

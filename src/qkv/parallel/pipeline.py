@@ -50,6 +50,7 @@ from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.registry import Registry
 from qkv.parallel.precision import autocast
 from qkv.parallel.stages import Stage, StagedForward, release, retie
+from qkv.files import load_optimizer, optimizer_tensors
 
 # parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
 # package takes over a second to import, and a config check only needs the names)
@@ -259,8 +260,6 @@ class Pipeline:
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
         """(weights, optimizer tensors `optim.{i}.{key}`, JSON groups) as one process writes them, on rank 0
         ({}, {}, [] elsewhere): each parameter's moments from its first stage. Collective."""
-        from qkv.files import optimizer_tensors
-
         weights = self.full_weights()
         position = {id(p): i for i, p in enumerate(self.params)}
         tensors = {}
@@ -302,8 +301,6 @@ class Pipeline:
     def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
         """A single-process optimizer state into this stage: each moment of a stage parameter cut to its
         shard (every rank read the same file), the other stages' dropped."""
-        from qkv.files import load_optimizer
-
         order = [p for group in optimizer.param_groups for p in group["params"]]
         mine = {}
         for key, value in tensors.items():

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qkv.ref import functional as fn
-from qkv.ref import kernels, positional
+from qkv.ref import functional as fn, kernels, model, positional
 from qkv.ref.attention import MEMORY_GRAD, AttentionContext, attention_backward, attention_forward
 from qkv.ref.block import block_backward, block_forward
 from qkv.ref.ffn import FFNS
@@ -15,6 +14,8 @@ from qkv.ref.flash import flash_backward, flash_forward
 from qkv.ref.gradcheck import CASES, Case, layer_grads
 from qkv.ref.moe import moe_backward, moe_forward
 from qkv.ref.norms import NORMS
+from qkv.config import ModelConfig
+from qkv.ref.model import loss_and_grads
 
 B, T, S, D, H, F, V = 2, 5, 6, 8, 2, 12, 7
 Dh = D // H
@@ -254,10 +255,6 @@ CASES.register("block_cross_pre")(_block_case("pre", "layernorm", cross=True))
 # directions per parameter array (every layer inside is checked element by element above) ----------
 
 def _model_case(aux_weight=0.01, **overrides):
-    from qkv.config import ModelConfig
-    from qkv.ref import model
-    from qkv.ref.model import loss_and_grads
-
     model_cfg = ModelConfig(**{**dict(vocab_size=V, d_model=D, n_heads=H, n_layers=1, d_ff=F, max_seq_len=T),
                                **overrides})
 

@@ -12,8 +12,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from qkv.ref.functional import Grads
+from qkv.ref.functional import (cross_entropy_backward, cross_entropy_forward, embedding_backward,
+                                embedding_forward, Grads, softmax, softmax_backward)
 from qkv.registry import Registry
+from qkv.ref.flash import flash_backward, flash_forward
+from qkv.ref.kernels import naive_backward, naive_forward
+from qkv.ref.norms import layernorm_backward, layernorm_forward
 
 
 class Case(NamedTuple):
@@ -134,8 +138,6 @@ def layernorm_jacobian(d: int = 8, seed: int = 0, eps: float = 1e-5) -> dict:
                                                                          since sum_k xhat_k = 0)
         note table: (I - 11^T / d)(I - xhat xhat^T) / sigma             (000 summary table, lacks the 1/d)
     sigma = sqrt(var + eps). Returns the max abs deviation of each from the backward's Jacobian."""
-    from qkv.ref.norms import layernorm_backward, layernorm_forward
-
     rng = np.random.default_rng(seed)
     x = rng.normal(size=d) * 2.0 + 0.5
     params = {"weight": np.ones(d)}  # gamma = 1: the Jacobian of xhat itself
@@ -153,8 +155,6 @@ def layernorm_jacobian(d: int = 8, seed: int = 0, eps: float = 1e-5) -> dict:
 
 def softmax_ce_gradient(seed: int = 0, n: int = 6, v: int = 7) -> dict:
     """Claim 10: d mean CE / d logits = (P - onehot) / N, against the backward and finite differences."""
-    from qkv.ref.functional import cross_entropy_backward, cross_entropy_forward, softmax
-
     rng = np.random.default_rng(seed)
     logits, targets = rng.normal(size=(n, v)) * 2.0, rng.integers(0, v, n)
     _, cache = cross_entropy_forward(logits, targets)
@@ -166,8 +166,6 @@ def softmax_ce_gradient(seed: int = 0, n: int = 6, v: int = 7) -> dict:
 
 def softmax_row_rule(seed: int = 0, n: int = 6) -> dict:
     """Claim 11: dS = A * (dA - rowsum(A * dA)) equals the Jacobian product (diag(a) - a a^T) dA, row by row."""
-    from qkv.ref.functional import softmax, softmax_backward
-
     rng = np.random.default_rng(seed)
     scores, da = rng.normal(size=(n, n)), rng.normal(size=(n, n))
     a = softmax(scores)
@@ -179,8 +177,6 @@ def softmax_row_rule(seed: int = 0, n: int = 6) -> dict:
 
 def embedding_scatter_add(seed: int = 0, v: int = 7, d: int = 5, n: int = 9) -> dict:
     """Claim 13: E[x] == onehot(x) W_E, and its gradient onehot^T dH == the scatter-add of dH's rows."""
-    from qkv.ref.functional import embedding_backward, embedding_forward
-
     rng = np.random.default_rng(seed)
     ids, weight, dh = rng.integers(0, v, n), rng.normal(size=(v, d)), rng.normal(size=(n, d))
     onehot = np.eye(v)[ids]
@@ -194,8 +190,6 @@ def attention_peak_bytes(kernel: str, n: int, d: int = 64, block: int = 64, seed
     inputs: the (n, n) scores and weights for "naive", O(n) statistics plus one tile for "flash"."""
     import tracemalloc
 
-    from qkv.ref.flash import flash_backward, flash_forward
-    from qkv.ref.kernels import naive_backward, naive_forward
 
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.normal(size=(1, 1, n, d)) for _ in range(4))
@@ -213,9 +207,6 @@ def attention_peak_bytes(kernel: str, n: int, d: int = 64, block: int = 64, seed
 
 def flash_matches_naive(n: int = 33, d: int = 8, block: int = 8, seed: int = 0) -> dict:
     """Claim 18: tiled flash attention (forward and backward) equals the naive kernel."""
-    from qkv.ref.flash import flash_backward, flash_forward
-    from qkv.ref.kernels import naive_backward, naive_forward
-
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.normal(size=(2, 2, n, d)) for _ in range(4))
     kwargs = dict(mask=None, causal=True, bias=None, scale=d ** -0.5)

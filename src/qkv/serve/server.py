@@ -11,6 +11,7 @@ from qkv.serve import api
 from qkv.serve.app import Served, make_app
 from qkv.serve.chat import template_for
 from qkv.serve.engine import THREADS, Engine
+from qkv.formats import load
 
 
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
@@ -33,8 +34,6 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
             log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
-    from qkv.formats import load
-
     run = load(path, device)
     if run.tokenizer is None:
         raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")

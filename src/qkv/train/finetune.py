@@ -9,14 +9,13 @@ import torch
 from torch import nn
 
 from qkv.errors import QkvError
+from qkv.formats import load
 
 FRESH = "head."  # parameters the init run need not have: the new task's head
 
 
 def init_run(path: str):
     """The init run (a qkv run dir or a Hugging Face model dir), with a one-line error otherwise."""
-    from qkv.formats import load
-
     return load(path)
 
 

@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Callable
 
 from qkv import files, presets
-from qkv.checks import check_run
+from qkv.train.checks import check_run, preflight
 from qkv.config import RunConfig, merge_file
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE, TOKENIZER_FILE
-from qkv.train import finetune, objectives
+from qkv.train import checkpoint, finetune, objectives, tasks
 from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
+from qkv.evaluate.tokens import score_tokens
 
 
 def resolve_config(*, preset: str, config_file: str | None, overrides: list[str], data: list[str],
@@ -23,8 +24,6 @@ def resolve_config(*, preset: str, config_file: str | None, overrides: list[str]
                    init: str | None = None) -> RunConfig:
     """preset, then the JSON file's sections, then the --task, then --set, then the dedicated flags. With
     --init, the model's sizes and variants are the init run's (its weights must fit), the head this run's."""
-    from qkv.train import tasks
-
     cfg = presets.get(preset)
     if config_file:
         cfg = merge_file(cfg, Path(config_file))
@@ -89,36 +88,6 @@ def claim(out: Path, *, resume: bool):
             out.rmdir()
 
 
-def check_fits(cfg: RunConfig) -> None:
-    """Refuse, before any allocation or data preparation, a run whose step needs more memory per process than
-    its device has, by qkv's own calculator (`qkv calc`: weights, gradients, optimizer states and
-    activations for this batch, precision, ZeRO stage and checkpointing)."""
-    from qkv.analysis import calc, memory
-
-    model = calc.trained_model(cfg)
-    setup = calc.setup_from(cfg)
-    need = memory.training(model, setup)["total"]
-    device = parallel.resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        import torch
-
-        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s"
-    else:
-        have, where = machine_memory(), "this machine's"
-    if have and need > have:
-        raise QkvError(f"one training step needs {need / 2 ** 30:,.1f} GiB per process by `qkv calc` (weights, "
-                       f"gradients, optimizer states, activations), more than {where} {have / 2 ** 30:,.1f} GiB; "
-                       "make the model or train.batch_size smaller, or set train.activation_checkpointing")
-
-
-def machine_memory() -> int:
-    """Bytes of physical memory (0 where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def refuse_existing(out: Path) -> None:
     if out.is_dir() and not files.is_empty_run_dir(out):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
@@ -132,12 +101,7 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
             raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     else:
         refuse_existing(out)  # again under the lock: another writer may have filled it meanwhile
-    check_run(cfg)
-    parallel.check_layout(cfg, parallel.env_world())  # a mis-sized layout fails before the data is read
-    check_fits(cfg)
-    objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    objective = preflight(cfg, parallel.env_world())  # every gate, before the data is read
     own_tokenizer = out / TOKENIZER_FILE
     if resume and not own_tokenizer.is_file():  # the saved weights' ids mean its tokens: never retrain it
         raise QkvError(f"{own_tokenizer}: missing; the run's weights are indexed by its token ids, so it cannot "
@@ -183,8 +147,6 @@ def resume_config(out: Path, max_steps: int | None, max_time: float | None, layo
     (--set parallel.*=..., e.g. a dp=2 run continued in one process) may change; any other --set, --data,
     --config or --preset is accepted when it gives the values the run already has (the command first typed,
     typed again) and refused, naming the fields, when it would change one."""
-    from qkv.train import checkpoint
-
     if not (out / CONFIG_FILE).is_file():
         raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     if parallel.env_rank() == 0:
@@ -232,8 +194,6 @@ def save_resumed_config(out: Path, cfg: RunConfig) -> None:
 def bits_per_char(trainer: Trainer) -> float | None:
     """The final model's bits per character on the whole validation text (sliding window); None for
     objectives other than lm (an MLM or seq2seq loss is not a per-character code length)."""
-    from qkv.evaluate.tokens import score_tokens
-
     if objectives.name_for(trainer.cfg) != "lm":
         return None
     context = trainer.cfg.model.max_seq_len

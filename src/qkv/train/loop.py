@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
-from qkv import files
+from qkv import files, schedules
 from qkv.analysis import flops
 from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
@@ -35,7 +35,6 @@ from qkv.nn.linear_cross_entropy import vocab_parallel_loss
 from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives
 from qkv.parallel import layout as parallel
-from qkv import schedules
 from qkv.train.checkpoint import State, seed_everything
 from qkv.train.guards import DeferredInterrupt, StepGuards
 from qkv.train.metrics import open_logs

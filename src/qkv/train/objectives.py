@@ -33,11 +33,10 @@ from qkv.registry import Registry
 from qkv.evaluate import classify as classify_figures, transduction
 from qkv.train import classify
 from qkv.parallel.layout import unwrapped
+from qkv.data.sources import prepare_data
 
 def token_streams(cfg, tokenizer: Tokenizer | None):
     """The data of the token-stream objectives: qkv.data.sources.prepare_data (a fixed tokenizer or a trained one)."""
-    from qkv.data.sources import prepare_data
-
     return prepare_data(cfg.data, tokenizer=tokenizer)
 
 

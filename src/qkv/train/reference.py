@@ -10,6 +10,9 @@ from __future__ import annotations
 from qkv.errors import QkvError
 from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
+from qkv.formats.params import load_numpy, to_numpy
+from qkv.ref.train import train_ref
+from qkv.train.metrics import MetricsLog
 
 
 def check_engine(engine: str, *, resume: bool, max_time: float) -> None:
@@ -29,9 +32,6 @@ def run_reference(trainer: Trainer) -> dict:
     initial weights and the same batches, then store the result as an ordinary run checkpoint."""
     import time
 
-    from qkv.formats.params import load_numpy, to_numpy
-    from qkv.ref.train import train_ref
-    from qkv.train.metrics import MetricsLog
 
     tc, state = trainer.tc, trainer.state
     check_engine("ref", resume=state.step > 0, max_time=tc.max_time)  # also when called without the CLI

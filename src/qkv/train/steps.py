@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from qkv.config import RunConfig
 from qkv.parallel import layout as parallel
+from qkv.parallel.pipeline import Pipeline
 
 # backward(module, micro, share) -> (loss, aux), both detached: one micro-batch's forward and backward
 Backward = Callable[[nn.Module, tuple[Tensor, ...], float], tuple[Tensor, Tensor]]
@@ -69,10 +70,8 @@ def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler
     """parallel.pp > 1: this rank's pipeline stage under its schedule (tensor parallel splits the whole
     model first, data parallel wraps the stage); else micro-batches."""
     if layout.pp > 1:
-        from qkv.parallel.pipeline import Pipeline  # torch.distributed.pipelining: only for a pipeline
-
         if layout.tp > 1:
-            from qkv.parallel import tensor as tensor_parallel
+            from qkv.parallel import tensor as tensor_parallel  # torch.distributed.tensor: only for tensor parallel
 
             tensor_parallel.apply(model, layout.mesh["tp"], cfg.model, split_logits=False)  # the stage's loss
         return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, tp=layout.tp, scaler=scaler,

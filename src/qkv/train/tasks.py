@@ -8,6 +8,7 @@ from typing import Callable
 
 from qkv.config import RunConfig
 from qkv.registry import Registry
+from qkv.data.genres import LABELS
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,6 @@ TASKS: Registry[Task] = Registry("task")
 def genre_classification(cfg: RunConfig) -> RunConfig:
     """An encoder with a fresh 3-way classifier head on mean-pooled states, fine-tuned on the genre split's
     training plays (qkv.data.genres) for 3 minutes."""
-    from qkv.data.genres import LABELS
-
     model = dataclasses.replace(cfg.model, head="classifier", n_classes=len(LABELS), labels=LABELS,
                                 pooling="mean", dropout=0.1)
     # fine-tuning keeps AdamW with cosine decay (the pretraining preset's Muon and WSD are not measured here)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from qkv.checks import NAMED, check_run
+from qkv.train.checks import NAMED, check_run
 from qkv.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.models.build import check_model

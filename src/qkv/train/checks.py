@@ -1,0 +1,95 @@
+"""The pre-flight checks of a training job, before any data is read or any model is built: `preflight` owns
+every gate (the names, the layout against the launch, the memory fit, the objective against the model, the
+lengths) and `check_run` is its first, the names alone (also what a resumed or written config must pass).
+
+`qkv.config` checks what a config can check alone (types, ranges, combinations of fields). The variant
+names belong to the registries beside the code they name; this module asks each registry about its field,
+and `qkv.models.build.check_model` the model's entries about their facts (a kernel that needs a window, an
+encoding that needs an even head width). Every error names the field, the value and the choices.
+"""
+from __future__ import annotations
+
+import os
+
+from qkv.config import RunConfig, choice
+from qkv.data.corpus import BUNDLED_CORPORA, SPELLINGS
+from qkv.data.seq2seq import SEQ2SEQ_TASKS
+from qkv.data.sources import SPLITS
+from qkv.models.build import check_model
+from qkv.errors import QkvError
+from qkv.analysis import calc, memory
+from qkv.parallel import layout as parallel
+from qkv.registry import Registry
+from qkv.train import objectives
+from qkv.train.objectives import OBJECTIVES, Objective
+from qkv.train.optim import OPTIMIZERS
+from qkv.parallel.pipeline import PIPELINE_SCHEDULES
+from qkv.schedules import LR_SCALING, SCHEDULES
+
+NAMED: dict[str, Registry] = {  # section.field -> the registry that names its choices (model: check_model)
+    "train.schedule": SCHEDULES,
+    "train.optimizer": OPTIMIZERS,
+    "train.lr_scaling": LR_SCALING,
+    "data.seq2seq_task": SEQ2SEQ_TASKS,
+    "data.split": SPLITS,
+    "parallel.schedule": PIPELINE_SCHEDULES,
+}
+
+
+def check_run(cfg: RunConfig) -> RunConfig:
+    """cfg.validate(), then every name of every section by its registry; returns cfg."""
+    cfg.validate()
+    check_model(cfg.model)
+    for key, registry in NAMED.items():
+        section, name = key.split(".")
+        registry.check(key, getattr(getattr(cfg, section), name))
+    # auto: the objective of model.arch (its qkv.models.build.ARCHITECTURES entry)
+    choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
+    choice("data.spelling", cfg.data.spelling, SPELLINGS)
+    choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))
+    whole = getattr(OPTIMIZERS.get(cfg.train.optimizer), "whole_matrices", False)  # e.g. Muon's orthogonalisation
+    if whole and (cfg.parallel.zero or cfg.parallel.tp > 1):
+        raise QkvError(f"train.optimizer={cfg.train.optimizer} updates whole matrices: it does not run on ZeRO / "
+                       "FSDP or tensor-parallel shards (set parallel.zero=0 and parallel.tp=1)")
+    return cfg
+
+
+def preflight(cfg: RunConfig, world: int) -> Objective:
+    """Every gate of a run, in the order a person would fix them: the names (check_run), the layout against the
+    launch's `world` processes, the memory one step needs, the objective against the model, the lengths.
+    Returns the objective it will train."""
+    check_run(cfg)
+    parallel.check_layout(cfg, world)  # a mis-sized layout fails before the data is read
+    check_fits(cfg)
+    objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    return objective
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """Refuse, before any allocation or data preparation, a run whose step needs more memory per process than
+    its device has, by qkv's own calculator (`qkv calc`: weights, gradients, optimizer states and
+    activations for this batch, precision, ZeRO stage and checkpointing)."""
+    model = calc.trained_model(cfg)
+    setup = calc.setup_from(cfg)
+    need = memory.training(model, setup)["total"]
+    device = parallel.resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        import torch
+
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s"
+    else:
+        have, where = machine_memory(), "this machine's"
+    if have and need > have:
+        raise QkvError(f"one training step needs {need / 2 ** 30:,.1f} GiB per process by `qkv calc` (weights, "
+                       f"gradients, optimizer states, activations), more than {where} {have / 2 ** 30:,.1f} GiB; "
+                       "make the model or train.batch_size smaller, or set train.activation_checkpointing")
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
