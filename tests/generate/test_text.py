@@ -19,7 +19,7 @@ def run():
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=len(tokenizer.token_bytes), d_model=32, n_heads=4, n_layers=2, d_ff=64,
                           max_seq_len=64, positional="rope", init_std=0.3)
-    return SimpleNamespace(model=qkv.build_model(cfg).eval(), tokenizer=tokenizer)
+    return SimpleNamespace(model=qkv.build_model(cfg).eval(), tokenizer=tokenizer, stop_ids=(tokenizer.eos_id,))
 
 
 def text(run, strategy="greedy", stream=None, **kwargs) -> str:

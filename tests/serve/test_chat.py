@@ -1,7 +1,6 @@
 """Chat prompts (qkv.serve.chat): a model's own chat template renders as transformers' apply_chat_template
 renders it (the oracle); the sandbox refuses a template that reaches outside its strings; the default
-template's text and stop; the named-template and malformed forms of tokenizer_config.json."""
-import json
+template's text and stop."""
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -9,6 +8,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from qkv.errors import QkvError
+from qkv.formats.base import Chat
 from qkv.serve.chat import DEFAULT_STOP, ChatTemplate, template_for
 
 CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -51,19 +51,8 @@ class Tokens:
         return [ord(c) for c in text]
 
 
-def test_without_a_template_the_default_is_plain_text_after_end_of_text(tmp_path):
-    template = template_for(tmp_path, Tokens())
+def test_without_a_template_the_default_is_plain_text_after_end_of_text():
+    template = template_for(Chat(), Tokens())
     ids, stop = template(MESSAGES[:2])
     assert ids[0] == 0 and "".join(map(chr, ids[1:])) == "System: Be brief.\nUser: Who is Lear?\nAssistant:"
     assert stop == DEFAULT_STOP == ("\nUser:",)
-
-
-def test_named_templates_take_default_and_a_malformed_one_is_one_error(tmp_path):
-    config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "T"},
-                                                    {"name": "default", "template": "D{{ bos_token }}"}],
-                                  "bos_token": {"content": "<s>"}}))
-    assert template_for(tmp_path, Tokens()).render(MESSAGES) == "D<s>"
-    config.write_text(json.dumps({"chat_template": 7}))
-    with pytest.raises(QkvError, match="chat_template must be a string"):
-        template_for(tmp_path, Tokens())

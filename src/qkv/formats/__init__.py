@@ -1,7 +1,7 @@
 """File formats: every kind of file a model comes in or goes out as, behind one `load(path)`.
 
-    run = qkv.formats.load(path)         # (qkv.load) a qkv run dir or a Hugging Face model dir -> Run
-    qkv.formats.save(run, out, "hf")     # write it in a format: "run" (a qkv run dir) or "hf"
+    run = qkv.formats.load(path)         # (qkv.load) a qkv run dir, a Hugging Face model dir or a GGUF file -> Run
+    qkv.formats.save(run, out, "hf")     # write it in a format that writes: "run" (a qkv run dir) or "hf"
 
 Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
 the package is assembled; `load` asks each entry's `detect` in the order below (an HF dir also has a
@@ -15,16 +15,18 @@ from pathlib import Path
 import torch
 
 from qkv.errors import QkvError
-from qkv.formats import hf, run_dir
+from qkv.formats import gguf, hf, run_dir
 from qkv.formats.base import FORMATS, Format, Run
 
 __all__ = ["FORMATS", "Format", "Run", "load", "save"]
 
+FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=None,
+                                describe="a GGUF file (llama.cpp: llama architecture, byte-level BPE tokenizer)"))
 FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save,
                               describe="a Hugging Face model dir (config.json with model_type or architectures)"))
 FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=run_dir.save,
                                describe="a qkv run dir (config.json, tokenizer.json, model.safetensors)"))
-ORDER = ("hf", "run")  # the first whose detect says yes reads the path
+ORDER = ("gguf", "hf", "run")  # the first whose detect says yes reads the path
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
@@ -42,5 +44,9 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
 
 
 def save(run: Run, out: str | Path, format: str) -> Path:
-    """Write `run` to `out` in `format` (a name of FORMATS)."""
-    return FORMATS.get(format).save(run, out)
+    """Write `run` to `out` in `format` (a name of FORMATS that writes)."""
+    entry = FORMATS.get(format)
+    if entry.save is None:
+        writers = ", ".join(name for name in FORMATS.names() if FORMATS.get(name).save is not None)
+        raise QkvError(f"qkv reads the {format} format but does not write it; it writes: {writers}")
+    return entry.save(run, out)

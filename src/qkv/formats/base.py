@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -19,19 +19,37 @@ from qkv.errors import QkvError
 from qkv.registry import Registry
 
 
+@dataclass(frozen=True)
+class Chat:
+    """How the model was taught to chat, where its file says: a Jinja chat template (rendered as transformers
+    renders it, qkv.serve.chat), the text of its BOS token for the template, and the token ids that end its
+    turn (its EOS / end-of-turn tokens: generation stops there, besides qkv's end-of-text)."""
+
+    template: str | None = None
+    bos_token: str = ""
+    stop_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class Run:
     path: Path
     config: RunConfig
     model: nn.Module
     tokenizer: Tokenizer | None
+    chat: Chat = field(default_factory=lambda: Chat())
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where generation ends unless told otherwise: qkv's end-of-text and the model's own turn-ending ids."""
+        eos = (self.tokenizer.eos_id,) if self.tokenizer is not None else ()
+        return tuple(dict.fromkeys(eos + self.chat.stop_ids))
 
 
 @dataclass(frozen=True)
 class Format:
     detect: Callable[[Path], bool]
     load: Callable[..., Run]  # (path, device="cpu") -> Run
-    save: Callable[..., Path]  # (run, out) -> out
+    save: Callable[..., Path] | None  # (run, out) -> out; None: qkv reads this format only
     describe: str  # what it reads, for the error that lists the formats
 
 

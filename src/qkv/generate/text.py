@@ -23,15 +23,16 @@ from qkv.formats.base import Run
 class TextStream:
     """The decoded continuation of one row, cut at the first stop string and streamed without passing it."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], stream: TextIO | None):
-        self.decoder, self.eos = StreamDecoder(tokenizer), tokenizer.eos_id
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], stream: TextIO | None,
+                 stop_ids: Sequence[int] = ()):
+        self.decoder, self.ends = StreamDecoder(tokenizer), {tokenizer.eos_id, *stop_ids}  # never shown
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.hold = max((len(s) for s in self.stop_strings), default=1) - 1  # chars that may start a stop string
         self.stream, self.text, self.written, self.cut = stream, "", 0, None
 
     def push(self, token: int) -> bool:
         """Add one token; True once the text contains a stop string."""
-        if self.cut is None and token != self.eos:
+        if self.cut is None and token not in self.ends:
             self.text += self.decoder.push(token)
             self.find_cut()
         return self.cut is not None
@@ -77,7 +78,7 @@ def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, 
     start = {"decoder_start": tokenizer.eos_id} if seq2seq else {}
     prefix = "" if seq2seq else prompt
     new_from = 1 if seq2seq else input_ids.shape[1]
-    text = TextStream(tokenizer, stop_strings, stream)
+    text = TextStream(tokenizer, stop_strings, stream, run.stop_ids)
     stepwise = strategy != "beam"
     stop_if = text.stop_if if stepwise and text.stop_strings else None  # stop_if pushes each new token
 
@@ -90,7 +91,7 @@ def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, 
         stream.write(prefix)
     ids = generate(run.model, input_ids, max_new_tokens=max_new_tokens, strategy=strategy,
                    temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams, seed=seed,
-                   stop_tokens=(tokenizer.eos_id,), on_token=on_token if stepwise else None, stop_if=stop_if,
+                   stop_tokens=run.stop_ids, on_token=on_token if stepwise else None, stop_if=stop_if,
                    **start)
     for token in ids[0, new_from:].tolist() if not stepwise else ():  # beam: settled at the end
         if text.push(token):

@@ -144,6 +144,18 @@ class KVCache:
             self.positions, self.padding = self.positions.roll(-start, dims=1), self.padding.roll(-start, dims=1)
         self.length -= start
 
+    def truncate(self, n: int, last_token: int | None = None) -> None:
+        """Forget every column after the first n of an unpadded cache (a chat whose next prompt shares only
+        its first n tokens with what was fed): the next call continues at position n. `last_token`: the
+        token at n - 1 (the hashed bigram embedding's previous token)."""
+        if self.window or self.padded or not 0 <= n <= self.length:
+            raise ValueError("only an unpadded, non-rolling cache can be cut back, and to a length it holds")
+        for layer in self.layers:
+            layer.length = n
+        self.length = n
+        self.next_position.fill_(n)
+        self.last_token.fill_(-1 if last_token is None else last_token)
+
     def reorder(self, rows: Tensor) -> None:
         for layer in self.layers:
             layer.reorder(rows)

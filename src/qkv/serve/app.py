@@ -107,11 +107,12 @@ def start_jobs(served: Served, request: Completion) -> tuple[asyncio.Queue, list
     for p, prompt in enumerate(request.prompts):
         for j in range(request.n):
             index = p * request.n + j
-            events = ChoiceEvents(index, served.tokenizer, request.stop, queue, loop, request.logprobs is not None)
+            events = ChoiceEvents(index, served.tokenizer, request.stop, queue, loop, request.logprobs is not None,
+                                  served.run.stop_ids)
             sampling = request.sampling
             seed = None if sampling.seed is None else sampling.seed + j
             jobs.append(Job(prompt=list(prompt), max_new=request.max_tokens, processors=sampling.processors,
-                            params=sampling.params, seed=seed, stop_tokens=(served.tokenizer.eos_id,),
+                            params=sampling.params, seed=seed, stop_tokens=served.run.stop_ids,
                             top_logprobs=request.logprobs, echo=request.echo,
                             decoder_start=served.tokenizer.eos_id if seq2seq else None,
                             on_prompt=events.on_prompt, on_token=events.on_token, on_done=events.on_done))

@@ -1,7 +1,7 @@
 """Chat messages -> the prompt a model continues: the model's own chat template, or qkv's plain default.
 
-A Hugging Face model dir's tokenizer_config.json may carry `chat_template` (a Jinja template, or a list of
-named ones: "default" is used). It is rendered as transformers renders it (messages, add_generation_prompt,
+A model's file may carry a chat template (qkv.formats reads it: an HF dir's tokenizer_config.json or
+chat_template.jinja, a GGUF file's tokenizer.chat_template, a converted run's chat.json). It is rendered as transformers renders it (messages, add_generation_prompt,
 bos_token, eos_token, raise_exception) in Jinja's immutable sandbox, so a template can compute a string and
 nothing else; its special tokens ("<|im_start|>", "<s>") are then read as the tokens they name (as in
 transformers, a message that spells one gets that token).
@@ -15,12 +15,9 @@ reply stops at the model's end-of-text token or before the next "\\nUser:" (DEFA
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from qkv.data.tokenizer import EOS, Tokenizer
 from qkv.errors import QkvError
-from qkv.files import read_json
+from qkv.formats.base import Chat
 
 DEFAULT_TEMPLATE = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
                     "{% if add_generation_prompt %}Assistant:{% endif %}")
@@ -64,18 +61,8 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
-def template_for(path: Path, tokenizer: Tokenizer) -> ChatTemplate:
-    """The model dir's chat_template (tokenizer_config.json), else qkv's default."""
-    config_file = Path(path) / "tokenizer_config.json"
-    config = read_json(config_file) if config_file.is_file() else {}
-    source = config.get("chat_template") if isinstance(config, dict) else None
-    if isinstance(source, list):  # [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    if source is None:
+def template_for(chat: Chat, tokenizer: Tokenizer) -> ChatTemplate:
+    """The model's chat template (qkv.formats: an HF dir's, a GGUF file's, a run's chat.json), else qkv's default."""
+    if chat.template is None:
         return ChatTemplate(DEFAULT_TEMPLATE, tokenizer, stop=DEFAULT_STOP, prefix=(tokenizer.eos_id,))
-    if not isinstance(source, str):
-        raise QkvError(f"{config_file}: chat_template must be a string, got {json.dumps(source)[:60]}")
-    bos = config.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    return ChatTemplate(source, tokenizer, bos=bos if isinstance(bos, str) else "", specials=True)
+    return ChatTemplate(chat.template, tokenizer, bos=chat.bos_token, specials=True)

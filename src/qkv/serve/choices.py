@@ -28,9 +28,9 @@ class ChoiceEvents:
     ("prompt", [token entries]), ("token", text piece, token entry | None), ("done", text piece, reason, error)."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stop: tuple[str, ...], queue: asyncio.Queue,
-                 loop: asyncio.AbstractEventLoop, want_logprobs: bool):
+                 loop: asyncio.AbstractEventLoop, want_logprobs: bool, stop_ids: tuple[int, ...] = ()):
         self.index, self.tokenizer, self.queue, self.loop = index, tokenizer, queue, loop
-        self.text = TextStream(tokenizer, stop, Pieces())
+        self.text = TextStream(tokenizer, stop, Pieces(), stop_ids)
         self.want_logprobs = want_logprobs
         self.offset = 0  # characters of the continuation before the next token (text_offset)
         self.tokens = 0

@@ -26,7 +26,7 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
     on_cpu = next(model.parameters()).device.type == "cpu"
     engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or (THREADS if on_cpu else None))
     return Served(run=run, name=name or Path(run.path).name, engine=engine,
-                  template=template_for(run.path, run.tokenizer), limits=limits, api_key=api_key,
+                  template=template_for(run.chat, run.tokenizer), limits=limits, api_key=api_key,
                   created=int(time.time()))
 
 

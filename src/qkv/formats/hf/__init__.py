@@ -18,6 +18,7 @@ from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.files import load_model_tensors, model_tensors
 from qkv.formats.hf import bart, bert, gpt2, llama, t5  # noqa: F401  (each registers its family: the package assembles them)
+from qkv.formats.chat import read_chat
 from qkv.formats.hf.common import HF_FAMILIES, HfFamily, check_types
 from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
 from qkv.formats.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
@@ -75,7 +76,8 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     tokenizer, _ = read_tokenizer(path, hf)
     check_vocabulary(tokenizer, cfg.vocab_size, path / "tokenizer.json")
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
-    return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer)
+    return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer,
+               chat=read_chat(path, hf, vocab))
 
 
 def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:

@@ -33,11 +33,11 @@ def read_tokenizer(path: Path, hf: dict) -> tuple[Tokenizer | None, str | None]:
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise QkvError(f"{file}: not a tokenizers JSON file (no model)")
     raw = {**raw, "padding": None, "truncation": None}  # qkv encodes one text, whole
-    if not _spells(raw, EOS):
+    if not spells(raw, EOS):
         name = eos_name(Path(path), hf, raw)
         if name is None:
             return None, original
-        raw = _respell(raw, name, EOS)
+        raw = respell(raw, name, EOS)
     return Tokenizer.from_str(json.dumps(raw, ensure_ascii=False), source=str(file)), original
 
 
@@ -52,7 +52,7 @@ def eos_name(path: Path, hf: dict, raw: dict) -> str | None:
     eos_id = hf.get("eos_token_id")
     eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
     for token in (_content(special.get("eos_token")), by_id.get(eos_id), _content(special.get("sep_token"))):
-        if isinstance(token, str) and _spells(raw, token):
+        if isinstance(token, str) and spells(raw, token):
             return token
     return None
 
@@ -61,11 +61,11 @@ def _content(token):  # tokenizer files write a special token as a string or as 
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _spells(raw: dict, token: str) -> bool:
+def spells(raw: dict, token: str) -> bool:
     return any(entry.get("content") == token for entry in raw.get("added_tokens", []))
 
 
-def _respell(raw: dict, old: str, new: str) -> dict:
+def respell(raw: dict, old: str, new: str) -> dict:
     """Every occurrence of the string `old` as a token (added tokens, the model's vocabulary, the
     post-processor's templates) becomes `new`."""
     raw = dict(raw)

@@ -1,0 +1,81 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) in: a model, its tokenizer and its chat template from one file.
+
+    run = qkv.load("SmolLM2-135M-Instruct.Q4_1.gguf")    # the same Run as a run dir or an HF dir gives
+    qkv convert --from-gguf FILE.gguf --out RUN          # a qkv run dir
+
+Reading: the file is checked and parsed by `reader` (the `gguf` package's memory map); each architecture
+(`archs.GGUF_ARCHS`) turns its metadata and tensors into the Hugging Face checkpoint llama.cpp converted them
+from (llama.cpp's Q/K row permutation undone), which the HF family's own rules map to qkv; every tensor type
+the `gguf` package knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, ...) is dequantized by it to
+float32. The tokenizer comes from `tokenizer.ggml.*` (`tokenizer`), the chat template from
+`tokenizer.chat_template`, the ids that end a turn from the EOS (and end-of-turn) token ids.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkv.errors import QkvError
+from qkv.files import load_model_tensors
+from qkv.formats.base import Chat, Run, check_vocabulary
+from qkv.formats.gguf.archs import GGUF_ARCHS
+from qkv.formats.gguf.reader import GgufFile, is_gguf
+from qkv.formats.gguf.tokenizer import gguf_tokenizer, token_of
+from qkv.formats.hf import run_config
+from qkv.formats.hf.common import HF_FAMILIES
+from qkv.models import build_model
+from qkv.models.build import check_model
+
+__all__ = ["detect", "load", "is_gguf"]
+
+
+def detect(path: Path) -> bool:
+    return Path(path).is_file() and is_gguf(Path(path))
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
+    """A GGUF file as a Run: the model in eval mode (fp32 weights), its tokenizer and chat."""
+    path = Path(path)
+    file = GgufFile.open(path)
+    name = file.get("general.architecture")
+    if name not in GGUF_ARCHS:
+        raise QkvError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
+                       f"{', '.join(GGUF_ARCHS.names())}")
+    arch = GGUF_ARCHS.get(name)
+    shapes = {tensor: tuple(int(n) for n in reversed(t.shape.tolist())) for tensor, t in file.tensors.items()}
+    if "token_embd.weight" not in shapes:
+        raise QkvError(f"{path}: has no token_embd.weight tensor")
+    try:
+        hf = arch.hf_config(file.metadata, shapes)
+        family = HF_FAMILIES.get(hf["model_type"])
+        cfg = check_model(family.config(hf, hf["architectures"][0]))
+        tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
+    except QkvError as exc:
+        raise QkvError(f"{path}: {exc}") from None
+    model = build_model(cfg)
+    load_model_tensors(model, tensors, str(path))  # its errors name the file
+    tokenizer = gguf_tokenizer(file.metadata, str(path))
+    check_vocabulary(tokenizer, cfg.vocab_size, path)
+    return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
+               tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
+
+
+def hf_tensors(file: GgufFile, arch, hf: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in file.names:
+        hf_name = arch.hf_name(name)
+        if hf_name is None:
+            raise QkvError(f"tensor {name!r} has no place in a {hf['model_type']} model")
+        out[hf_name] = torch.from_numpy(arch.to_hf(hf_name, file.tensor(name), hf))
+    return out
+
+
+def chat_of(meta: dict, tokenizer) -> Chat:
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise QkvError("tokenizer.chat_template must be a string")
+    stops = [meta.get(f"tokenizer.ggml.{which}_token_id") for which in ("eos", "eot", "eom")]
+    stop_ids = tuple(dict.fromkeys(i for i in stops if isinstance(i, int) and 0 <= i < tokenizer.vocab_size))
+    return Chat(template=template, bos_token=token_of(meta, "bos", tokens) or "", stop_ids=stop_ids)

@@ -1,0 +1,93 @@
+"""Each GGUF architecture as the Hugging Face checkpoint it was converted from: its config.json keys from the
+metadata, and its tensors under their HF names with llama.cpp's changes undone. qkv then reads that with the
+HF family's own mapping (qkv.formats.hf), so one set of renaming rules serves both formats.
+
+llama.cpp's converter (convert_hf_to_gguf.py) permutes the rows of LLaMA's Q and K weights so that each
+rotary pair (i, i + Dh/2) of HF's rotate-half layout sits side by side (i, i + 1), the layout of ggml's
+rope kernel; `unpermute` puts them back (and `permute` is its inverse, for writing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from qkv.errors import QkvError
+from qkv.registry import Registry
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    hf_config: Callable[[dict, dict], dict]  # (metadata, tensor shapes) -> an HF config.json dict
+    hf_name: Callable[[str], str | None]  # GGUF tensor name -> HF name (None: not a tensor qkv reads)
+    to_hf: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, tensor, HF config) -> the HF tensor
+
+
+GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
+
+LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def need(meta: dict, key: str):
+    if key not in meta:
+        raise QkvError(f"metadata has no {key!r}, which this architecture needs")
+    return meta[key]
+
+
+def llama_config(meta: dict, shapes: dict) -> dict:
+    arch = "llama"
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise QkvError(f"{arch}.rope.scaling.type={scaling!r}: scaled RoPE is not supported by qkv (only none)")
+    d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
+    vocab = shapes["token_embd.weight"][0]
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": d_model,
+            "intermediate_size": int(need(meta, f"{arch}.feed_forward_length")),
+            "num_hidden_layers": int(need(meta, f"{arch}.block_count")), "num_attention_heads": n_heads,
+            "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+            "head_dim": int(meta.get(f"{arch}.rope.dimension_count", d_model // n_heads)),
+            "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+            "rms_norm_eps": float(need(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)), "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in shapes}
+
+
+def llama_name(name: str) -> str | None:
+    base, _, kind = name.rpartition(".")  # kind: weight or bias
+    if base in LLAMA_TOP:
+        return f"{LLAMA_TOP[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LLAMA_BLOCK:
+        return f"model.layers.{parts[1]}.{LLAMA_BLOCK[parts[2]]}.{kind}"
+    return None
+
+
+def rotary_heads(hf_name: str, hf: dict) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor: Q's, K's, or None."""
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return hf["num_attention_heads"]
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return hf["num_key_value_heads"]
+    return None
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """ggml's interleaved rotary rows (per head: pairs (2i, 2i + 1)) -> HF's halves (i, i + Dh/2)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's halves -> ggml's interleaved rows: llama.cpp's converter's permutation (the inverse of unpermute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
+    heads = rotary_heads(hf_name, hf)
+    return unpermute(w, heads) if heads else w
+
+
+GGUF_ARCHS.register("llama")(GgufArch(hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf))

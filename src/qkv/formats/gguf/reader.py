@@ -1,0 +1,111 @@
+"""Reading a GGUF file (llama.cpp's format) safely: the header is checked against the file before the `gguf`
+package (the llama.cpp project's own reader, a memory map) parses it, and every tensor's shape and bytes
+against its type's block size and the file's end. Nothing is allocated from a count in the header.
+
+    file = GgufFile.open(path)        # QkvError naming the file and the problem for anything malformed
+    file.metadata["llama.block_count"], file.names, file.tensor("blk.0.attn_q.weight") -> float32 ndarray
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qkv.errors import QkvError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
+MAX_COUNT = 1 << 24  # tensors or metadata entries: far more than any model has
+
+
+def is_gguf(path: Path) -> bool:
+    """A file that starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def check_header(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) < HEADER.size:
+        raise QkvError(f"{path}: truncated GGUF file ({size} bytes, shorter than its {HEADER.size}-byte header)")
+    magic, version, tensors, entries = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise QkvError(f"{path}: not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+    if version not in VERSIONS:
+        raise QkvError(f"{path}: GGUF version {version} is not supported (supported: {', '.join(map(str, VERSIONS))})")
+    for count, what in ((tensors, "tensor"), (entries, "metadata")):
+        if count > min(MAX_COUNT, size):  # every entry takes bytes of the file
+            raise QkvError(f"{path}: the header claims {count:,} {what} entries, more than a {size:,}-byte file holds")
+
+
+@dataclass
+class GgufFile:
+    path: Path
+    metadata: dict
+    tensors: dict  # name -> gguf.ReaderTensor (its data a view of the memory map)
+
+    @classmethod
+    def open(cls, path: str | Path) -> GgufFile:
+        import gguf
+
+        path = Path(path)
+        if not path.is_file():
+            raise QkvError(f"{path}: no such GGUF file")
+        check_header(path)
+        try:
+            reader = gguf.GGUFReader(path)
+            metadata = {name: field.contents() for name, field in reader.fields.items()
+                        if not name.startswith("GGUF.")}
+        except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, struct.error,
+                MemoryError) as exc:
+            raise QkvError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:120]})") from None
+        size = path.stat().st_size
+        tensors = {}
+        for tensor in reader.tensors:
+            check_tensor(path, tensor, size)
+            tensors[tensor.name] = tensor
+        return cls(path=path, metadata=metadata, tensors=tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor as float32 (rows, columns) in PyTorch's (out, in) order, dequantized by the gguf package."""
+        import gguf
+
+        if name not in self.tensors:
+            raise QkvError(f"{self.path}: has no tensor {name!r}")
+        tensor = self.tensors[name]
+        data = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
+        return np.array(data, dtype=np.float32, copy=True).reshape(shape)  # its own, writable copy
+
+
+def check_tensor(path: Path, tensor, size: int) -> None:
+    """Its type is known, its row length a whole number of blocks, and its bytes inside the file."""
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind not in gguf.GGML_QUANT_SIZES:
+        raise QkvError(f"{path}: tensor {tensor.name} has an unknown type {int(kind)}")
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    shape = [int(n) for n in tensor.shape.tolist()]
+    if not shape or any(n <= 0 for n in shape) or shape[0] % block:
+        raise QkvError(f"{path}: tensor {tensor.name} has shape {shape}, which {kind.name} blocks of {block} "
+                       f"values cannot hold")
+    need = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+    if tensor.data_offset + need > size or tensor.n_bytes != need:
+        raise QkvError(f"{path}: tensor {tensor.name} points past the end of the file ({tensor.data_offset:,} + "
+                       f"{need:,} bytes, the file has {size:,})")

@@ -1,0 +1,116 @@
+"""Helpers for the GGUF tests: tiny GGUF files written with the `gguf` package's own writer (llama.cpp's
+layout: Q and K rows permuted as its converter permutes them), from random transformers models, with a small
+byte-level BPE trained here as their tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from qkv.data.tokenizer import Tokenizer  # noqa: E402
+
+TEXT = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer",
+        "The slings and arrows of outrageous fortune,", "Or to take arms against a sea of troubles"] * 20
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def small_tokenizer() -> tuple[list[str], list[str], list[int]]:
+    """(tokens in id order, merges, token types): a byte-level BPE with <|endoftext|>, <|im_start|>, <|im_end|>."""
+    tok = Tokenizer.train(TEXT, 300)
+    tok.add_specials(["<|im_start|>", "<|im_end|>"])
+    raw = json.loads(tok.to_str())
+    vocab = {**raw["model"]["vocab"], **{t["content"]: t["id"] for t in raw["added_tokens"]}}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in raw["model"]["merges"]]
+    specials = {t["content"] for t in raw["added_tokens"]}
+    return tokens, merges, [3 if t in specials else 1 for t in tokens]
+
+
+def ggml_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's permutation of Q / K rows (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+LLAMA_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    return f"blk.{layer}.{LLAMA_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int = 0, layers: int = 2,
+                kv_heads: int = 2, template: str | None = TEMPLATE, edit=None, width: int = 64, ffn: int | None = None,
+                raw=None) -> Path:
+    """A random llama (d `width`, 4 heads, `kv_heads` KV heads, FFN `ffn` or 1.5 d) as a GGUF file; matrices stored as
+    `qtype`, or as `raw(name, matrix) -> (bytes, type)` gives them. `edit(writer)` may add or change metadata
+    before the file is written."""
+    tokens, merges, types = small_tokenizer()
+    torch.manual_seed(seed)
+    ffn = ffn or width * 3 // 2
+    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=width, intermediate_size=ffn,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                      tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(config).float()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(width)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(width // 4)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    if template is not None:
+        writer.add_chat_template(template)
+    if edit is not None:
+        edit(writer)
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        w = tensor.detach().numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            w = ggml_rows(w, 4)
+        elif name.endswith("k_proj.weight"):
+            w = ggml_rows(w, kv_heads)
+        kind = gguf.GGMLQuantizationType[qtype] if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        data = gguf.quants.quantize(w, kind) if kind != gguf.GGMLQuantizationType.F32 else w
+        if raw is not None and w.ndim == 2:
+            data, kind = raw(gguf_name(name), w)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def transformers_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own GGUF loader (from_pretrained(dir, gguf_file=...)), its logits for ids."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
