@@ -60,7 +60,10 @@ def cmd_chat(args) -> int:
             continue
         if not message.strip():
             continue
-        session.say(message, on_text=lambda piece: print(piece, end="", flush=True))
+        try:
+            session.say(message, on_text=lambda piece: print(piece, end="", flush=True))
+        except ValueError as exc:  # the model's chat template refused the conversation
+            raise QkvError(str(exc)) from None
         print(flush=True)
     return 0
 

@@ -55,14 +55,15 @@ def gguf_name(hf_name: str) -> str:
 
 def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int = 0, layers: int = 2,
                 kv_heads: int = 2, template: str | None = TEMPLATE, edit=None, width: int = 64, ffn: int | None = None,
-                raw=None) -> Path:
+                raw=None, vocab: int | None = None, tokenizer: bool = True) -> Path:
     """A random llama (d `width`, 4 heads, `kv_heads` KV heads, FFN `ffn` or 1.5 d) as a GGUF file; matrices stored as
     `qtype`, or as `raw(name, matrix) -> (bytes, type)` gives them. `edit(writer)` may add or change metadata
-    before the file is written."""
+    before the file is written. `vocab`: embedding rows other than the tokenizer's size; `tokenizer`: False
+    writes none."""
     tokens, merges, types = small_tokenizer()
     torch.manual_seed(seed)
     ffn = ffn or width * 3 // 2
-    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=width, intermediate_size=ffn,
+    config = transformers.LlamaConfig(vocab_size=vocab or len(tokens), hidden_size=width, intermediate_size=ffn,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
                                       max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                                       tie_word_embeddings=tied)
@@ -77,13 +78,14 @@ def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(width // 4)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokens.index("<|im_start|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
     if template is not None:
         writer.add_chat_template(template)
     if edit is not None:

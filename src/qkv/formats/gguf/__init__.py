@@ -31,7 +31,9 @@ __all__ = ["detect", "load", "is_gguf"]
 
 
 def detect(path: Path) -> bool:
-    return Path(path).is_file() and is_gguf(Path(path))
+    """A file named .gguf (read as one, so that a damaged one says what is wrong), or one with its magic."""
+    path = Path(path)
+    return path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path))
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Run:

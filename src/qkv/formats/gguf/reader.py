@@ -66,7 +66,7 @@ class GgufFile:
                         if not name.startswith("GGUF.")}
         except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, struct.error,
                 MemoryError) as exc:
-            raise QkvError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:120]})") from None
+            raise QkvError(f"{path}: not a readable GGUF file ({reason(exc, path)})") from None
         size = path.stat().st_size
         tensors = {}
         for tensor in reader.tensors:
@@ -91,6 +91,14 @@ class GgufFile:
         data = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
         return np.array(data, dtype=np.float32, copy=True).reshape(shape)  # its own, writable copy
+
+
+def reason(exc: Exception, path: Path) -> str:
+    """What the gguf package's error says about the file. Its reader slices the memory map at the offsets and
+    lengths the file states; a slice cut short by the end of the file is what fails to take its shape."""
+    if "cannot reshape" in str(exc) or isinstance(exc, IndexError):
+        return f"a metadata value or tensor runs past the end of the file ({path.stat().st_size:,} bytes)"
+    return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
 def check_tensor(path: Path, tensor, size: int) -> None:

@@ -1,0 +1,96 @@
+"""qkv.formats.gguf.reader and the loader on hostile files: each is one `qkv: error:` line naming the problem,
+exit 2, no traceback; nothing is allocated from a header count before it is checked against the file's size;
+nothing existing is overwritten."""
+import struct
+
+import gguf
+import pytest
+
+from tests.cli.test_main import assert_one_error_line, cli
+from tests.formats.gguf import write_llama
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("gguf") / "good.gguf", qtype="Q8_0")
+
+
+def patched(good, tmp_path, offset: int, value: bytes, name="bad.gguf"):
+    data = bytearray(good.read_bytes())
+    data[offset:offset + len(value)] = value
+    (tmp_path / name).write_bytes(bytes(data))
+    return tmp_path / name
+
+
+def tensor_info(good, name: str) -> tuple[int, int]:
+    """(offset of the tensor's type field, its number of dimensions) in the file's tensor-info table."""
+    tensor = next(t for t in gguf.GGUFReader(good).tensors if t.name == name)
+    n_dims = len(tensor.shape)
+    return tensor.field.offset + 8 + len(name.encode()) + 4 + 8 * n_dims, n_dims
+
+
+def string_value(good, key: str) -> int:
+    """The offset of the length of metadata `key`'s string value."""
+    field = gguf.GGUFReader(good).fields[key]
+    return field.offset + 8 + len(key.encode()) + 4
+
+
+def cases(good, tmp_path):
+    size = good.stat().st_size
+    type_at, _ = tensor_info(good, "blk.0.attn_q.weight")
+    yield "truncated", lambda: truncate(good, tmp_path, size // 2), "runs past the end of the file"
+    yield "header only", lambda: truncate(good, tmp_path, 10), "truncated GGUF file"
+    yield "bad magic", lambda: patched(good, tmp_path, 0, b"GGML"), "not a GGUF file"
+    yield "version", lambda: patched(good, tmp_path, 4, struct.pack("<I", 99)), "GGUF version 99 is not supported"
+    yield "tensor count", lambda: patched(good, tmp_path, 8, struct.pack("<Q", 2 ** 40)), "tensor entries"
+    yield "past the end", lambda: truncate(good, tmp_path, size - 100), "runs past the end of the file"
+    yield "unknown type", lambda: patched(good, tmp_path, type_at, struct.pack("<I", 99)), "GGUF"
+    yield "string of 2^60", lambda: patched(good, tmp_path, string_value(good, "general.architecture"),
+                                             struct.pack("<Q", 2 ** 60)), "GGUF"
+
+
+def truncate(good, tmp_path, size):
+    (tmp_path / "bad.gguf").write_bytes(good.read_bytes()[:size])
+    return tmp_path / "bad.gguf"
+
+
+@pytest.mark.parametrize("case", ["truncated", "header only", "bad magic", "version", "tensor count",
+                                  "past the end", "unknown type", "string of 2^60"])
+def test_a_malformed_file_is_one_error_line(capsys, good, tmp_path, case):
+    make, message = next((make, message) for name, make, message in cases(good, tmp_path) if name == case)
+    bad = make()
+    assert_one_error_line(*cli(capsys, "generate", bad, "--prompt", "x", "--max-new-tokens", "2"), message)
+    out = tmp_path / "kept"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert_one_error_line(*cli(capsys, "convert", "--from-gguf", bad, "--out", out), "")
+    assert (out / "mine.txt").read_text() == "keep" and sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_a_shape_that_its_blocks_cannot_hold_is_refused(capsys, tmp_path):
+    """A Q8_0 tensor whose rows are 33 values long: 32-value blocks cannot hold it (its shape field patched)."""
+    good = write_llama(tmp_path / "g.gguf", qtype="Q8_0")
+    tensor = next(t for t in gguf.GGUFReader(good).tensors if t.name == "blk.0.attn_q.weight")
+    first_dim = tensor.field.offset + 8 + len(tensor.name.encode()) + 4
+    bad = patched(good, tmp_path, first_dim, struct.pack("<Q", 33))
+    assert_one_error_line(*cli(capsys, "generate", bad, "--prompt", "x"), "33", "not a multiple of Q8_0 block size")
+
+
+def test_an_architecture_qkv_does_not_run_is_named(capsys, tmp_path):
+    good = write_llama(tmp_path / "g.gguf")
+    at = string_value(good, "general.architecture")
+    bad = patched(good, tmp_path, at + 8, b"mamba")  # "llama" -> "mamba", same length
+    assert_one_error_line(*cli(capsys, "generate", bad, "--prompt", "x"), "GGUF architecture 'mamba' is not supported")
+
+
+def test_a_vocabulary_larger_than_the_embedding_and_a_missing_tokenizer(capsys, tmp_path):
+    small = write_llama(tmp_path / "v.gguf", vocab=200)
+    assert_one_error_line(*cli(capsys, "generate", small, "--prompt", "x"), "more than the model's vocab_size=200")
+    none = write_llama(tmp_path / "t.gguf", tokenizer=False)
+    assert_one_error_line(*cli(capsys, "generate", none, "--prompt", "x"), "has no tokenizer")
+
+
+def test_a_template_that_raises_is_one_error_line(capsys, tmp_path, monkeypatch):
+    path = write_llama(tmp_path / "r.gguf", template="{{ raise_exception('only user turns') }}")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n"))
+    assert_one_error_line(*cli(capsys, "chat", path, "--max-new-tokens", "2"), "only user turns")

@@ -1,0 +1,50 @@
+"""qkv.formats.gguf.tokenizer: the tokenizer of a GGUF file's metadata gives the ids transformers' own GGUF
+tokenizer gives (the oracle), on plain text and on hostile strings: emoji, CJK, runs of spaces and newlines,
+and the special tokens written as text (read as the tokens they name by encode_with_specials, as transformers
+reads them; as plain text by encode)."""
+import pytest
+
+import qkv
+from tests.formats.gguf import TEXT, write_llama
+
+HOSTILE = ["🙂🎭 naïve café", "漢字とかな、한국어", "a    b\n\n\n\tc   ", "  leading", "trailing  \n",
+           "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>x<|endoftext|>", "", "'s 're 've 12345 ...!!"]
+
+
+def transformers_tokenizer(path):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe"])
+def test_ids_equal_transformers_gguf_tokenizer(tmp_path, pre):
+    path = rewrite_pre(write_llama(tmp_path / "m.gguf"), tmp_path / f"{pre}.gguf", pre)
+    ours, theirs = qkv.load(path).tokenizer, transformers_tokenizer(path)
+    for text in TEXT[:4] + HOSTILE:
+        assert ours.encode_with_specials(text) == theirs(text, add_special_tokens=False).input_ids, text
+        assert ours.decode(ours.encode(text)) == text
+
+
+def rewrite_pre(src, dst, pre):
+    """The same file with tokenizer.ggml.pre = pre."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = pre if name == "tokenizer.ggml.pre" else field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=list(reversed(tensor.shape.tolist())),
+                          raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
