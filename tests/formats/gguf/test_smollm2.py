@@ -1,0 +1,94 @@
+"""SmolLM2-135M-Instruct from its GGUF file (llama architecture, 30 layers, GQA 9/3, Q4_1 and Q8_0 tensors,
+ChatML), end to end against transformers reading the same file: logits, greedy text, the tokenizer on the
+bundled works and hostile strings, the chat, and qkv serve's chat completions through the openai client."""
+import gzip
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+import qkv
+from qkv.formats.base import Chat
+from qkv.generate import generate
+from qkv.generate.chat import ChatSession
+from qkv.serve.chat import template_for
+from tests.formats.gguf.smollm2 import require_smollm2
+from tests.formats.gguf.test_tokenizer import HOSTILE
+
+PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n):", "1, 2, 3, 5, 8,",
+           "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    path = require_smollm2()
+    import transformers
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return qkv.load(path), theirs, tokenizer
+
+
+def test_logits_equal_transformers_on_five_prompts(smol):
+    run, theirs, _ = smol
+    for prompt in PROMPTS:
+        ids = torch.tensor([run.tokenizer.encode_with_specials(prompt)])
+        with torch.no_grad():
+            diff = (run.model(ids) - theirs(ids).logits).abs().max().item()
+        assert diff < 1e-4, (prompt, diff)
+
+
+def test_greedy_64_tokens_are_transformers(smol):
+    run, theirs, _ = smol
+    ids = torch.tensor([run.tokenizer.encode_with_specials(PROMPTS[1])])
+    ours = generate(run.model, ids, max_new_tokens=64, strategy="greedy")
+    with torch.no_grad():
+        expected = theirs.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None)
+    assert ours.tolist() == expected.tolist()
+
+
+def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_strings(smol):
+    run, _, tokenizer = smol
+    corpus = resources.files("qkv.data") / "corpora" / "shakespeare.jsonl.gz"
+    with gzip.open(corpus.open("rb"), "rt", encoding="utf-8") as f:
+        works = [json.loads(line)["text"][:10_000] for line in f]
+    assert len(works) > 40
+    for text in works + HOSTILE:
+        assert run.tokenizer.encode_with_specials(text) == tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_the_chat_names_paris_and_stops_at_the_end_of_its_turn(smol):
+    run, _, tokenizer = smol
+    assert run.chat.template and run.chat.stop_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    template = template_for(run.chat, run.tokenizer)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids, _ = template(messages)
+    assert ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    session = ChatSession(run, template, strategy="greedy", max_new_tokens=30)
+    reply = session.say(messages[0]["content"])
+    assert "Paris" in reply and "<|im_end|>" not in reply
+    assert template_for(Chat(), run.tokenizer).stop  # a run without a template has the plain default
+
+
+def test_serve_speaks_chatml_and_stops_at_im_end(smol):
+    import openai
+
+    from tests.serve.live import Live
+
+    path = require_smollm2()
+    with Live(path, name="smol") as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="smol", messages=[
+            {"role": "user", "content": "What is the capital of France?"}], max_tokens=30, temperature=0)
+        chunks = list(client.chat.completions.create(model="smol", messages=[
+            {"role": "user", "content": "What is the capital of France?"}], max_tokens=30, temperature=0,
+            stream=True))
+    text = reply.choices[0].message.content
+    assert "Paris" in text and "<|im_end|>" not in text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens == len(smol[2].apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
