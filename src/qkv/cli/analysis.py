@@ -12,7 +12,8 @@ from qkv.errors import QkvError
 
 def add_parsers(sub) -> None:
     """Add `calc`, `scaling`, `explain` and `verify` to the `qkv` sub-parsers."""
-    calc = sub.add_parser("calc", help="parameters, FLOPs, training memory, KV cache and MFU of a config")
+    calc = sub.add_parser("calc", help="parameters, FLOPs, training memory, KV cache and MFU of a config or a model")
+    calc.add_argument("run", nargs="?", help="a model's file instead of a config: a run dir, HF dir or GGUF file")
     config_options(calc, None)
     calc.add_argument("--seq", type=count, help="tokens per sequence (default train.seq_len)")
     calc.add_argument("--batch", type=count, help="sequences per GPU per micro-batch (default: the config's)")
@@ -62,7 +63,14 @@ def add_parsers(sub) -> None:
 def cmd_calc(args) -> int:
     from qkv.analysis import calc
 
-    cfg = calc.resolve(args.preset, args.config, args.set)
+    if args.run is not None:
+        if args.preset or args.config or args.set:
+            raise QkvError("calc takes a model's file or a config (--preset, --config, --set), not both")
+        from qkv.formats import load
+
+        cfg = load(args.run).config  # the model as its file has it
+    else:
+        cfg = calc.resolve(args.preset, args.config, args.set)
     result = calc.calculate(cfg, seq=args.seq, batch=args.batch, precision=args.precision,
                             optimizer=args.optimizer, zero=args.zero, gpus=args.gpus, tp=args.tp, pp=args.pp,
                             microbatches=args.microbatches, schedule=args.schedule, layout=args.layout,

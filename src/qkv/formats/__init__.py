@@ -21,7 +21,7 @@ from qkv.formats.base import FORMATS, Format, Run
 __all__ = ["FORMATS", "Format", "Run", "load", "save"]
 
 FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=None,
-                                describe="a GGUF file (llama.cpp: llama architecture, byte-level BPE tokenizer)"))
+                                describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
 FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save,
                               describe="a Hugging Face model dir (config.json with model_type or architectures)"))
 FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=run_dir.save,

@@ -116,3 +116,51 @@ def transformers_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
                                                               dtype=torch.float32)
     with torch.no_grad():
         return model(ids).logits
+
+
+GPT2_NAMES = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+GPT2_TOP = {"transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+            "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+            "lm_head.weight": "output.weight"}
+
+
+def write_gpt2(path: Path, *, qtype: str = "F32", seed: int = 0, tied: bool = True) -> Path:
+    """A random GPT-2 (d 64, 4 heads, 2 layers) as llama.cpp's converter writes one: Conv1D weights (in, out)
+    stored transposed, (out, in)."""
+    tokens, merges, types = small_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=len(tokens), n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                                     tie_word_embeddings=tied)
+    model = transformers.GPT2LMHeadModel(config).float()
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(2)
+    writer.add_context_length(1024)  # transformers' GGUF loader keeps GPT-2's 1,024 positions whatever the file says
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(256)
+    writer.add_head_count(4)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias") or (tied and name == "lm_head.weight"):
+            continue
+        w = tensor.detach().numpy().astype(np.float32)
+        if name in GPT2_TOP:
+            target = GPT2_TOP[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            target = f"blk.{layer}.{GPT2_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+        if w.ndim == 2 and target.startswith("blk."):
+            w = np.ascontiguousarray(w.T)  # Conv1D (in, out) -> (out, in)
+        kind = gguf.GGMLQuantizationType[qtype] if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(target, gguf.quants.quantize(w, kind) if kind != gguf.GGMLQuantizationType.F32 else w,
+                          raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

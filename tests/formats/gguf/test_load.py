@@ -1,4 +1,4 @@
-"""qkv.formats.gguf: a GGUF file read by qkv gives the logits transformers' own GGUF loader gives for the same
+"""qkv.formats.gguf: a GGUF file (llama or gpt2) read by qkv gives the logits transformers' own GGUF loader gives for the same
 file, for every tensor type the gguf package writes (and K-quant blocks with random finite scales), tied and
 untied heads, grouped-query and full attention; its chat template and turn-ending ids come along."""
 import numpy as np
@@ -7,7 +7,8 @@ import torch
 
 import qkv
 from qkv.formats.gguf.archs import permute, unpermute
-from tests.formats.gguf import TEMPLATE, ggml_rows, gguf, small_tokenizer, transformers_logits, write_llama
+from tests.formats.gguf import (TEMPLATE, ggml_rows, gguf, small_tokenizer, transformers_logits, write_gpt2,
+                               write_llama)
 
 IDS = torch.tensor([[1, 5, 9, 40, 100, 7, 250, 3], [2, 2, 60, 61, 62, 63, 64, 65]])
 TOL = 1e-4  # fp32, both dequantized by the gguf package: only the order of float additions differs
@@ -47,6 +48,15 @@ def test_k_quant_blocks_with_random_finite_scales(tmp_path, qtype):
     with torch.no_grad():
         ours, theirs = run.model(IDS), transformers_logits(path, IDS)
     assert torch.isfinite(theirs).all() and (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize("qtype, tied", [("F32", True), ("Q8_0", False)])
+def test_gpt2_logits_equal_transformers_gguf_loader(tmp_path, qtype, tied):
+    path = write_gpt2(tmp_path / "g.gguf", qtype=qtype, tied=tied, seed=5)
+    run = qkv.load(path)
+    assert run.config.model.positional == "learned" and run.config.model.tie_embeddings == tied
+    with torch.no_grad():
+        assert (run.model(IDS) - transformers_logits(path, IDS)).abs().max().item() < TOL
 
 
 def test_unpermute_undoes_llama_cpps_permutation():

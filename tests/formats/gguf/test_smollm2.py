@@ -40,6 +40,14 @@ def test_logits_equal_transformers_on_five_prompts(smol):
         assert diff < 1e-4, (prompt, diff)
 
 
+def test_calc_counts_the_real_parameters(smol):
+    from qkv.analysis import calc
+
+    run, theirs, _ = smol
+    total = calc.calculate(run.config)["params"]["total"]
+    assert total == sum(p.numel() for p in theirs.parameters()) == 134_515_008
+
+
 def test_greedy_64_tokens_are_transformers(smol):
     run, theirs, _ = smol
     ids = torch.tensor([run.tokenizer.encode_with_specials(PROMPTS[1])])

@@ -1,6 +1,7 @@
 """Each GGUF architecture as the Hugging Face checkpoint it was converted from: its config.json keys from the
 metadata, and its tensors under their HF names with llama.cpp's changes undone. qkv then reads that with the
-HF family's own mapping (qkv.formats.hf), so one set of renaming rules serves both formats.
+HF family's own mapping (qkv.formats.hf), so one set of renaming rules serves both formats: llama (SmolLM,
+TinyLlama, the Llama 2 and 3 layouts) and gpt2 (whose Conv1D weights llama.cpp stores transposed).
 
 llama.cpp's converter (convert_hf_to_gguf.py) permutes the rows of LLaMA's Q and K weights so that each
 rotary pair (i, i + Dh/2) of HF's rotate-half layout sits side by side (i, i + 1), the layout of ggml's
@@ -91,3 +92,39 @@ def llama_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
 
 
 GGUF_ARCHS.register("llama")(GgufArch(hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf))
+
+
+GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+              "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+            "output": "lm_head"}
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def gpt2_config(meta: dict, shapes: dict) -> dict:
+    arch = "gpt2"
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": shapes["token_embd.weight"][0],
+            "n_embd": int(need(meta, f"{arch}.embedding_length")), "n_layer": int(need(meta, f"{arch}.block_count")),
+            "n_head": int(need(meta, f"{arch}.attention.head_count")),
+            "n_inner": int(need(meta, f"{arch}.feed_forward_length")),
+            "n_positions": int(need(meta, f"{arch}.context_length")),
+            "layer_norm_epsilon": float(need(meta, f"{arch}.attention.layer_norm_epsilon")),
+            "activation_function": "gelu_new", "tie_word_embeddings": "output.weight" not in shapes}
+
+
+def gpt2_name(name: str) -> str | None:
+    base, _, kind = name.rpartition(".")
+    if base in GPT2_TOP:
+        return f"{GPT2_TOP[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GPT2_BLOCK:
+        return f"transformer.h.{parts[1]}.{GPT2_BLOCK[parts[2]]}.{kind}"
+    return None
+
+
+def gpt2_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
+    """GPT-2's Conv1D keeps its weights (in, out); llama.cpp's converter stores them (out, in)."""
+    return np.ascontiguousarray(w.T) if hf_name.endswith(GPT2_CONV1D) else w
+
+
+GGUF_ARCHS.register("gpt2")(GgufArch(hf_config=gpt2_config, hf_name=gpt2_name, to_hf=gpt2_to_hf))
