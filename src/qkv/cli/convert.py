@@ -3,7 +3,8 @@ qkv.formats loading when the command runs.
 
     qkv convert --from-hf DIR --out RUN      a run dir that qkv generate / eval / train --resume read
     qkv convert --from-gguf F.gguf --out RUN a run dir from a GGUF file (its tokenizer and chat template kept)
-    qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN: any format qkv reads)"""
+    qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN: any format qkv reads)
+    qkv convert RUN --to-gguf F.gguf [--dtype f32|f16|bf16|q8_0|q4_0]   a file llama.cpp and Ollama run"""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,9 @@ def add_parsers(subparsers) -> None:
     convert.add_argument("--from-hf", metavar="DIR", help="read a Hugging Face model dir (config.json + "
                                                           "model.safetensors [+ tokenizer.json])")
     convert.add_argument("--from-gguf", metavar="FILE", help="read a GGUF file (llama.cpp's format)")
+    convert.add_argument("--to-gguf", metavar="FILE", help="write RUN as a GGUF file (llama- or gpt2-shaped models)")
+    convert.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
+                         help="with --to-gguf: the matrices' type (default f32)")
     convert.add_argument("--out", metavar="RUN", help="the qkv run directory to create (with --from-hf or "
                                                       "--from-gguf)")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")
@@ -28,17 +32,22 @@ def cmd_convert(args) -> int:
     from qkv.formats import gguf, hf, load, run_dir
 
     sources = [name for name in ("from_hf", "from_gguf") if getattr(args, name)]
-    if len(sources) == 1 and not args.to_hf and not args.run:
+    targets = [name for name in ("to_hf", "to_gguf") if getattr(args, name)]
+    if args.dtype and not args.to_gguf:
+        raise QkvError("--dtype applies to --to-gguf")
+    if len(sources) == 1 and not targets and not args.run:
         flag = "--" + sources[0].replace("_", "-")
         if not args.out:
             raise QkvError(f"convert {flag} needs --out RUN")
         source = getattr(args, sources[0])
         out = hf.convert_from_hf(source, args.out) if args.from_hf else run_dir.save(gguf.load(source), args.out)
-    elif args.to_hf and args.run and not sources and not args.out:
-        out = hf.save(load(args.run), args.to_hf)
+    elif len(targets) == 1 and args.run and not sources and not args.out:
+        run = load(args.run)
+        out = hf.save(run, args.to_hf) if args.to_hf else gguf.save(run, args.to_gguf, args.dtype or "f32")
         source = args.run
     else:
-        raise QkvError("convert takes either --from-hf DIR --out RUN, --from-gguf FILE --out RUN or RUN --to-hf DIR")
+        raise QkvError("convert takes one of --from-hf DIR --out RUN, --from-gguf FILE --out RUN, RUN --to-hf DIR "
+                       "and RUN --to-gguf FILE")
     if args.json:
         print(json.dumps({"from": str(source), "to": str(out)}))
     else:

@@ -1,7 +1,7 @@
 """File formats: every kind of file a model comes in or goes out as, behind one `load(path)`.
 
     run = qkv.formats.load(path)         # (qkv.load) a qkv run dir, a Hugging Face model dir or a GGUF file -> Run
-    qkv.formats.save(run, out, "hf")     # write it in a format that writes: "run" (a qkv run dir) or "hf"
+    qkv.formats.save(run, out, "gguf")   # write it in a format: "run" (a qkv run dir), "hf" or "gguf"
 
 Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
 the package is assembled; `load` asks each entry's `detect` in the order below (an HF dir also has a
@@ -20,7 +20,7 @@ from qkv.formats.base import FORMATS, Format, Run
 
 __all__ = ["FORMATS", "Format", "Run", "load", "save"]
 
-FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=None,
+FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save,
                                 describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
 FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save,
                               describe="a Hugging Face model dir (config.json with model_type or architectures)"))

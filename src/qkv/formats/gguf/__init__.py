@@ -1,7 +1,8 @@
-"""GGUF files (llama.cpp, Ollama, LM Studio) in: a model, its tokenizer and its chat template from one file.
+"""GGUF files (llama.cpp, Ollama, LM Studio) in and out: a model, its tokenizer and its chat template in one file.
 
     run = qkv.load("SmolLM2-135M-Instruct.Q4_1.gguf")    # the same Run as a run dir or an HF dir gives
     qkv convert --from-gguf FILE.gguf --out RUN          # a qkv run dir
+    qkv convert RUN --to-gguf OUT.gguf --dtype q8_0      # llama- or gpt2-shaped runs, for llama.cpp (writer)
 
 Reading: the file is checked and parsed by `reader` (the `gguf` package's memory map); each architecture
 (`archs.GGUF_ARCHS`) turns its metadata and tensors into the Hugging Face checkpoint llama.cpp converted them
@@ -22,12 +23,13 @@ from qkv.formats.base import Chat, Run, check_vocabulary
 from qkv.formats.gguf.archs import GGUF_ARCHS
 from qkv.formats.gguf.reader import GgufFile, is_gguf
 from qkv.formats.gguf.tokenizer import gguf_tokenizer, token_of
+from qkv.formats.gguf.writer import save
 from qkv.formats.hf import run_config
 from qkv.formats.hf.common import HF_FAMILIES
 from qkv.models import build_model
 from qkv.models.build import check_model
 
-__all__ = ["detect", "load", "is_gguf"]
+__all__ = ["detect", "is_gguf", "load", "save"]
 
 
 def detect(path: Path) -> bool:

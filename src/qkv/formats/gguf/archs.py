@@ -23,6 +23,10 @@ class GgufArch:
     hf_config: Callable[[dict, dict], dict]  # (metadata, tensor shapes) -> an HF config.json dict
     hf_name: Callable[[str], str | None]  # GGUF tensor name -> HF name (None: not a tensor qkv reads)
     to_hf: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, tensor, HF config) -> the HF tensor
+    # writing: the inverses, and the metadata of an HF config.json dict
+    gguf_name: Callable[[str], str]  # HF name -> GGUF name
+    from_hf: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, HF tensor, HF config) -> as GGUF stores it
+    metadata: Callable[[dict], dict]  # HF config.json dict -> {GGUF key without the arch prefix: value}
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
@@ -91,7 +95,37 @@ def llama_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
     return unpermute(w, heads) if heads else w
 
 
-GGUF_ARCHS.register("llama")(GgufArch(hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf))
+def inverse(top: dict, block: dict, layers: str) -> Callable[[str], str]:
+    """The GGUF name of an HF name, from the (GGUF -> HF) tables."""
+    def name(hf_name: str) -> str:
+        base, _, kind = hf_name.rpartition(".")
+        for gguf_base, hf_base in top.items():
+            if base == hf_base:
+                return f"{gguf_base}.{kind}"
+        layer, _, rest = base.removeprefix(layers).partition(".")
+        for gguf_base, hf_base in block.items():
+            if rest == hf_base:
+                return f"blk.{layer}.{gguf_base}.{kind}"
+        raise QkvError(f"tensor {hf_name!r} has no GGUF name")
+    return name
+
+
+def llama_from_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
+    heads = rotary_heads(hf_name, hf)
+    return permute(w, heads) if heads else w
+
+
+def llama_metadata(hf: dict) -> dict:
+    return {"context_length": hf["max_position_embeddings"], "embedding_length": hf["hidden_size"],
+            "block_count": hf["num_hidden_layers"], "feed_forward_length": hf["intermediate_size"],
+            "attention.head_count": hf["num_attention_heads"], "attention.head_count_kv": hf["num_key_value_heads"],
+            "rope.dimension_count": hf["head_dim"], "rope.freq_base": float(hf["rope_theta"]),
+            "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "vocab_size": hf["vocab_size"]}
+
+
+GGUF_ARCHS.register("llama")(GgufArch(
+    hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf,
+    gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata))
 
 
 GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
@@ -127,4 +161,12 @@ def gpt2_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
     return np.ascontiguousarray(w.T) if hf_name.endswith(GPT2_CONV1D) else w
 
 
-GGUF_ARCHS.register("gpt2")(GgufArch(hf_config=gpt2_config, hf_name=gpt2_name, to_hf=gpt2_to_hf))
+def gpt2_metadata(hf: dict) -> dict:
+    return {"context_length": hf["n_positions"], "embedding_length": hf["n_embd"], "block_count": hf["n_layer"],
+            "feed_forward_length": hf.get("n_inner") or 4 * hf["n_embd"], "attention.head_count": hf["n_head"],
+            "attention.layer_norm_epsilon": float(hf["layer_norm_epsilon"])}
+
+
+GGUF_ARCHS.register("gpt2")(GgufArch(
+    hf_config=gpt2_config, hf_name=gpt2_name, to_hf=gpt2_to_hf,
+    gguf_name=inverse(GPT2_TOP, GPT2_BLOCK, "transformer.h."), from_hf=gpt2_to_hf, metadata=gpt2_metadata))
