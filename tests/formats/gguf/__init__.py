@@ -55,20 +55,26 @@ def gguf_name(hf_name: str) -> str:
 
 def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int = 0, layers: int = 2,
                 kv_heads: int = 2, template: str | None = TEMPLATE, edit=None, width: int = 64, ffn: int | None = None,
-                raw=None, vocab: int | None = None, tokenizer: bool = True) -> Path:
+                raw=None, vocab: int | None = None, tokenizer: bool = True, arch: str = "llama") -> Path:
     """A random llama (d `width`, 4 heads, `kv_heads` KV heads, FFN `ffn` or 1.5 d) as a GGUF file; matrices stored as
     `qtype`, or as `raw(name, matrix) -> (bytes, type)` gives them. `edit(writer)` may add or change metadata
     before the file is written. `vocab`: embedding rows other than the tokenizer's size; `tokenizer`: False
-    writes none."""
+    writes none. `arch` "qwen2": a Qwen2 (Q/K/V biases), whose rows llama.cpp does not permute."""
     tokens, merges, types = small_tokenizer()
     torch.manual_seed(seed)
     ffn = ffn or width * 3 // 2
-    config = transformers.LlamaConfig(vocab_size=vocab or len(tokens), hidden_size=width, intermediate_size=ffn,
+    config_class = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    config = config_class(vocab_size=vocab or len(tokens), hidden_size=width, intermediate_size=ffn,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
                                       max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                                       tie_word_embeddings=tied)
-    model = transformers.LlamaForCausalLM(config).float()
-    writer = gguf.GGUFWriter(str(path), "llama")
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    if arch == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(128)
     writer.add_embedding_length(width)
@@ -94,9 +100,9 @@ def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int
         if tied and name == "lm_head.weight":
             continue
         w = tensor.detach().numpy().astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if name.endswith("q_proj.weight") and arch == "llama":
             w = ggml_rows(w, 4)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith("k_proj.weight") and arch == "llama":
             w = ggml_rows(w, kv_heads)
         kind = gguf.GGMLQuantizationType[qtype] if w.ndim == 2 else gguf.GGMLQuantizationType.F32
         data = gguf.quants.quantize(w, kind) if kind != gguf.GGMLQuantizationType.F32 else w

@@ -1,4 +1,4 @@
-"""qkv.formats.gguf: a GGUF file (llama or gpt2) read by qkv gives the logits transformers' own GGUF loader gives for the same
+"""qkv.formats.gguf: a GGUF file (llama, qwen2 or gpt2) read by qkv gives the logits transformers' own GGUF loader gives for the same
 file, for every tensor type the gguf package writes (and K-quant blocks with random finite scales), tied and
 untied heads, grouped-query and full attention; its chat template and turn-ending ids come along."""
 import numpy as np
@@ -55,6 +55,15 @@ def test_gpt2_logits_equal_transformers_gguf_loader(tmp_path, qtype, tied):
     path = write_gpt2(tmp_path / "g.gguf", qtype=qtype, tied=tied, seed=5)
     run = qkv.load(path)
     assert run.config.model.positional == "learned" and run.config.model.tie_embeddings == tied
+    with torch.no_grad():
+        assert (run.model(IDS) - transformers_logits(path, IDS)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen2_logits_equal_transformers_gguf_loader(tmp_path, qtype):
+    path = write_llama(tmp_path / "q.gguf", qtype=qtype, arch="qwen2", seed=8)
+    run = qkv.load(path)
+    assert run.config.model.bias
     with torch.no_grad():
         assert (run.model(IDS) - transformers_logits(path, IDS)).abs().max().item() < TOL
 

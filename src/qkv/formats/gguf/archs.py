@@ -1,7 +1,8 @@
 """Each GGUF architecture as the Hugging Face checkpoint it was converted from: its config.json keys from the
 metadata, and its tensors under their HF names with llama.cpp's changes undone. qkv then reads that with the
 HF family's own mapping (qkv.formats.hf), so one set of renaming rules serves both formats: llama (SmolLM,
-TinyLlama, the Llama 2 and 3 layouts) and gpt2 (whose Conv1D weights llama.cpp stores transposed).
+TinyLlama, the Llama 2 and 3 layouts), qwen2 (read only) and gpt2 (whose Conv1D weights llama.cpp stores
+transposed).
 
 llama.cpp's converter (convert_hf_to_gguf.py) permutes the rows of LLaMA's Q and K weights so that each
 rotary pair (i, i + Dh/2) of HF's rotate-half layout sits side by side (i, i + 1), the layout of ggml's
@@ -23,10 +24,10 @@ class GgufArch:
     hf_config: Callable[[dict, dict], dict]  # (metadata, tensor shapes) -> an HF config.json dict
     hf_name: Callable[[str], str | None]  # GGUF tensor name -> HF name (None: not a tensor qkv reads)
     to_hf: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, tensor, HF config) -> the HF tensor
-    # writing: the inverses, and the metadata of an HF config.json dict
-    gguf_name: Callable[[str], str]  # HF name -> GGUF name
-    from_hf: Callable[[str, np.ndarray, dict], np.ndarray]  # (HF name, HF tensor, HF config) -> as GGUF stores it
-    metadata: Callable[[dict], dict]  # HF config.json dict -> {GGUF key without the arch prefix: value}
+    # writing (None: qkv reads this architecture only): the inverses, and the metadata of an HF config dict
+    gguf_name: Callable[[str], str] | None = None  # HF name -> GGUF name
+    from_hf: Callable[[str, np.ndarray, dict], np.ndarray] | None = None  # (HF name, HF tensor, HF config) -> stored
+    metadata: Callable[[dict], dict] | None = None  # HF config.json dict -> {GGUF key without the arch prefix: value}
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
@@ -43,14 +44,14 @@ def need(meta: dict, key: str):
     return meta[key]
 
 
-def llama_config(meta: dict, shapes: dict) -> dict:
-    arch = "llama"
+def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise QkvError(f"{arch}.rope.scaling.type={scaling!r}: scaled RoPE is not supported by qkv (only none)")
     d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
     vocab = shapes["token_embd.weight"][0]
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": d_model,
+    model_type, architecture = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}[arch]
+    return {"model_type": model_type, "architectures": [architecture], "vocab_size": vocab, "hidden_size": d_model,
             "intermediate_size": int(need(meta, f"{arch}.feed_forward_length")),
             "num_hidden_layers": int(need(meta, f"{arch}.block_count")), "num_attention_heads": n_heads,
             "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
@@ -126,6 +127,15 @@ def llama_metadata(hf: dict) -> dict:
 GGUF_ARCHS.register("llama")(GgufArch(
     hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf,
     gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata))
+
+
+def qwen2_config(meta: dict, shapes: dict) -> dict:
+    return llama_config(meta, shapes, "qwen2")
+
+
+# Qwen2 in llama.cpp: LLaMA's tensor names (with Q/K/V biases) and no row permutation (ggml's NEOX rope is
+# HF's rotate-half layout already)
+GGUF_ARCHS.register("qwen2")(GgufArch(hf_config=qwen2_config, hf_name=llama_name, to_hf=lambda name, w, hf: w))
 
 
 GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",

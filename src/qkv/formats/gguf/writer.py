@@ -42,7 +42,7 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
     cfg = run.config.model
     family = exporter(cfg)
     _, hf = family.hf_config(cfg)
-    if hf["model_type"] not in GGUF_ARCHS:
+    if hf["model_type"] not in GGUF_ARCHS or GGUF_ARCHS.get(hf["model_type"]).metadata is None:
         raise QkvError(f"a {hf['model_type']} model has no GGUF architecture in qkv; it writes "
                        f"{', '.join(GGUF_ARCHS.names())} shapes")
     arch = GGUF_ARCHS.get(hf["model_type"])

@@ -43,8 +43,8 @@ class HfFamily:
     architectures: tuple[str, ...]  # HF classes this family reads and writes
     config: Callable[[dict, str], ModelConfig]
     to_qkv: Callable[[Tensors, ModelConfig], Tensors]
-    hf_config: Callable[[ModelConfig], tuple[str, dict]]
-    to_hf: Callable[[Tensors, ModelConfig], Tensors]
+    hf_config: Callable[[ModelConfig], tuple[str, dict]] | None  # None: read only (`exports` is never True)
+    to_hf: Callable[[Tensors, ModelConfig], Tensors] | None
     exports: Callable[[ModelConfig], bool]  # save picks the family whose `exports` is True
     exports_doc: str  # the qkv models it writes, for the error that lists the families
 
