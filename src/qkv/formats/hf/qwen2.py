@@ -2,7 +2,7 @@
 SwiGLU, GQA) with biases on the Q, K and V projections only.
 
 qkv has one `model.bias` for every linear layer, so a Qwen2 model is read with bias=True and the biases it does
-not have (the output projection's and the FFN's) are zeros: the same function, with D + 2 F + D zero
+not have (the output projection's and the FFN's) are zeros: the same function, with 2 D + 2 F zero
 parameters per layer more than Qwen2 counts (docs/DEVIATIONS.md). qkv writes such a model as LLaMA with
 biases (`attention_bias`, `mlp_bias`), the same function in transformers' LlamaForCausalLM.
 """
