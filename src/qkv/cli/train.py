@@ -32,6 +32,8 @@ def add_parsers(sub) -> None:
     train.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the summary as JSON")
+    train.add_argument("--yes", action="store_true", help="start a run whose plan takes more than a day on this "
+                                                          "machine (without --max-time it is refused)")
 
     listing = sub.add_parser("presets", help="list the named configurations")
     listing.add_argument("--json", action="store_true")
@@ -65,7 +67,7 @@ def train_into(args, out: Path, cfg, log) -> int:
     from qkv.models.build import objective_of
     from qkv.train import job, reference
 
-    trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet)
+    trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet, confirmed=args.yes)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
         f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
     try:

@@ -16,6 +16,7 @@ from qkv.files import CONFIG_FILE, TOKENIZER_FILE
 from qkv.train import checkpoint, finetune, objectives, tasks
 from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
+from qkv.train.plan import check_plan
 from qkv.evaluate.tokens import score_tokens
 
 
@@ -94,8 +95,9 @@ def refuse_existing(out: Path) -> None:
 
 
 def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None],
-          progress: bool = True) -> tuple[Trainer, RunConfig]:
-    """Create (or reopen, with resume) the run dir and return a ready Trainer."""
+          progress: bool = True, confirmed: bool = True) -> tuple[Trainer, RunConfig]:
+    """Create (or reopen, with resume) the run dir and return a ready Trainer, after printing its plan
+    (qkv.train.plan: a plan of more than a day with no time budget needs `confirmed`)."""
     if resume:
         if not (out / CONFIG_FILE).is_file():
             raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
@@ -127,6 +129,8 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     if init is not None:
         copied = finetune.load_backbone(trainer.model, init.model, cfg.train.init)
         log(f"qkv: {copied} tensors from {cfg.train.init}; the head starts fresh")
+    if not resume:
+        check_plan(trainer, log, confirmed)  # before anything is written
     if not resume and trainer.layout.is_main:  # under torchrun rank 0 alone writes the run dir
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
@@ -137,6 +141,7 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     elif resume:
         log(f"{out}: resuming from the checkpoint at step {trainer.state.step}")
     if resume:
+        check_plan(trainer, log, confirmed)  # what is left of it
         save_resumed_config(out, cfg)
     return trainer, cfg
 

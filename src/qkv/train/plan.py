@@ -1,0 +1,93 @@
+"""The plan of a training run, printed before it starts: steps, tokens, the time a step takes on this machine
+(one row's forward and backward, measured, times the rows of a step) and the total. A plan longer than a
+day without a time budget is refused unless confirmed (`qkv train --yes`): `qkv train --preset gpt2-124m` on a
+2-core CPU would otherwise start a run of months without a word.
+
+The measurement runs the objective's loss on one row drawn from the training data by a sampler of its own
+(the run's sampler and the RNG states are left as they were), forward and backward, on the unwrapped model;
+the optimizer's update is not timed. Under torchrun the plan gives steps and tokens only (a rank alone
+cannot run a sharded model's forward).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qkv.errors import QkvError
+
+DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: int  # optimizer steps still to take
+    tokens: int  # tokens they read
+    step_seconds: float | None  # the estimate of one step (None: not measured)
+    max_time: float  # train.max_time (0: none): the run stops there whatever the steps say
+
+    @property
+    def seconds(self) -> float | None:
+        if self.step_seconds is None:
+            return None
+        total = self.steps * self.step_seconds
+        return min(total, self.max_time) if self.max_time else total
+
+    def describe(self) -> str:
+        text = f"qkv: plan: {self.steps:,} steps, {self.tokens:,} tokens"
+        if self.step_seconds is not None:
+            text += f"; about {duration(self.step_seconds)} a step on this machine (one row measured)"
+            text += f", {duration(self.steps * self.step_seconds)} in all"
+        if self.max_time:
+            text += f"; stopping at --max-time {duration(self.max_time)} (the schedule fitted to it)"
+        return text
+
+
+def duration(seconds: float) -> str:
+    for unit, size in (("days", DAY), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.2g} s"
+
+
+def plan_of(trainer) -> Plan:
+    tc, state = trainer.tc, trainer.state
+    steps = max(0, state.horizon - state.step)
+    step_seconds = None if trainer.layout.distributed else one_row_seconds(trainer) * tc.batch_size
+    return Plan(steps=steps, tokens=steps * tc.batch_size * tc.seq_len, step_seconds=step_seconds,
+                max_time=tc.max_time)
+
+
+def one_row_seconds(trainer) -> float:
+    """Seconds of the objective's loss, forward and backward, on one training row."""
+    cpu, cuda = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    sampler = trainer.objective.batches(trainer.data.train, trainer.data.tokenizer, trainer.cfg, batch_size=1,
+                                        seed=trainer.tc.seed + 1)
+    batch = tuple(torch.from_numpy(a).to(trainer.device) for a in sampler.next())
+    model = trainer.model
+    was_training = model.training
+    model.train()
+    try:
+        start = time.perf_counter()
+        trainer.objective.loss(model, batch, 0.0).backward()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        return time.perf_counter() - start
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def check_plan(trainer, log, confirmed: bool) -> Plan:
+    """Print the plan; refuse one longer than a day with no time budget unless `confirmed`."""
+    plan = plan_of(trainer)
+    log(plan.describe())
+    if not confirmed and not plan.max_time and plan.seconds is not None and plan.seconds > DAY:
+        raise QkvError(f"this run would take about {duration(plan.seconds)} on this machine ({plan.steps:,} steps of "
+                       f"about {duration(plan.step_seconds)}); pass --yes to start it anyway, or --max-time SECONDS "
+                       "to stop it in time (the schedule is fitted to the budget)")
+    return plan
