@@ -62,14 +62,20 @@ def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
             "tie_word_embeddings": "output.weight" not in shapes}
 
 
-def llama_name(name: str) -> str | None:
-    base, _, kind = name.rpartition(".")  # kind: weight or bias
-    if base in LLAMA_TOP:
-        return f"{LLAMA_TOP[base]}.{kind}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LLAMA_BLOCK:
-        return f"model.layers.{parts[1]}.{LLAMA_BLOCK[parts[2]]}.{kind}"
-    return None
+def renaming(top: dict, block: dict, layers: str) -> Callable[[str], str | None]:
+    """The HF name of a GGUF name, by the (GGUF -> HF) tables: `blk.{i}.{name}` is `{layers}{i}.{block[name]}`."""
+    def name(gguf_name: str) -> str | None:
+        base, _, kind = gguf_name.rpartition(".")  # kind: weight or bias
+        if base in top:
+            return f"{top[base]}.{kind}"
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in block:
+            return f"{layers}{parts[1]}.{block[parts[2]]}.{kind}"
+        return None
+    return name
+
+
+llama_name = renaming(LLAMA_TOP, LLAMA_BLOCK, "model.layers.")
 
 
 def rotary_heads(hf_name: str, hf: dict) -> int | None:
@@ -156,14 +162,7 @@ def gpt2_config(meta: dict, shapes: dict) -> dict:
             "activation_function": "gelu_new", "tie_word_embeddings": "output.weight" not in shapes}
 
 
-def gpt2_name(name: str) -> str | None:
-    base, _, kind = name.rpartition(".")
-    if base in GPT2_TOP:
-        return f"{GPT2_TOP[base]}.{kind}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GPT2_BLOCK:
-        return f"transformer.h.{parts[1]}.{GPT2_BLOCK[parts[2]]}.{kind}"
-    return None
+gpt2_name = renaming(GPT2_TOP, GPT2_BLOCK, "transformer.h.")
 
 
 def gpt2_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
