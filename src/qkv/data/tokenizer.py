@@ -112,13 +112,22 @@ class Tokenizer:
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
-        """id -> the bytes it stands for (for streaming decode)."""
+        """id -> the bytes it stands for (for streaming decode): an added or special token its own text; a
+        byte-level BPE token its characters mapped back to bytes; a SentencePiece piece ("byte fallback") its
+        text with "▁" as a space, or the byte of a <0xNN> token."""
         byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        added = set(self._hf.get_added_tokens_decoder()) | {self.eos_id}
+        pieces = getattr(self._hf.model, "byte_fallback", False)
         table = []
         for token_id in range(self.vocab_size):
             token = self._hf.id_to_token(token_id)
-            special = token_id == self.eos_id
-            table.append(token.encode() if special else bytes(byte_of[char] for char in token))
+            if token_id in added:
+                table.append(token.encode())
+            elif pieces:
+                byte = token.startswith("<0x") and token.endswith(">") and len(token) == 6
+                table.append(bytes([int(token[3:5], 16)]) if byte else token.replace("\u2581", " ").encode())
+            else:
+                table.append(bytes(byte_of[char] for char in token))
         return table
 
     def to_str(self) -> str:
@@ -161,7 +170,8 @@ def _check_text(text: str) -> None:
 class StreamDecoder:
     """Decodes ids one at a time; holds back bytes of a character that is not complete yet.
 
-    "".join(push(i) for i in ids) + flush() == tokenizer.decode(ids) for ids from `encode`.
+    "".join(push(i) for i in ids) + flush() == tokenizer.decode(ids) for ids from `encode` (a SentencePiece
+    vocabulary aside: its first "▁", the space it puts before the text, is streamed, and decode strips it).
     Ids outside the vocabulary decode to nothing, as in `Tokenizer.decode`.
     """
 

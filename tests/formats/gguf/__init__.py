@@ -33,6 +33,22 @@ def small_tokenizer() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [3 if t in specials else 1 for t in tokens]
 
 
+def sentencepiece_tokenizer() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) laid out as Llama 2's: <unk>, <s>, </s>, the 256 <0xNN> byte tokens, then
+    SentencePiece-style BPE pieces ("▁" for a space, learned here) ranked by score; no merges (a SentencePiece
+    GGUF has none: they follow from the scores)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    learner = SentencePieceBPETokenizer()
+    learner.train_from_iterator(TEXT, vocab_size=400, min_frequency=1, show_progress=False)
+    learned = sorted(learner.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [piece for piece, _ in learned if piece not in tokens]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    return tokens, scores, types
+
+
 def ggml_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's permutation of Q / K rows (convert_hf_to_gguf.py LlamaModel.permute)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -55,12 +71,15 @@ def gguf_name(hf_name: str) -> str:
 
 def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int = 0, layers: int = 2,
                 kv_heads: int = 2, template: str | None = TEMPLATE, edit=None, width: int = 64, ffn: int | None = None,
-                raw=None, vocab: int | None = None, tokenizer: bool = True, arch: str = "llama") -> Path:
+                raw=None, vocab: int | None = None, tokenizer: bool | str = True, arch: str = "llama") -> Path:
     """A random llama (d `width`, 4 heads, `kv_heads` KV heads, FFN `ffn` or 1.5 d) as a GGUF file; matrices stored as
     `qtype`, or as `raw(name, matrix) -> (bytes, type)` gives them. `edit(writer)` may add or change metadata
     before the file is written. `vocab`: embedding rows other than the tokenizer's size; `tokenizer`: False
-    writes none. `arch` "qwen2": a Qwen2 (Q/K/V biases), whose rows llama.cpp does not permute."""
+    writes none, "sentencepiece" Llama 2's kind. `arch` "qwen2": a Qwen2 (Q/K/V biases), whose rows llama.cpp
+    does not permute."""
     tokens, merges, types = small_tokenizer()
+    if tokenizer == "sentencepiece":
+        tokens, scores, types = sentencepiece_tokenizer()
     torch.manual_seed(seed)
     ffn = ffn or width * 3 // 2
     config_class = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
@@ -84,7 +103,15 @@ def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(width // 4)
-    if tokenizer:
+    if tokenizer == "sentencepiece":
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    elif tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)

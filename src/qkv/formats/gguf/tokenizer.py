@@ -1,10 +1,13 @@
 """The tokenizer a GGUF file describes in its metadata (`tokenizer.ggml.*`), built with Hugging Face
 `tokenizers` the way transformers' GGUF loader builds it, so both give the same ids:
 
-    model "gpt2": byte-level BPE: `tokens` (in the byte alphabet; any other spelling is mapped to it) with
-                  `merges`; the pre-tokenizer splits as the vocabulary was trained (`pre`: GPT-2's regex, or
-                  Qwen2's / Llama 3's split before the byte mapping); tokens typed CONTROL (3) are special
-                  tokens, USER_DEFINED (4) added tokens, both matched whole.
+    model "gpt2":  byte-level BPE: `tokens` (in the byte alphabet; any other spelling is mapped to it) with
+                   `merges`; the pre-tokenizer splits as the vocabulary was trained (`pre`: GPT-2's regex, or
+                   Qwen2's / Llama 3's split before the byte mapping).
+    model "llama": SentencePiece's BPE (TinyLlama, Llama 2): pieces spelled with "▁" for a space, byte
+                   fallback to the <0xNN> tokens, a "▁" put before the text; the merges the file gives, or
+                   those its scores imply (`implied_merges`).
+    Either way tokens typed CONTROL (3) are special tokens, USER_DEFINED (4) added tokens, both matched whole.
 
 The end-of-text token qkv needs (`<|endoftext|>`) is the file's own when it has one, else its EOS token
 respelled, as for Hugging Face dirs (qkv.formats.hf.tokenizer, docs/DEVIATIONS.md).
@@ -33,31 +36,20 @@ def gguf_tokenizer(meta: dict, origin: str) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise QkvError(f"{origin}: has no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens)")
-    if kind != "gpt2":
-        raise QkvError(f"{origin}: tokenizer.ggml.model={kind!r} is not supported; qkv reads byte-level BPE "
-                       f"vocabularies ('gpt2': GPT-2, SmolLM, Qwen2, Llama 3)")
-    tokens, merges = list(meta["tokenizer.ggml.tokens"]), list(meta.get("tokenizer.ggml.merges", []))
+    if kind not in BUILDERS:
+        raise QkvError(f"{origin}: tokenizer.ggml.model={kind!r} is not supported; qkv reads "
+                       f"{', '.join(sorted(BUILDERS))} ('gpt2': byte-level BPE of GPT-2, SmolLM, Qwen2, Llama 3; "
+                       f"'llama': SentencePiece BPE of TinyLlama, Llama 2)")
+    tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     if len(types) != len(tokens) or not all(isinstance(t, str) for t in tokens):
         raise QkvError(f"{origin}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    table = bytes_to_unicode()
-    alphabet = set(table.values())
-    vocab = {}
-    for index, token in enumerate(tokens):
-        spelled = token if set(token) <= alphabet else "".join(table[b] for b in token.encode("utf-8"))
-        vocab.setdefault(spelled, index)
     try:
-        pairs = [tuple(merge.split(" ")) for merge in merges]
-        hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+        hf, vocab, controls = BUILDERS[kind](meta, tokens)
     except Exception as exc:  # tokenizers raises plain Exception on a merge of unknown tokens
         raise QkvError(f"{origin}: the tokenizer's merges do not fit its vocabulary ({str(exc)[:100]})") from None
-    split = SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    hf.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else
-                        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
-    hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind_ in zip(tokens, types)
-                           if kind_ == CONTROL and set(t) <= alphabet])
+                           if kind_ == CONTROL and controls(t)])
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind_ in zip(tokens, types)
                    if kind_ == USER_DEFINED and t in vocab])
     raw = json.loads(hf.to_str())
@@ -67,6 +59,55 @@ def gguf_tokenizer(meta: dict, origin: str) -> Tokenizer:
             raise QkvError(f"{origin}: the tokenizer has no {EOS} token and no special EOS token to stand for it")
         raw = respell(raw, eos, EOS)
     return Tokenizer.from_str(json.dumps(raw, ensure_ascii=False), source=origin)
+
+
+def byte_level(meta: dict, tokens: list[str]):
+    """(tokenizer, vocab, which CONTROL tokens to add) of a byte-level BPE (`gpt2`)."""
+    table = bytes_to_unicode()
+    alphabet = set(table.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+        spelled = token if set(token) <= alphabet else "".join(table[b] for b in token.encode("utf-8"))
+        vocab.setdefault(spelled, index)
+    pairs = [tuple(merge.split(" ")) for merge in meta.get("tokenizer.ggml.merges", [])]
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    split = SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    hf.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else
+                        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+    hf.decoder = decoders.ByteLevel()
+    # a CONTROL token spelled outside the byte alphabet is a mislabelled one (transformers skips it too)
+    return hf, vocab, lambda token: set(token) <= alphabet
+
+
+def sentencepiece(meta: dict, tokens: list[str]):
+    """(tokenizer, vocab, which CONTROL tokens to add) of SentencePiece's BPE (`llama`)."""
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges = meta.get("tokenizer.ggml.merges")
+    pairs = ([tuple(merge.split(" ")) for merge in merges] if merges is not None else
+             implied_merges(vocab, dict(zip(tokens, meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))))))
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(content=" ", left=1, right=0)])
+    return hf, vocab, lambda token: True
+
+
+def implied_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece keeps scores, not merges: every split of a piece into two pieces of the vocabulary is a
+    merge, ranked by the piece's score (higher first), then by the lengths of the two halves (longer first);
+    ties keep the order of the vocabulary (as transformers derives them, so both give the same ids)."""
+    found = []
+    for piece, score in scores.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        found += [(left, right, score) for left, right in sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]]))]
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+BUILDERS = {"gpt2": byte_level, "llama": sentencepiece}  # tokenizer.ggml.model -> builder
 
 
 def token_of(meta: dict, which: str, tokens: list[str]) -> str | None:
