@@ -90,7 +90,8 @@ def test_serve_speaks_chatml_and_stops_at_im_end(smol):
     with Live(path, name="smol") as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
         reply = client.chat.completions.create(model="smol", messages=[
-            {"role": "user", "content": "What is the capital of France?"}], max_tokens=30, temperature=0)
+            {"role": "user", "content": "What is the capital of France?"}], max_tokens=30, temperature=0,
+            logprobs=True, top_logprobs=2)
         chunks = list(client.chat.completions.create(model="smol", messages=[
             {"role": "user", "content": "What is the capital of France?"}], max_tokens=30, temperature=0,
             stream=True))
@@ -100,3 +101,9 @@ def test_serve_speaks_chatml_and_stops_at_im_end(smol):
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True,
         return_dict=False))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    run = smol[0]  # the first token's logprob is log softmax of the model's logits after the prompt
+    prompt = template_for(run.chat, run.tokenizer)([{"role": "user", "content": "What is the capital of France?"}])[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(run.model(torch.tensor([prompt]))[0, -1].double(), -1)
+    first = reply.choices[0].logprobs.content[0]
+    assert abs(first.logprob - expected.max().item()) < 1e-4 and len(first.top_logprobs) == 2
