@@ -31,8 +31,9 @@ def test_a_plan_longer_than_a_day_needs_yes_or_a_time_budget(capsys, tmp_path, m
     assert not out.exists()  # nothing written
     assert cli(capsys, "train", *TINY, "--data", text, "--out", tmp_path / "yes", "--max-steps", "2",
                "--no-sample", "--yes")[0] == 0
-    assert cli(capsys, "train", *TINY, "--data", text, "--out", tmp_path / "budget", "--max-steps", "2",
-               "--max-time", "30", "--no-sample")[0] == 0
+    code, _, err = cli(capsys, "train", *TINY, "--data", text, "--out", tmp_path / "budget", "--max-steps", "2",
+                       "--max-time", "30", "--no-sample")
+    assert code == 0 and "fit --max-time 30 s, and the schedule is fitted to them" in err
 
 
 def test_measuring_leaves_the_rng_and_the_gradients_as_they_were(tmp_path, text):

@@ -40,7 +40,13 @@ class Plan:
             text += f"; about {duration(self.step_seconds)} a step on this machine (one row measured)"
             text += f", {duration(self.steps * self.step_seconds)} in all"
         if self.max_time:
-            text += f"; stopping at --max-time {duration(self.max_time)} (the schedule fitted to it)"
+            if self.step_seconds:
+                fit = min(self.steps, int(self.max_time / self.step_seconds))
+                text += (f"; about {fit:,} steps fit --max-time {duration(self.max_time)}, and the schedule is "
+                         "fitted to them")
+            else:
+                text += (f"; stopping at --max-time {duration(self.max_time)} (the schedule fitted to the steps "
+                         "that fit)")
         return text
 
 
