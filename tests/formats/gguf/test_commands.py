@@ -43,3 +43,15 @@ def test_eval_plot_calc_and_explain_take_the_file(capsys, model, tmp_path):
     assert code == 0 and json.loads(out)["params"]["total"] == counted
     code, out, _ = cli(capsys, "explain", path, "--text", "to be or", "--out", tmp_path / "e.html")
     assert code == 0 and (tmp_path / "e.html").stat().st_size > 0
+
+
+def test_chat_reads_one_message_a_line_and_obeys_reset_and_quit(capsys, model, monkeypatch):
+    """stdin not a terminal: each line one message, its reply on one line; /reset starts again (a reply equal to
+    a fresh session's), /quit ends before the lines after it."""
+    import io
+
+    path, _ = model
+    monkeypatch.setattr("sys.stdin", io.StringIO("to be\n/reset\nto be\n/quit\nnever read\n"))
+    code, out, _ = cli(capsys, "chat", path, "--strategy", "greedy", "--max-new-tokens", "5", "--system", "Be brief.")
+    replies = out.splitlines()
+    assert code == 0 and len(replies) == 2 and replies[0] == replies[1] and replies[0].strip()
