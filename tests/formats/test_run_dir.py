@@ -64,3 +64,20 @@ def test_bad_run_dirs(tmp_path, run_copy):
     (run_copy / MODEL_FILE).unlink()
     with pytest.raises(QkvError, match="no checkpoint yet"):
         load(run_copy)
+
+
+def test_formats_save_writes_each_format_that_writes_and_names_the_rest(tmp_path):
+    """qkv.formats.save: a run written as a run dir and as a GGUF file reads back with the same logits; an
+    unknown format is one error that lists the formats."""
+    import qkv
+    from qkv import formats
+    from tests.formats.gguf.test_writer import qkv_run
+
+    run = qkv_run(tmp_path, "llama")
+    ids = torch.tensor([[run.tokenizer.eos_id, 5, 6, 7]])
+    with torch.no_grad():
+        expected = run.model(ids)
+        for name, out in (("run", tmp_path / "again"), ("gguf", tmp_path / "m.gguf")):
+            assert torch.equal(qkv.load(formats.save(run, out, name)).model(ids), expected)
+    with pytest.raises(QkvError, match="choose from: gguf, hf, run"):
+        formats.save(run, tmp_path / "x", "onnx")

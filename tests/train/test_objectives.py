@@ -16,6 +16,7 @@ from qkv.data.tokenizer import MASK, PAD, Tokenizer
 from qkv.errors import QkvError
 from qkv.models import build_model
 from qkv.formats import load
+from qkv.models.build import objective_of
 from qkv.train import objectives
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.evaluate.tokens import val_loss
@@ -41,7 +42,7 @@ def test_registry_and_the_architectures_own_objectives():
                              ("encoder-decoder", "none", "seq2seq")):
         cfg = presets.get("tiny")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch, head=head))
-        assert objectives.name_for(cfg) == name and objectives.for_run(cfg) is OBJECTIVES.get(name)
+        assert objective_of(cfg) == name and objectives.for_run(cfg) is OBJECTIVES.get(name)
 
 
 @pytest.mark.parametrize("model, objective, message", [

@@ -13,7 +13,8 @@ from qkv.config import RunConfig, merge_file
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE, TOKENIZER_FILE
-from qkv.train import checkpoint, finetune, objectives, tasks
+from qkv.train import checkpoint, finetune, tasks
+from qkv.models.build import objective_of
 from qkv.parallel import layout as parallel
 from qkv.train.loop import Trainer
 from qkv.train.plan import check_plan
@@ -199,7 +200,7 @@ def save_resumed_config(out: Path, cfg: RunConfig) -> None:
 def bits_per_char(trainer: Trainer) -> float | None:
     """The final model's bits per character on the whole validation text (sliding window); None for
     objectives other than lm (an MLM or seq2seq loss is not a per-character code length)."""
-    if objectives.name_for(trainer.cfg) != "lm":
+    if objective_of(trainer.cfg) != "lm":
         return None
     context = trainer.cfg.model.max_seq_len
     result = score_tokens(trainer.model, trainer.data.val, characters=trainer.data.val_chars,

@@ -96,12 +96,9 @@ OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("enc
                                           prepare=classify.prepare_passages, report=classify_figures.report))
 
 
-name_for = objective_of  # the objective a RunConfig trains (qkv.models.build)
-
-
 def for_run(cfg) -> Objective:
     """The objective of a RunConfig, checked against its model."""
-    name = name_for(cfg)
+    name = objective_of(cfg)
     objective = OBJECTIVES.get(name)
     arch, head = objective.model
     if (cfg.model.arch, cfg.model.head) != (arch, head):
