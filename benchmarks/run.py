@@ -49,7 +49,9 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import qkv
+from qkv import hardware
 from qkv.analysis import flops
+from qkv.parallel.precision import autocast
 from qkv.config import TrainConfig
 from qkv.train.objectives import lm_loss
 from qkv.train.optim import OPTIMIZERS
@@ -97,18 +99,28 @@ def training_step(module: torch.nn.Module, optimizer, loss_fn):
     return run
 
 
-def qkv_step(model: torch.nn.Module):
+def autocast_loss(loss_fn, precision: str):
+    """The loss under the training loop's autocast (qkv.parallel.precision): bf16 matmuls, fp32 weights."""
+    def run():
+        with autocast(torch.device("cpu"), precision):
+            return loss_fn()
+    return run
+
+
+def qkv_step(model: torch.nn.Module, precision: str = "fp32"):
     """qkv's product path: the LM objective's loss and qkv.train.optim's AdamW (TrainConfig defaults)."""
     inputs, targets = batch()
     optimizer = OPTIMIZERS.get("adamw")(model, TrainConfig(lr=1e-4, weight_decay=0.1))
-    return training_step(model, optimizer, lambda: lm_loss(model, (inputs, targets), 0.0))
+    return training_step(model, optimizer, autocast_loss(lambda: lm_loss(model, (inputs, targets), 0.0), precision))
 
 
-def hf_step(hf: GPT2LMHeadModel):
-    """transformers as a user runs it: its own loss (`labels=`, shifted inside) and torch.optim.AdamW."""
+def hf_step(hf: GPT2LMHeadModel, precision: str = "fp32"):
+    """transformers as a user runs it: its own loss (`labels=`, shifted inside) and torch.optim.AdamW, under the
+    same autocast as qkv's."""
     inputs, targets = batch()
     optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    return training_step(hf, optimizer, lambda: hf(input_ids=inputs, labels=inputs).loss)  # T - 1 targets
+    return training_step(hf, optimizer, autocast_loss(lambda: hf(input_ids=inputs, labels=inputs).loss,  # T - 1
+                                                      precision))
 
 
 def alternate(runners: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -148,15 +160,17 @@ def _timed(fn, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-def train(repeats: int, hf, model, cfg, machine_rates: dict, compiled: bool = False) -> dict:
+def train(repeats: int, hf, model, cfg, machine_rates: dict, compiled: bool = False,
+          precision: str = "fp32") -> dict:
     """Tokens/s and FLOP/s by the wall clock, and FLOP per CPU-second against the matmul's FLOP per
-    CPU-second: the latter pair does not count time spent waiting for a core on a shared machine."""
+    CPU-second: the latter pair does not count time spent waiting for a core on a shared machine. `precision`:
+    both sides under the same autocast (bf16: against the fp32 matmul rate all the same)."""
     hf.train()
     model.train()
-    runners = {"qkv": qkv_step(model), "transformers": hf_step(hf)}
+    runners = {"qkv": qkv_step(model, precision), "transformers": hf_step(hf, precision)}
     compile_seconds = None
     if compiled:  # its first call compiles: timed here, outside the alternation
-        runners["qkv compiled"] = qkv_step(torch.compile(model))
+        runners["qkv compiled"] = qkv_step(torch.compile(model), precision)
         compile_seconds = _timed(runners["qkv compiled"])
     seconds, cpu = alternate(runners, repeats)
     per_token = flops.train_flops_per_token(cfg, SEQ)
@@ -170,7 +184,7 @@ def train(repeats: int, hf, model, cfg, machine_rates: dict, compiled: bool = Fa
                       "seconds": times, "cpu_seconds": cpu[name]}
     hf.eval()
     model.eval()
-    return {"batch": [BATCH, SEQ], "flops_per_token": per_token, **rows,
+    return {"batch": [BATCH, SEQ], "flops_per_token": per_token, "precision": precision, **rows,
             "ratio": rows["qkv"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"],
             "cpu_ratio": statistics.median(cpu["transformers"]) / statistics.median(cpu["qkv"]),
             "compile_seconds": compile_seconds}
@@ -233,9 +247,8 @@ def print_table(results: dict) -> None:
     if m:
         print(f"  fp32 matmul {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['matmul_flops_per_cpu_s'] / 1e9:.1f} per "
               f"CPU-second), copy {m['copy_bytes_per_s'] / 1e9:.1f} GB/s")
-    if "train" in results:
-        t = results["train"]
-        print(f"training, GPT-2 {LAYERS}L {D}D V={VOCAB}, batch {BATCH} x {SEQ}, AdamW, fp32 "
+    for t in [results[key] for key in ("train", "train_bf16") if key in results]:
+        print(f"training, GPT-2 {LAYERS}L {D}D V={VOCAB}, batch {BATCH} x {SEQ}, AdamW, {t['precision']} "
               f"({t['flops_per_token'] / 1e6:.1f} MFLOP/token)")
         print(f"  {'':<13} {'tokens/s':>9} {'GFLOP/s':>8} {'% matmul':>9} {'GFLOP/CPU-s':>12} {'% matmul':>9}")
         for name in [n for n in ("qkv", "qkv compiled", "transformers") if n in t]:
@@ -273,6 +286,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps the default")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time qkv's model under torch.compile")
+    parser.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
+                        help="also train both under bf16 autocast (auto: where the CPU multiplies bf16 natively)")
     parser.add_argument("--child", choices=("qkv", "transformers"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -293,6 +308,9 @@ def main() -> None:
             results["logits_gap"] = float((hf(ids).logits - model(ids)).abs().max())
         if "train" in parts:
             results["train"] = train(args.repeats, hf, model, cfg, results["machine"], args.compile)
+            if args.bf16 == "yes" or (args.bf16 == "auto" and hardware.native_bf16_cpu()):
+                hf, model, cfg = model_pair()
+                results["train_bf16"] = train(args.repeats, hf, model, cfg, results["machine"], args.compile, "bf16")
         if "decode" in parts:
             hf, model, cfg = model_pair()  # fresh weights: training steps changed them
             results["decode"] = decode(args.repeats, hf.eval(), model.eval(), results["machine"]["copy_bytes_per_s"])

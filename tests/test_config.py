@@ -136,7 +136,7 @@ TRAIN_ERRORS = [
     (dict(beta2=-0.5), "train.beta2=-0.5 must be in [0, 1)"),
     (dict(label_smoothing=1.0), "train.label_smoothing=1.0 must be in [0, 1)"),
     (dict(batch_size=10, accumulation=3), "train.accumulation=3 must divide train.batch_size=10"),
-    (dict(precision="fp8"), "train.precision='fp8' is not allowed; choose from: fp32, bf16, fp16"),
+    (dict(precision="fp8"), "train.precision='fp8' is not allowed; choose from: auto, fp32, bf16, fp16"),
     (dict(max_bad_steps=0), "train.max_bad_steps=0 must be positive"),
     (dict(spike_window=0), "train.spike_window=0 must be positive"),
     (dict(loss_scale_window=0), "train.loss_scale_window=0 must be positive"),

@@ -24,7 +24,8 @@ from qkv.config_values import (MAX_VOCAB, _at_least, _finite_and_bounded, _no_un
 from qkv.errors import QkvError
 from qkv.files import read_json
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.parallel.precision.autocast)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision: the autocast dtype (qkv.parallel.precision.autocast);
+# auto: bf16 where the device multiplies it natively, else fp32 (qkv.hardware, qkv.parallel.precision.resolve)
 
 
 @dataclass(frozen=True, kw_only=True)

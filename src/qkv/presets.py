@@ -50,7 +50,7 @@ def shakespeare() -> RunConfig:
         model=ModelConfig(d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=256, dropout=0.0,
                           positional="rope"),
         train=TrainConfig(batch_size=8, seq_len=256, max_steps=100_000, max_time=300.0, **RECIPE,
-                          warmup_steps=30, batch_warmup_start=2, batch_warmup_steps=300, eval_every=0,
+                          precision="auto", warmup_steps=30, batch_warmup_start=2, batch_warmup_steps=300, eval_every=0,
                           eval_batches=8, log_every=10),
         data=DataConfig(vocab_size=2048),
     )

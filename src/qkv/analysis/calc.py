@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from qkv import presets
+from qkv import hardware, presets
 from qkv.analysis import flops, memory, params
 from qkv.config import RunConfig, merge_file
 from qkv.errors import QkvError
@@ -38,6 +38,15 @@ def trained_model(cfg: RunConfig):
     return dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, cfg.data.vocab_size))
 
 
+def auto_precision(tc) -> str:
+    """train.precision, with auto as a run would resolve it (qkv.parallel.precision.resolve): bf16 on a CUDA
+    device, and on a CPU that multiplies bf16 natively (qkv.hardware); fp32 elsewhere."""
+    if tc.precision != "auto":
+        return tc.precision
+    device = "cuda" if tc.device.startswith("cuda") else "cpu"
+    return hardware.auto_precision(device, cuda_bf16=True, cpu_flag=hardware.native_bf16_cpu())[0]
+
+
 def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     """Options given on the command line, else the config's: the micro-batch per GPU is
     batch_size / (accumulation x dp), and / parallel.microbatches in a pipeline; the GPUs are parallel.dp."""
@@ -48,7 +57,7 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
             raise QkvError(f"--{name} applies to a pipeline: give --pp > 1 (or parallel.pp)")
     micro = (given.get("microbatches") or pc.microbatches) if pipeline > 1 else 1
     default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp * micro)), seq=tc.seq_len,
-                   precision=tc.precision, optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
+                   precision=auto_precision(tc), optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
                    checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
                    microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation,
                    split_logits=not tc.label_smoothing)  # head_cross_entropy gathers them for smoothing

@@ -16,6 +16,7 @@ from qkv.files import CONFIG_FILE, TOKENIZER_FILE
 from qkv.train import checkpoint, finetune, tasks
 from qkv.models.build import objective_of
 from qkv.parallel import layout as parallel
+from qkv.parallel import precision
 from qkv.train.loop import Trainer
 from qkv.train.plan import check_plan
 from qkv.evaluate.tokens import score_tokens
@@ -104,6 +105,9 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
             raise QkvError(f"{out}: nothing to resume (no {CONFIG_FILE})")
     else:
         refuse_existing(out)  # again under the lock: another writer may have filled it meanwhile
+    cfg, chosen = precision.resolved(cfg, parallel.resolve_device(cfg.train.device))  # auto: what it means here
+    if chosen:
+        log(chosen)
     objective = preflight(cfg, parallel.env_world())  # every gate, before the data is read
     own_tokenizer = out / TOKENIZER_FILE
     if resume and not own_tokenizer.is_file():  # the saved weights' ids mean its tokens: never retrain it

@@ -39,6 +39,7 @@ from qkv.train.checkpoint import State, seed_everything
 from qkv.train.guards import DeferredInterrupt, StepGuards
 from qkv.train.metrics import open_logs
 from qkv.train.optim import OPTIMIZERS
+from qkv.parallel import precision
 from qkv.parallel.precision import autocast
 from qkv.train.steps import runner_for
 
@@ -60,6 +61,9 @@ class Trainer:
         self.log = log if self.layout.is_main else (lambda message: None)
         self.progress = progress and self.layout.is_main
         self.device = self.layout.device
+        self.cfg, _ = precision.resolved(cfg, self.device)  # train.precision=auto (qkv.train.job.start says it)
+        cfg = self.cfg
+        self.tc = cfg.train
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
