@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from qkv.cli.generate import require_objective
-from qkv.cli.options import positive_int, strict_json
+from qkv.cli.options import add_precision, apply_precision, positive_int, strict_json
 
 
 def add_parsers(sub) -> None:
@@ -15,6 +15,7 @@ def add_parsers(sub) -> None:
                           help="score this text instead of the run's validation split")
     evaluate.add_argument("--stride", type=positive_int, help="sliding-window stride (default: context / 2)")
     evaluate.add_argument("--json", action="store_true")
+    add_precision(evaluate)
 
     classify = sub.add_parser("classify", help="label a text with a classifier run, with probabilities")
     classify.add_argument("run", help="run directory of a classifier (qkv train --task classify)")
@@ -27,7 +28,9 @@ def cmd_eval(args) -> int:
     from qkv.evaluate import runs as evaluators
 
     run = load(args.run)
+    precision = apply_precision(run, args)
     result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
+    result["precision"] = precision or "fp32 weights"
     print(strict_json(result) if args.json else evaluators.describe(result))
     return 0
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from qkv.cli.options import positive_int
+from qkv.cli.options import add_precision, apply_precision, positive_int
 from qkv.errors import QkvError
 
 
@@ -22,6 +22,7 @@ def add_parsers(sub) -> None:
     generate.add_argument("--beams", type=positive_int, help="beam search (default 4)")
     generate.add_argument("--seed", type=int, help="sampling strategies (default 0)")
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
+    add_precision(generate)
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop before TEXT (repeatable); the output ends before its first occurrence")
 
@@ -65,6 +66,7 @@ def cmd_generate(args) -> int:
         generation_settings(args, args.strategy, warn=False)  # bad options fail before the run is loaded
     run = load(args.run)
     objective = require_objective(run, "generate", ("lm", "seq2seq"))
+    apply_precision(run, args)
     strategy, settings = generation_settings(args, args.strategy or ("beam" if objective == "seq2seq" else "top-p"))
     text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
                          temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],

@@ -71,3 +71,30 @@ def config_options(parser, preset_default: str | None) -> None:
     parser.add_argument("--config", help="JSON file with sections model, train, data, parallel")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one field, e.g. --set model.n_kv_heads=2 (repeatable)")
+
+
+def add_precision(parser) -> None:
+    """--dtype and --quant: the precision a loaded model runs at (qkv.generate.weights)."""
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="activations and unquantized weights (default fp32; bf16 where the CPU has it natively)")
+    parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
+                        help="the linear layers' weights: int8 per row, or 4 bits per group of 32 (GGUF's Q4_1; "
+                             "the head in int8); CPU only (default none)")
+
+
+def apply_precision(run, args, log=None) -> str | None:
+    """Put run.model in --dtype / --quant; warnings and, when not the default, what it runs at go to `log`
+    (stderr). Returns the description (None for fp32 unquantized)."""
+    import sys
+
+    from qkv.generate import weights
+
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    device = next(run.model.parameters()).device
+    for warning in weights.check(args.dtype, args.quant, device):
+        log(warning)
+    if args.dtype == "fp32" and args.quant == "none":
+        return None
+    description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)
+    log(f"qkv: running at {description}")
+    return description

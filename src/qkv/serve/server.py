@@ -12,6 +12,7 @@ from qkv.serve.app import Served, make_app
 from qkv.serve.chat import template_for
 from qkv.serve.engine import THREADS, Engine
 from qkv.formats import load
+from qkv.generate import weights
 
 
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
@@ -32,9 +33,14 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
-            log=print) -> Served:
-    """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet)."""
+            dtype: str = "fp32", quant: str = "none", log=print) -> Served:
+    """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
+    (qkv.generate.weights)."""
     run = load(path, device)
+    for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
+        log(warning)
+    if (dtype, quant) != ("fp32", "none"):
+        log(f"qkv: serving at {weights.prepare(run.model, dtype=dtype, quant=quant)}")
     if run.tokenizer is None:
         raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")
     for module in run.model.modules():  # capacity drops would make a row's output depend on the others

@@ -1,0 +1,264 @@
+"""A real model on the CPU at each precision: qkv against llama.cpp (and transformers), decode and prefill speed,
+and what each precision does to the model's predictions.
+
+    python benchmarks/real_decode.py [--smollm2 PATH] [--new 128] [--repeats 3] [--threads 2]
+        [--precisions fp32 bf16 int8 int4] [--no-llama] [--no-transformers] [--quality-positions 2000]
+        [--json out.json]
+
+One GGUF file (SmolLM2-135M-Instruct, Q4_1). qkv loads it once and runs it at each precision (`--dtype`,
+`--quant`: qkv.generate.weights); llama.cpp (llama-cpp-python, built from source: a benchmark dependency, never a
+runtime one) runs the file itself for Q4_1 and files qkv writes from it (`qkv convert --to-gguf`) for F32, BF16
+and Q8_0, so all hold the same weights up to each format's rounding. Pairs: fp32 / F32, bf16 / BF16,
+int8 / Q8_0, int4 / Q4_1. transformers (`from_pretrained(gguf_file=...)`, its own `generate`) at fp32 and bf16.
+
+Speed, batch 1, greedy, `--new` tokens after a short prompt and after a ~500-token prompt (a passage of Hamlet):
+prefill tok/s = prompt tokens / time to the first new token; decode tok/s = the other new tokens / their time.
+Engines alternate within each repeat; medians are reported. The bandwidth floor of a decode step is the bytes
+of weights it reads / the machine's copy bandwidth (read + write of a 256 MiB copy, as benchmarks/run.py).
+
+Quality, over `--quality-positions` positions of held-out text (the start of Hamlet, windows of 512): each
+precision's top-1 agreement with qkv fp32, KL(fp32 || precision) in nats per position, and bits per byte; the
+same for llama.cpp's Q4_1 (its logits through `logits_all`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv import hardware
+from qkv.data.corpus import bundled_documents
+from qkv.generate import generate
+from qkv.generate.weights import prepare, weight_bytes
+
+MIB = 2 ** 20
+PAIRS = {"fp32": ("fp32", "none", "f32"), "bf16": ("bf16", "none", "bf16"), "int8": ("fp32", "int8", "q8_0"),
+         "int4": ("fp32", "int4", None)}  # precision -> qkv dtype, qkv quant, the GGUF type llama.cpp runs
+LLAMA_NAMES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+SHORT = "The capital of France is"
+
+
+def hamlet() -> str:
+    return next(d.text for d in bundled_documents() if d.id.lower().startswith("hamlet"))
+
+
+def copy_bandwidth() -> float:
+    src = torch.ones(64 * MIB)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------------ qkv
+class QkvEngine:
+    def __init__(self, model, tokenizer, dtype: str, quant: str):
+        self.model = copy.deepcopy(model)
+        self.description = prepare(self.model, dtype=dtype, quant=quant)
+        self.tokenizer = tokenizer
+        self.bytes = decode_bytes(self.model)
+
+    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            first = _timed(lambda: generate(self.model, prompt, max_new_tokens=1))
+            start = time.perf_counter()
+            out = generate(self.model, prompt, max_new_tokens=new)
+            total = time.perf_counter() - start
+        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out[0, len(ids):].tolist()
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([ids]))[0].float()
+
+
+def decode_bytes(model) -> int:
+    """Bytes one decode step reads: every weight once, the embedding table not (one row is looked up) unless
+    it is also the head."""
+    total = weight_bytes(model)
+    emb = model.tok_emb.weight
+    tied = any(p.data_ptr() == emb.data_ptr() for name, p in model.named_parameters() if "lm_head" in name)
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp
+class LlamaEngine:
+    def __init__(self, path: Path, threads: int, logits_all: bool = False):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, logits_all=logits_all, verbose=False)
+        self.bytes = path.stat().st_size
+
+    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+        self.llm.reset()
+        out, start, first = [], time.perf_counter(), None
+        for token in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if first is None:
+                first = time.perf_counter() - start
+            if len(out) == new:
+                break
+        total = time.perf_counter() - start
+        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return torch.tensor(self.llm.scores[:len(ids)], dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------- transformers
+class HfEngine:
+    def __init__(self, path: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          torch_dtype=dtype).eval()
+        self.bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+        prompt = torch.tensor([ids])
+        kwargs = dict(do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            first = _timed(lambda: self.model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs))
+            start = time.perf_counter()
+            out = self.model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kwargs)
+            total = time.perf_counter() - start
+        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out[0, len(ids):].tolist()
+
+
+# -------------------------------------------------------------------------------------------- quality
+def quality(reference, engine, ids: list[int], positions: int, text_bytes: float) -> dict:
+    """Top-1 agreement with and KL from the reference over `positions` positions (windows of 512), and bits
+    per byte of the engine's own predictions of the next token."""
+    agree, kl, nll, count = 0, 0.0, 0.0, 0
+    for start in range(0, positions, 512):
+        window = ids[start:start + 513]
+        if len(window) < 2:
+            break
+        ref = reference.logits(window[:-1]).log_softmax(-1)
+        got = engine.logits(window[:-1]).log_softmax(-1)
+        target = torch.tensor(window[1:])
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        kl += float(F.kl_div(got, ref, log_target=True, reduction="sum"))
+        nll += float(F.nll_loss(got, target, reduction="sum"))
+        count += len(target)
+    return {"positions": count, "top1_agreement": agree / count, "kl": kl / count,
+            "bits_per_byte": nll / math.log(2) / (text_bytes * count)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smollm2", type=Path, default=Path(os.environ.get(
+        "QKV_SMOLLM2", Path.home() / ".cache/qkv-models/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", nargs="+", choices=list(PAIRS), default=list(PAIRS))
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--quality-positions", type=int, default=2000)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="qkv-real-decode-"))
+    run = qkv.load(args.smollm2)
+    tokenizer = run.tokenizer
+    text = hamlet()
+    long_ids = [tokenizer.eos_id] + tokenizer.encode(text[:2400])[:500]
+    short_ids = [tokenizer.eos_id] + tokenizer.encode(SHORT)
+    quality_ids = [tokenizer.eos_id] + tokenizer.encode(text[:40_000])
+    quality_ids = quality_ids[:args.quality_positions + 1]
+    bytes_per_token = len(tokenizer.decode(quality_ids[1:]).encode()) / (len(quality_ids) - 1)
+
+    engines: dict[str, object] = {}
+    for precision in args.precisions:
+        dtype, quant, gguf_type = PAIRS[precision]
+        if precision == "bf16" and not hardware.native_bf16_cpu():
+            print("note: this CPU has no native bf16; the bf16 rows are emulated")
+        engines[f"qkv {precision}"] = QkvEngine(run.model, tokenizer, dtype, quant)
+        if not args.no_llama:
+            path = args.smollm2
+            if gguf_type is not None:
+                path = tmp / f"smollm2-{gguf_type}.gguf"
+                subprocess.run([sys.executable, "-m", "qkv", "convert", str(args.smollm2), "--to-gguf", str(path),
+                                "--dtype", gguf_type], check=True, stdout=subprocess.DEVNULL)
+            engines[f"llama.cpp {LLAMA_NAMES[precision]}"] = LlamaEngine(path, args.threads)
+        if not args.no_transformers and precision in ("fp32", "bf16"):
+            engines[f"transformers {precision}"] = HfEngine(args.smollm2, {"fp32": torch.float32,
+                                                                           "bf16": torch.bfloat16}[precision])
+    bandwidth = copy_bandwidth()
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
+               or platform.machine(), "native_bf16": hardware.native_bf16_cpu(), "threads": args.threads,
+               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "engines": {}}
+    if not args.no_speed:
+        timings = {name: {"short": [], "long": []} for name in engines}
+        for name, engine in engines.items():  # warm-up
+            engine.run(short_ids, 8)
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                for label, ids in (("short", short_ids), ("long", long_ids)):
+                    timings[name][label].append(engine.run(ids, args.new)[:2])
+        for name, engine in engines.items():
+            row = {"weight_bytes": engine.bytes, "floor_tokens_per_s": bandwidth / engine.bytes}
+            for label in ("short", "long"):
+                row[f"prefill_{label}"] = statistics.median(t[0] for t in timings[name][label])
+                row[f"decode_{label}"] = statistics.median(t[1] for t in timings[name][label])
+            results["engines"][name] = row
+    if args.quality_positions:
+        reference = engines.get("qkv fp32") or QkvEngine(run.model, tokenizer, "fp32", "none")
+        for name, engine in list(engines.items()):
+            if name.startswith("transformers"):
+                continue
+            if name.startswith("llama.cpp"):
+                if "Q4_1" not in name:
+                    continue
+                engine = LlamaEngine(args.smollm2, args.threads, logits_all=True)
+            results["engines"].setdefault(name, {})["quality"] = quality(reference, engine, quality_ids,
+                                                                         args.quality_positions, bytes_per_token)
+    print_table(results, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def print_table(results: dict, args) -> None:
+    print(f"{results['date']}, {results['machine']}, native bf16: {results['native_bf16']}, {results['threads']} "
+          f"threads, torch {results['torch']}; copy bandwidth {results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"{'engine':<22} {'decode tok/s':>15} {'prefill tok/s':>15} {'MiB read':>9} {'% floor':>8} "
+          f"{'top-1':>7} {'KL':>8} {'bits/B':>7}")
+    for name, row in results["engines"].items():
+        q = row.get("quality", {})
+        speed = (f"{row['decode_short']:>6.1f} / {row['decode_long']:<6.1f} {row['prefill_short']:>6.0f} / "
+                 f"{row['prefill_long']:<6.0f} {row['weight_bytes'] / MIB:>9.0f} "
+                 f"{100 * row['decode_short'] / row['floor_tokens_per_s']:>7.0f}%") if "decode_short" in row else \
+            f"{'':>50}"
+        quality = (f" {100 * q['top1_agreement']:>6.1f}% {q['kl']:>8.5f} {q['bits_per_byte']:>7.4f}"
+                   if q else "")
+        print(f"{name:<22} {speed}{quality}")
+    print(f"(decode and prefill: short prompt / ~500-token prompt, {args.new} new tokens, batch 1, medians of "
+          f"{args.repeats}; quality over {args.quality_positions} positions of Hamlet against qkv fp32)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The precision a model runs inference at: `--dtype fp32|bf16` (activations, and the weights left unquantized)
+and `--quant none|int8|int4` (the linear layers' weights, qkv.nn.quant), shared by generate, chat, serve, eval
+and explain.
+
+    fp32, none   as trained or loaded (4 bytes a weight)
+    bf16, none   every parameter in bf16; norms, softmax and RoPE still compute in fp32 inside the model
+    *, int8      every linear layer's weight in int8 per output row (1 byte a weight + a scale a row)
+    *, int4      every linear layer's weight in 4 bits per group of 32 (0.625 bytes a weight with its scale
+                 and minimum: GGUF's Q4_1), the output head in int8 (llama.cpp keeps it above 4 bits too)
+
+A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
+file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
+slower than fp32, and said so.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qkv import hardware
+from qkv.errors import QkvError
+from qkv.nn.quant import GROUP, QUANTS, QuantLinear, int4_supported
+from qkv.nn.swap import swap
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check(dtype: str, quant: str, device: torch.device) -> list[str]:
+    """Refuse what cannot run; the warnings (lines) for what runs but slowly."""
+    if dtype not in DTYPES:
+        raise QkvError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if quant not in QUANTS:
+        raise QkvError(f"--quant {quant!r}: choose from {', '.join(QUANTS)}")
+    if quant != "none" and device.type != "cpu":
+        raise QkvError(f"--quant {quant}: qkv's quantized kernels are CPU kernels; on {device.type} use --quant none "
+                       "with --dtype bf16")
+    warnings = []
+    if dtype == "bf16" and device.type == "cpu" and not hardware.native_bf16_cpu():
+        warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
+                        "bf16): torch emulates it, slower than fp32")
+    return warnings
+
+
+def is_linear(name: str, module: nn.Module) -> bool:
+    return type(module) is nn.Linear
+
+
+def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str:
+    """Put `model` (in eval, on the CPU for a quant) in the given precision, in place; a one-line description.
+    Idempotent for the same arguments; weights already quantized stay as they are."""
+    model.to(DTYPES[dtype])
+    if quant == "none":
+        return f"{dtype} weights"
+    head = getattr(model, "lm_head", None)
+    counts = {"int8": 0, "int4": 0}
+
+    def make(linear: nn.Linear) -> QuantLinear:
+        kind = quant
+        if kind == "int4" and (linear is head or not int4_supported(linear.weight, group)):
+            kind = "int8"  # the head (the tied embedding too) and shapes the int4 kernel cannot take
+        counts[kind] += 1
+        return QuantLinear.from_linear(linear, kind, group)
+
+    with torch.no_grad():
+        swap(model, is_linear, make)
+    if quant == "int8":
+        return f"int8 weights ({counts['int8']} linear layers), {dtype} activations"
+    return (f"int4 weights, groups of {group} ({counts['int4']} linear layers; {counts['int8']} in int8: the head"
+            f"{' and shapes int4 cannot take' if counts['int8'] > (head is not None) else ''}), {dtype} activations")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as held (a tied tensor once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,138 @@
+"""Weight-only quantization for inference: int8 per output row, 4-bit per group of 32 inputs.
+
+A decoding step multiplies every weight matrix by a few rows (note 003, 推理原理: one token at a time, the KV
+cache holding the past), so its time is the time to read the weights: bytes per weight set the speed. Storing
+W in fewer bits and multiplying in the activations' precision (fp32 or bf16) trades a bounded error for that:
+
+    int8 (per output row i):       W_ij ~ s_i q_ij,              q_ij in [-127, 127],  s_i = max_j |W_ij| / 127
+    int4 (per row i, group g of G consecutive inputs, asymmetric):
+                                   W_ij ~ s_ig q_ij + m_ig,      q_ij in [0, 15],
+                                   m_ig = min_{j in g} W_ij,     s_ig = (max_{j in g} W_ij - m_ig) / 15
+
+so |W_ij - W^_ij| <= s_i / 2 (int8) and <= s_ig / 2 (int4): the tests check the products against these bounds.
+The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
+weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
+products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
+form is (q - 8) s + z: z = m + 8 s here); qkv keeps its own plain layout (codes, scales, minima) in the
+state dict and the kernels' packed copy beside it, rebuilt at load.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+QUANTS = ("none", "int8", "int4")
+GROUP = 32  # int4: inputs per group (GGUF's block size)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> codes (N, K) int8 and scales (N,) fp32, symmetric per output row."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0  # (N,)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale, codes 0
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: Tensor, scale: Tensor) -> Tensor:
+    return codes.float() * scale[:, None]
+
+
+def quantize_int4(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, K) float -> codes (N, K) uint8 in [0, 15], scales (N, K / group) and minima (N, K / group), fp32."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    low, high = w.amin(dim=2), w.amax(dim=2)  # (N, K/G)
+    scale = (high - low) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: codes 0, the minimum
+    codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(n, k), scale, low
+
+
+def dequantize_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    n, k = codes.shape
+    groups = scale.shape[1]
+    w = codes.float().reshape(n, groups, k // groups) * scale[..., None] + low[..., None]
+    return w.reshape(n, k)
+
+
+def int4_supported(weight: Tensor, group: int = GROUP) -> bool:
+    """torch's CPU int4 kernel needs whole groups and an even number of inputs."""
+    n, k = weight.shape
+    return k % group == 0 and k % 2 == 0 and n % 2 == 0
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W held quantized (int8 or int4, above); x in fp32 or bf16, y in x's dtype.
+    `weight` is a property giving the dequantized matrix (for analyses that read it, not for speed)."""
+
+    def __init__(self, kind: str, in_features: int, out_features: int, codes: Tensor, scale: Tensor,
+                 low: Tensor | None, bias: Tensor | None):
+        super().__init__()
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"QuantLinear kind {kind!r}: int8 or int4")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("low", low)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str, group: int = GROUP) -> "QuantLinear":
+        w = linear.weight
+        if kind == "int8":
+            codes, scale = quantize_int8(w)
+            low = None
+        else:
+            codes, scale, low = quantize_int4(w, group)
+        return cls(kind, w.shape[1], w.shape[0], codes, scale, low, linear.bias)
+
+    @property
+    def group(self) -> int:
+        return self.in_features // self.scale.shape[1] if self.kind == "int4" else self.in_features
+
+    @property
+    def weight(self) -> Tensor:
+        if self.kind == "int8":
+            return dequantize_int8(self.codes, self.scale)
+        return dequantize_int4(self.codes, self.scale, self.low)
+
+    def _state_changed(self) -> None:
+        self._kernel.clear()
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new codes: the kernels' copies are stale
+        super()._load_from_state_dict(*args, **kwargs)
+        self._state_changed()
+
+    def kernel_operands(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The kernel's operands for activations of `dtype`, made once and kept."""
+        found = self._kernel.get(dtype)
+        if found is None:
+            if self.kind == "int8":
+                found = (self.codes, self.scale.to(dtype))
+            else:
+                packed = torch._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 1)
+                zero = self.low + 8.0 * self.scale  # (q - 8) s + z = q s + m
+                scales_and_zeros = torch.stack((self.scale.t(), zero.t()), dim=-1).contiguous()  # (K/G, N, 2)
+                found = (packed, scales_and_zeros.to(dtype))
+            self._kernel[dtype] = found
+        return found
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        operands = self.kernel_operands(x.dtype)
+        if self.kind == "int8":
+            y = torch._weight_int8pack_mm(flat, *operands)
+        else:
+            packed, scales_and_zeros = operands
+            y = torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.kind == "int4" else ""
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"

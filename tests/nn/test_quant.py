@@ -1,0 +1,177 @@
+"""qkv.nn.quant and qkv.generate.weights: the quantized products against the dequantized fp32 products (the
+kernels), the dequantized weights against the originals within half a step (the quantizers), a GGUF Q4_1 file's
+weights requantized to themselves, and a whole model at each precision against fp32."""
+import pytest
+import torch
+from torch import nn
+
+from qkv.errors import QkvError
+from qkv.generate import weights
+from qkv.nn.quant import (QuantLinear, dequantize_int4, dequantize_int8, int4_supported, quantize_int4,
+                          quantize_int8)
+
+torch.manual_seed(0)
+
+
+def test_int8_codes_are_within_half_a_step_of_the_weights():
+    w = torch.randn(48, 96) * torch.rand(48, 1) * 3  # rows of different scales
+    codes, scale = quantize_int8(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert torch.all((dequantize_int8(codes, scale) - w).abs() <= scale[:, None] / 2 + 1e-6)
+    assert torch.allclose(scale, w.abs().amax(1) / 127)
+
+
+def test_int4_codes_are_within_half_a_step_and_keep_each_groups_range():
+    w = torch.randn(40, 128) * 2 + 0.5
+    codes, scale, low = quantize_int4(w, 32)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and scale.shape == (40, 4)
+    back = dequantize_int4(codes, scale, low)
+    steps = scale.repeat_interleave(32, dim=1)
+    assert torch.all((back - w).abs() <= steps / 2 + 1e-5)
+    groups = w.reshape(40, 4, 32)
+    assert torch.allclose(back.reshape(40, 4, 32).amin(2), groups.amin(2), atol=1e-5)  # the range is kept exactly
+    assert torch.allclose(back.reshape(40, 4, 32).amax(2), groups.amax(2), atol=1e-5)
+
+
+def test_a_constant_or_zero_row_quantizes_without_nan():
+    w = torch.zeros(4, 64)
+    w[1] = 0.25
+    for kind in ("int8", "int4"):
+        with torch.no_grad():
+            layer = QuantLinear.from_linear(_linear(w), kind)
+        assert torch.allclose(layer.weight, w, atol=1e-6)
+
+
+def _linear(w: torch.Tensor, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantization_bound(kind, rows):
+    linear = _linear(torch.randn(96, 128), bias=True)
+    layer = QuantLinear.from_linear(linear, kind)
+    x = torch.randn(rows, 128)
+    with torch.no_grad():
+        y = layer(x)
+        exact = x @ layer.weight.t() + linear.bias  # the dequantized matrix, in fp32
+        original = linear(x)
+    assert y.shape == (rows, 96) and y.dtype == torch.float32
+    assert torch.allclose(y, exact, rtol=1e-4, atol=1e-4)
+    # |x (W - W^)^T| <= sum_j |x_j| step_ij / 2, each weight within half its step
+    step = (layer.scale[:, None].expand(96, 128) if kind == "int8" else layer.scale.repeat_interleave(32, dim=1))
+    bound = x.abs() @ (step / 2).t()
+    assert torch.all((y - original).abs() <= bound + 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_bf16_activations_match_fp32_within_bf16_rounding(kind):
+    layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), kind)
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        y16, y32 = layer(x.bfloat16()), layer(x)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (2, 5, 64)
+    scale = y32.abs().max()
+    assert (y16.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
+
+
+def test_the_state_dict_round_trips_and_rebuilds_the_kernels_copy():
+    a = QuantLinear.from_linear(_linear(torch.randn(32, 64)), "int4")
+    b = QuantLinear.from_linear(_linear(torch.randn(32, 64)), "int4")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        b(x)  # b's kernel copy is made from its own codes
+        b.load_state_dict(a.state_dict())
+        assert torch.equal(a(x), b(x))
+    assert set(a.state_dict()) == {"codes", "scale", "low"}
+
+
+def test_q4_1_weights_requantize_to_themselves():
+    """GGUF's Q4_1 (blocks of 32: a scale d and a minimum m, w = d q + m) quantized by the gguf package, then
+    dequantized, then quantized by qkv: the same weights (nothing lost twice)."""
+    gguf = pytest.importorskip("gguf")
+    w = torch.randn(16, 128).numpy()
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)).float()
+    layer = QuantLinear.from_linear(_linear(dequantized), "int4")
+    assert torch.allclose(layer.weight, dequantized, rtol=0, atol=1e-6 * float(dequantized.abs().max()))
+
+
+def test_int4_takes_whole_groups_only():
+    assert int4_supported(torch.zeros(8, 64)) and not int4_supported(torch.zeros(8, 48))
+
+
+# ------------------------------------------------------------------------------------------- whole models
+def tiny_llama(tmp_path):
+    from qkv.formats import load
+    from tests.formats.gguf import write_llama
+
+    return load(write_llama(tmp_path / "m.gguf", qtype="Q4_1", width=64, ffn=128, tied=True))
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    p = reference.log_softmax(-1)
+    return float((p.exp() * (p - other.float().log_softmax(-1))).sum(-1).mean())
+
+
+@pytest.mark.parametrize("dtype, quant, max_kl", [("bf16", "none", 1e-3), ("fp32", "int8", 1e-3),
+                                                  ("fp32", "int4", 1e-3), ("bf16", "int4", 2e-3)])
+def test_a_model_at_each_precision_stays_close_to_fp32(tmp_path, dtype, quant, max_kl):
+    run = tiny_llama(tmp_path)
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        reference = run.model(ids)
+        description = weights.prepare(run.model, dtype=dtype, quant=quant)
+        logits = run.model(ids)
+    assert logits.dtype == weights.DTYPES[dtype]
+    assert kl(reference, logits) < max_kl, description
+    if quant == "int4":  # a Q4_1 file's own weights: every int4 layer holds exactly what was loaded
+        assert "groups of 32" in description
+        assert isinstance(run.model.lm_head, QuantLinear) and run.model.lm_head.kind == "int8"
+
+
+def test_int4_of_a_q4_1_file_is_the_file_itself(tmp_path):
+    run = tiny_llama(tmp_path)
+    loaded = {name: module.weight.detach().clone() for name, module in run.model.named_modules()
+              if type(module) is nn.Linear and name != "lm_head"}
+    weights.prepare(run.model, quant="int4")
+    for name, module in run.model.named_modules():
+        if name in loaded:
+            assert module.kind == "int4"
+            assert torch.allclose(module.weight, loaded[name], rtol=0, atol=1e-6), name
+
+
+def test_generation_runs_with_the_kv_cache_at_each_precision(tmp_path):
+    from qkv.generate import generate
+
+    prompt = torch.randint(0, 300, (1, 5))
+    for dtype, quant in (("bf16", "none"), ("fp32", "int8"), ("bf16", "int4")):
+        model = tiny_llama(tmp_path).model
+        weights.prepare(model, dtype=dtype, quant=quant)
+        with torch.no_grad():
+            cached = generate(model, prompt, max_new_tokens=6, strategy="greedy")
+            # the same tokens from full forwards without the cache: greedy argmax at each length
+            ids = prompt
+            for _ in range(6):
+                ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
+        assert torch.equal(cached, ids), (dtype, quant)
+
+
+def test_bad_precisions_are_refused_and_emulated_bf16_is_warned(monkeypatch):
+    with pytest.raises(QkvError, match="--dtype"):
+        weights.check("fp16", "none", torch.device("cpu"))
+    with pytest.raises(QkvError, match="--quant"):
+        weights.check("fp32", "int3", torch.device("cpu"))
+    with pytest.raises(QkvError, match="CPU kernels"):
+        weights.check("fp32", "int8", torch.device("cuda"))
+    from qkv import hardware
+
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: None)
+    assert "emulates" in weights.check("bf16", "none", torch.device("cpu"))[0]
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "avx512_bf16")
+    assert weights.check("bf16", "int4", torch.device("cpu")) == []
