@@ -23,6 +23,9 @@ def add_parsers(subparsers) -> None:
     convert.add_argument("--to-gguf", metavar="FILE", help="write RUN as a GGUF file (llama- or gpt2-shaped models)")
     convert.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
                          help="with --to-gguf: the matrices' type (default f32)")
+    convert.add_argument("--quant", choices=("int8", "int4"),
+                         help="with --from-hf / --from-gguf: save the linear layers' weights quantized (int8 per row, "
+                              "or 4 bits per group of 32; a Q4_1 file's own weights), loaded later as saved")
     convert.add_argument("--out", metavar="RUN", help="the qkv run directory to create (with --from-hf or "
                                                       "--from-gguf)")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")
@@ -30,19 +33,32 @@ def add_parsers(subparsers) -> None:
 
 def cmd_convert(args) -> int:
     from qkv.formats import gguf, hf, load, run_dir
+    from qkv.nn.quant import quantization_of, quantize_model
 
     sources = [name for name in ("from_hf", "from_gguf") if getattr(args, name)]
     targets = [name for name in ("to_hf", "to_gguf") if getattr(args, name)]
     if args.dtype and not args.to_gguf:
         raise QkvError("--dtype applies to --to-gguf")
+    if args.quant and not sources:
+        raise QkvError("--quant applies to --from-hf / --from-gguf (a run dir with quantized weights)")
     if len(sources) == 1 and not targets and not args.run:
         flag = "--" + sources[0].replace("_", "-")
         if not args.out:
             raise QkvError(f"convert {flag} needs --out RUN")
         source = getattr(args, sources[0])
-        out = hf.convert_from_hf(source, args.out) if args.from_hf else run_dir.save(gguf.load(source), args.out)
+        if args.from_hf:
+            out = hf.convert_from_hf(source, args.out, args.quant or "none")
+        else:
+            run = gguf.load(source)
+            if args.quant:
+                quantize_model(run.model, args.quant)
+            out = run_dir.save(run, args.out)
     elif len(targets) == 1 and args.run and not sources and not args.out:
         run = load(args.run)
+        held = quantization_of(run.model)
+        if held != "none":
+            raise QkvError(f"{args.run}: holds {held} weights (qkv convert --quant); export the model it was "
+                           "converted from instead")
         out = hf.save(run, args.to_hf) if args.to_hf else gguf.save(run, args.to_gguf, args.dtype or "f32")
         source = args.run
     else:

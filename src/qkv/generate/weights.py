@@ -19,8 +19,7 @@ from torch import nn
 
 from qkv import hardware
 from qkv.errors import QkvError
-from qkv.nn.quant import GROUP, QUANTS, QuantLinear, int4_supported
-from qkv.nn.swap import swap
+from qkv.nn.quant import GROUP, QUANTS, quantization_of, quantize_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -41,32 +40,24 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
     return warnings
 
 
-def is_linear(name: str, module: nn.Module) -> bool:
-    return type(module) is nn.Linear
-
-
 def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str:
     """Put `model` (in eval, on the CPU for a quant) in the given precision, in place; a one-line description.
-    Idempotent for the same arguments; weights already quantized stay as they are."""
+    A model whose weights are already quantized (a run saved by `qkv convert --quant`) keeps them: asking for
+    another quant is refused, since requantizing quantized weights adds error twice."""
+    held = quantization_of(model)
+    if held != "none" and quant not in ("none", held):
+        raise QkvError(f"this model holds {held} weights (qkv convert --quant {held}); --quant {quant} would "
+                       f"requantize them: convert the original model instead")
     model.to(DTYPES[dtype])
+    if held != "none":
+        return f"{held} weights (as saved), {dtype} activations"
     if quant == "none":
         return f"{dtype} weights"
-    head = getattr(model, "lm_head", None)
-    counts = {"int8": 0, "int4": 0}
-
-    def make(linear: nn.Linear) -> QuantLinear:
-        kind = quant
-        if kind == "int4" and (linear is head or not int4_supported(linear.weight, group)):
-            kind = "int8"  # the head (the tied embedding too) and shapes the int4 kernel cannot take
-        counts[kind] += 1
-        return QuantLinear.from_linear(linear, kind, group)
-
-    with torch.no_grad():
-        swap(model, is_linear, make)
+    counts = quantize_model(model, quant, group)
     if quant == "int8":
         return f"int8 weights ({counts['int8']} linear layers), {dtype} activations"
     return (f"int4 weights, groups of {group} ({counts['int4']} linear layers; {counts['int8']} in int8: the head"
-            f"{' and shapes int4 cannot take' if counts['int8'] > (head is not None) else ''}), {dtype} activations")
+            f"{' and shapes int4 cannot take' if counts['int8'] > 1 else ''}), {dtype} activations")
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from qkv.nn.swap import swap
+
 QUANTS = ("none", "int8", "int4")
 GROUP = 32  # int4: inputs per group (GGUF's block size)
 
@@ -77,6 +79,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("low", low)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
+
+    @classmethod
+    def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
+        """A layer of the right shapes with zero codes: for a state dict of saved codes to be loaded into."""
+        if kind == "int8":
+            codes, scale, low = torch.zeros(out_features, in_features, dtype=torch.int8), torch.ones(out_features), None
+        else:
+            groups = in_features // group
+            codes = torch.zeros(out_features, in_features, dtype=torch.uint8)
+            scale, low = torch.ones(out_features, groups), torch.zeros(out_features, groups)
+        return cls(kind, in_features, out_features, codes, scale, low, torch.zeros(out_features) if bias else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str, group: int = GROUP) -> "QuantLinear":
@@ -136,3 +149,35 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind == "int4" else ""
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
+
+
+def kind_for(quant: str, linear: nn.Linear, is_head: bool, group: int = GROUP) -> str:
+    """int4 for every linear layer but the output head (and the tied embedding it is) and shapes the int4
+    kernel cannot take, which get int8 (llama.cpp's files keep the head above 4 bits too)."""
+    if quant == "int4" and (is_head or not int4_supported(linear.weight, group)):
+        return "int8"
+    return quant
+
+
+def quantize_model(model: nn.Module, quant: str, group: int = GROUP, *, empty: bool = False) -> dict[str, int]:
+    """Swap every nn.Linear of `model` for a QuantLinear (`quant` int8 or int4); `empty`: zero codes of the
+    right shapes, to load saved ones into. Returns how many layers got each kind."""
+    head = getattr(model, "lm_head", None)
+    counts = {"int8": 0, "int4": 0}
+
+    def make(linear: nn.Linear) -> QuantLinear:
+        kind = kind_for(quant, linear, linear is head, group)
+        counts[kind] += 1
+        if empty:
+            return QuantLinear.empty(kind, linear.in_features, linear.out_features, linear.bias is not None, group)
+        return QuantLinear.from_linear(linear, kind, group)
+
+    with torch.no_grad():
+        swap(model, lambda name, module: type(module) is nn.Linear, make)
+    return counts
+
+
+def quantization_of(model: nn.Module) -> str:
+    """"none", or the quant a model's linear layers hold (int4 when any layer is int4)."""
+    kinds = {module.kind for module in model.modules() if isinstance(module, QuantLinear)}
+    return "int4" if "int4" in kinds else "int8" if kinds else "none"

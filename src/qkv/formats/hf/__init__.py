@@ -24,6 +24,7 @@ from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_con
 from qkv.formats.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
 from qkv.models import build_model
 from qkv.models.build import check_model
+from qkv.nn.quant import quantize_model
 from qkv.formats import run_dir
 from qkv.formats.base import Run, check_vocabulary
 
@@ -137,10 +138,13 @@ def original_tokenizer(run: Run | None) -> str | None:
     return None
 
 
-def convert_from_hf(src: str | Path, out: str | Path) -> Path:
-    """HF dir -> qkv run dir (config.json, tokenizer.json, model.safetensors [, hf_tokenizer.json]), atomically."""
+def convert_from_hf(src: str | Path, out: str | Path, quant: str = "none") -> Path:
+    """HF dir -> qkv run dir (config.json, tokenizer.json, model.safetensors [, hf_tokenizer.json]), atomically;
+    `quant` int8 / int4: the linear layers' weights saved quantized (qkv.nn.quant)."""
     src = Path(src)
     run = load(src)
+    if quant != "none":
+        quantize_model(run.model, quant)
     if run.tokenizer is None:
         raise QkvError(f"{src}: a qkv run needs a tokenizer, and this dir has no tokenizer.json "
                        f"(or one without an end-of-text or separator token)")

@@ -1,0 +1,85 @@
+"""Quantized inference from the command line: --dtype / --quant on generate, chat, eval and serve; `qkv convert
+--quant` saves the codes and scales, and the saved run loads them as they are (same logits, nothing requantized);
+bad combinations get one error line."""
+import json
+
+import pytest
+import torch
+
+from qkv.formats import load
+from qkv.generate import weights
+from qkv.nn.quant import QuantLinear
+from tests.cli.test_main import cli
+from tests.formats.gguf import TEXT, write_llama
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quant")
+    return write_llama(tmp / "m.gguf", qtype="Q4_1", seed=3, width=64, ffn=128), tmp
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_convert_quant_saves_codes_that_load_as_saved(capsys, model, quant):
+    path, tmp = model
+    out = tmp / f"run-{quant}"
+    code, _, err = cli(capsys, "convert", "--from-gguf", path, "--out", out, "--quant", quant)
+    assert code == 0, err
+    assert json.loads((out / "quant.json").read_text()) == {"quant": quant, "group": 32}
+    saved, direct = load(out), load(path)
+    weights.prepare(direct.model, quant=quant)  # the same quantization, done in memory
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(saved.model(ids), direct.model(ids))
+    kinds = {m.kind for m in saved.model.modules() if isinstance(m, QuantLinear)}
+    assert kinds == ({"int8", "int4"} if quant == "int4" else {"int8"})
+    # the file is smaller than the fp32 run's
+    full = tmp / "run-fp32"
+    if not full.exists():
+        assert cli(capsys, "convert", "--from-gguf", path, "--out", full)[0] == 0
+    assert (out / "model.safetensors").stat().st_size < 0.7 * (full / "model.safetensors").stat().st_size
+    # a saved quantized run keeps its quant; another one would requantize: refused, as is exporting it
+    code, _, err = cli(capsys, "generate", out, "--prompt", "To be", "--max-new-tokens", "3",
+                       "--quant", "int8" if quant == "int4" else "int4")
+    assert code == 2 and "requantize" in err and "Traceback" not in err
+    code, _, err = cli(capsys, "convert", out, "--to-gguf", tmp / "x.gguf")
+    assert code == 2 and "export the model it was converted from" in err and not (tmp / "x.gguf").exists()
+
+
+def test_generate_and_eval_take_dtype_and_quant(capsys, model, tmp_path):
+    path, _ = model
+    text = tmp_path / "held.txt"
+    text.write_text("\n".join(TEXT[:8]))
+    figures = {}
+    for dtype, quant in (("fp32", "none"), ("bf16", "none"), ("fp32", "int8"), ("bf16", "int4")):
+        code, out, err = cli(capsys, "eval", path, "--data", text, "--json", "--dtype", dtype, "--quant", quant)
+        assert code == 0, err
+        result = json.loads(out)
+        figures[(dtype, quant)] = result["bits_per_char"]
+        assert (dtype, quant) == ("fp32", "none") or "qkv: running at" in err
+        code, out, err = cli(capsys, "generate", path, "--prompt", "To be", "--strategy", "greedy",
+                             "--max-new-tokens", "5", "--dtype", dtype, "--quant", quant)
+        assert code == 0 and out.startswith("To be"), err
+    reference = figures[("fp32", "none")]
+    for key, value in figures.items():  # a random model: each precision within 1% of fp32's score
+        assert abs(value - reference) < 0.01 * reference, key
+
+
+def test_bad_precision_options_get_one_line(capsys, model, tmp_path):
+    path, tmp = model
+    code, _, err = cli(capsys, "generate", path, "--quant", "int3")
+    assert code == 2 and err.count("\n") == 1 and "qkv: error:" in err
+    code, _, err = cli(capsys, "convert", path, "--to-gguf", tmp_path / "y.gguf", "--quant", "int8")
+    assert code == 2 and "--quant applies to --from-hf / --from-gguf" in err
+
+
+def test_a_damaged_quant_file_is_refused(capsys, model, tmp_path):
+    path, _ = model
+    out = tmp_path / "run"
+    assert cli(capsys, "convert", "--from-gguf", path, "--out", out, "--quant", "int4")[0] == 0
+    (out / "quant.json").write_text(json.dumps({"quant": "int5", "group": 32}))
+    code, _, err = cli(capsys, "generate", out, "--prompt", "x", "--max-new-tokens", "2")
+    assert code == 2 and "quant.json" in err and "Traceback" not in err
+    (out / "quant.json").write_text(json.dumps({"quant": "int8", "group": 32}))  # codes of the other kind
+    code, _, err = cli(capsys, "generate", out, "--prompt", "x", "--max-new-tokens", "2")
+    assert code == 2 and "quant.json needs" in err
