@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from qkv.analysis import report
-from qkv.cli.options import config_options, count, number
+from qkv.cli.options import add_precision, config_options, count, number
 from qkv.errors import QkvError
 
 
@@ -54,6 +54,7 @@ def add_parsers(sub) -> None:
                          "choice; a classifier: a label)")
     explain.add_argument("--out", default="explain.html", help="the page to write (default explain.html)")
     explain.add_argument("--compare", metavar="RUN2", help="a second run, shown side by side on the same text")
+    add_precision(explain)
 
     verify = sub.add_parser("verify", help="compute every SPEC claim: holds, corrected or fails")
     verify.add_argument("--claim", type=int, action="append", help="only claim N (repeatable)")
@@ -95,7 +96,7 @@ def cmd_explain(args) -> int:
     from qkv.explain import explain_page
 
     runs = [args.run] + ([args.compare] if args.compare else [])
-    path, size = explain_page(runs, args.text, target=args.target, out=args.out)
+    path, size = explain_page(runs, args.text, target=args.target, out=args.out, dtype=args.dtype, quant=args.quant)
     print(f"{path} ({size / 2 ** 20:.2f} MB)")
     return 0
 

@@ -12,20 +12,30 @@ from qkv import files
 from qkv.explain.page import build_page
 from qkv.explain.trace import trace
 from qkv.formats import load
+from qkv.generate.weights import round_weights
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "derivations"  # a checkout's pages (linked when present)
 
 
-def explain_page(runs: list[str | Path], text: str, *, target: str | None = None, out: str | Path = "explain.html"
-                 ) -> tuple[Path, int]:
+def explain_page(runs: list[str | Path], text: str, *, target: str | None = None, out: str | Path = "explain.html",
+                 dtype: str = "fp32", quant: str = "none") -> tuple[Path, int]:
     """Trace each run on `text` and write the page; returns (path, size in bytes). `out` is written whole
-    or not at all."""
+    or not at all. `dtype` / `quant`: the weights as they are at that precision (qkv.generate.weights.round_weights),
+    which the page's summary states."""
     out = Path(out)
     if out.is_dir():
         raise QkvError(f"--out {out}: is a directory")
     if out.suffix.lower() not in (".html", ".htm"):
         raise QkvError(f"--out {out}: the page is HTML; name it *.html")
-    explanations = [trace(load(run), text, target) for run in runs]
+    explanations = []
+    for path in runs:
+        run = load(path)
+        precision = round_weights(run.model, dtype=dtype, quant=quant)
+        explanation = trace(run, text, target)
+        explanation.meta["precision"] = precision or "fp32 weights"
+        if precision:
+            explanation.meta["summary"] += f"; {precision}"
+        explanations.append(explanation)
     page = build_page(explanations, DOCS)
     files.write_text_atomic(out, page)
     return out, len(page.encode("utf-8"))

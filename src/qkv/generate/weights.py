@@ -19,7 +19,7 @@ from torch import nn
 
 from qkv import hardware
 from qkv.errors import QkvError
-from qkv.nn.quant import GROUP, QUANTS, quantization_of, quantize_model
+from qkv.nn.quant import GROUP, QUANTS, QuantLinear, kind_for, quantization_of, quantize_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,6 +58,29 @@ def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group
         return f"int8 weights ({counts['int8']} linear layers), {dtype} activations"
     return (f"int4 weights, groups of {group} ({counts['int4']} linear layers; {counts['int8']} in int8: the head"
             f"{' and shapes int4 cannot take' if counts['int8'] > 1 else ''}), {dtype} activations")
+
+
+def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str | None:
+    """Replace the model's fp32 weights by the values they hold at `dtype` / `quant` (quantized, then
+    dequantized; rounded to bf16 and back), in place: for the float64 reference engine of `qkv explain`, whose
+    numbers are then the quantized model's weights computed exactly. None when nothing changes."""
+    if (dtype, quant) == ("fp32", "none"):
+        return None
+    if quantization_of(model) != "none":
+        raise QkvError("this model holds quantized weights already; explain the model it was converted from")
+    head = getattr(model, "lm_head", None)
+    with torch.no_grad():
+        if dtype == "bf16":
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        if quant != "none":
+            for module in model.modules():
+                if type(module) is nn.Linear:
+                    kind = kind_for(quant, module, module is head, group)
+                    module.weight.copy_(QuantLinear.from_linear(module, kind, group).weight)
+    parts = [f"{dtype} weights" if quant == "none" else
+             f"{quant} weights{' (the head int8)' if quant == 'int4' else ''}{', rounded to bf16' if dtype == 'bf16' else ''}"]
+    return parts[0] + ", dequantized: the float64 engine computes with the values they hold"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -83,3 +83,23 @@ def test_a_damaged_quant_file_is_refused(capsys, model, tmp_path):
     (out / "quant.json").write_text(json.dumps({"quant": "int8", "group": 32}))  # codes of the other kind
     code, _, err = cli(capsys, "generate", out, "--prompt", "x", "--max-new-tokens", "2")
     assert code == 2 and "quant.json needs" in err
+
+
+def test_explain_at_a_precision_computes_with_the_quantized_weights(capsys, model, tmp_path):
+    from qkv.explain.trace import trace
+
+    path, _ = model
+    run = load(path)
+    weights.round_weights(run.model, quant="int4")
+    explanation = trace(run, "To be, or not to be", None)
+    meta = explanation.meta
+    served = load(path)
+    weights.prepare(served.model, quant="int4")  # the kernels' model: the same weights, fp32 products
+    with torch.no_grad():
+        logits = served.model(torch.tensor([meta["ids"]]))[0, meta["position"]].double()
+    loss = float(-logits.log_softmax(-1)[meta["target"]["id"]])
+    assert abs(loss - meta["loss"]) < 1e-4
+    code, out, err = cli(capsys, "explain", path, "--text", "To be", "--quant", "int4", "--dtype", "bf16",
+                         "--out", tmp_path / "p.html")
+    assert code == 0, err
+    assert "int4 weights (the head int8), rounded to bf16, dequantized" in (tmp_path / "p.html").read_text()
