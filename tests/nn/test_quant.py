@@ -56,6 +56,7 @@ def _linear(w: torch.Tensor, bias: bool = False) -> nn.Linear:
 def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantization_bound(kind, rows):
     linear = _linear(torch.randn(96, 128), bias=True)
     layer = QuantLinear.from_linear(linear, kind)
+    layer.compute_dtype = None  # products in x's dtype (fp32); bf16 products: the next test
     x = torch.randn(rows, 128)
     with torch.no_grad():
         y = layer(x)
@@ -70,14 +71,26 @@ def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantiza
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_bf16_activations_match_fp32_within_bf16_rounding(kind):
+def test_bf16_products_match_fp32_within_bf16_rounding(kind):
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), kind)
     x = torch.randn(2, 5, 256)
     with torch.no_grad():
+        layer.compute_dtype = None
         y16, y32 = layer(x.bfloat16()), layer(x)
-    assert y16.dtype == torch.bfloat16 and y16.shape == (2, 5, 64)
+        layer.compute_dtype = torch.bfloat16  # fp32 rows, bf16 products (the default where bf16 is native)
+        mixed = layer(x)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (2, 5, 64) and mixed.dtype == torch.float32
     scale = y32.abs().max()
-    assert (y16.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
+    for y in (y16, mixed):
+        assert (y.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
+
+
+def test_products_are_bf16_exactly_where_the_cpu_has_it(monkeypatch):
+    from qkv import hardware
+
+    for flag, expected in (("avx512_bf16", torch.bfloat16), (None, None)):
+        monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: flag)
+        assert QuantLinear.from_linear(_linear(torch.randn(8, 64)), "int8").compute_dtype == expected
 
 
 def test_the_state_dict_round_trips_and_rebuilds_the_kernels_copy():

@@ -59,7 +59,8 @@ class Attention(nn.Module):
         q, k = ctx.positional.rotate(q, k, ctx.positions)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
-        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)
+        if not getattr(self.kernel, "grouped_kv", False):  # a kernel that takes grouped K/V repeats nothing
+            k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0

@@ -56,6 +56,8 @@ def decoding_linears(model: nn.Module):
 
 
 def decodes_faster(name: str, module: nn.Module) -> bool:
-    """A plain nn.Linear with a CPU weight and no hooks: the layers DecodingLinear may stand in for."""
+    """A plain nn.Linear with an fp32 CPU weight and no hooks: the layers DecodingLinear may stand in for. In bf16
+    the form is the slower one (a decode step's matrices of SmolLM2 read at 10.6 GB/s as W x^T against 18.7 as
+    nn.Linear's x W^T, 2 threads, benchmarks/real_decode.py's machine), so bf16 layers keep nn.Linear."""
     return (type(module) is nn.Linear and type(module.weight) is nn.Parameter
-            and module.weight.device.type == "cpu" and not has_hooks(module))
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 and not has_hooks(module))
