@@ -93,8 +93,8 @@ def apply_precision(run, args, log=None) -> str | None:
     device = next(run.model.parameters()).device
     for warning in weights.check(args.dtype, args.quant, device):
         log(warning)
+    description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
     if args.dtype == "fp32" and args.quant == "none":
         return None
-    description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)
     log(f"qkv: running at {description}")
     return description

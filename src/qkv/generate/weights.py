@@ -19,6 +19,7 @@ from torch import nn
 
 from qkv import hardware
 from qkv.errors import QkvError
+from qkv.nn.fuse import fuse_projections
 from qkv.nn.quant import GROUP, QUANTS, QuantLinear, kind_for, quantization_of, quantize_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -41,7 +42,8 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
 
 
 def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str:
-    """Put `model` (in eval, on the CPU for a quant) in the given precision, in place; a one-line description.
+    """Put `model` (in eval, on the CPU for a quant) in the given precision, its Q/K/V and gate/up projections
+    fused (qkv.nn.fuse), in place, for inference only; a one-line description.
     A model whose weights are already quantized (a run saved by `qkv convert --quant`) keeps them: asking for
     another quant is refused, since requantizing quantized weights adds error twice."""
     held = quantization_of(model)
@@ -50,10 +52,13 @@ def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group
                        f"requantize them: convert the original model instead")
     model.to(DTYPES[dtype])
     if held != "none":
+        fuse_projections(model)
         return f"{held} weights (as saved), {dtype} activations"
     if quant == "none":
+        fuse_projections(model)
         return f"{dtype} weights"
     counts = quantize_model(model, quant, group)
+    fuse_projections(model)
     if quant == "int8":
         return f"int8 weights ({counts['int8']} linear layers), {dtype} activations"
     return (f"int4 weights, groups of {group} ({counts['int4']} linear layers; {counts['int8']} in int8: the head"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from qkv.nn.cache import LayerCache
+from qkv.nn.fastpath import fused_or_none
 from qkv.nn.kernels import kernel_for
 from qkv.nn.norms import RMSNorm
 from qkv.nn.positional import Positional
@@ -51,9 +52,17 @@ class Attention(nn.Module):
                 memory: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
         source = x if memory is None else memory  # (B, S_new, D)
-        q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
-        k = self.split_heads(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
-        v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
+        fused = None if memory is not None else fused_or_none(self, "fused_qkv", self.q_proj, self.k_proj,
+                                                               self.v_proj)
+        if fused is not None:  # [Q K V] = x [W^Q; W^K; W^V]^T in one product (qkv.nn.fuse, inference)
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = fused(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+            q, k, v = (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
+                       self.split_heads(v, self.n_kv_heads))
+        else:
+            q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
+            k = self.split_heads(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
+            v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, which keeps the norm
         q, k = ctx.positional.rotate(q, k, ctx.positions)

@@ -16,6 +16,15 @@ def has_hooks(module: nn.Module) -> bool:
                 or module._backward_pre_hooks)
 
 
+def fused_or_none(module: nn.Module, attribute: str, *parts: nn.Module) -> nn.Module | None:
+    """The fused layer qkv.nn.fuse set on `module` (a plain attribute), if there is one and no hook sits on
+    the parts it stands in for (a hook must see its own layer run)."""
+    one = module.__dict__.get(attribute)
+    if one is None or any(has_hooks(part) for part in parts):
+        return None
+    return one
+
+
 def is_dtensor(tensor: Tensor) -> bool:
     """A DTensor? Without importing torch.distributed.tensor (a second): unloaded, nothing can be one."""
     module = sys.modules.get("torch.distributed.tensor")

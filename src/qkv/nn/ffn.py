@@ -12,6 +12,7 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.nn.fastpath import fused_or_none
 from qkv.registry import Registry
 
 ACTIVATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("activation")
@@ -51,4 +52,8 @@ class GLU(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        fused = fused_or_none(self, "fused_gate_up", self.gate_proj, self.up_proj)
+        if fused is not None:  # [gate up] = x [W_gate; W_up]^T in one product (qkv.nn.fuse, inference)
+            gate, up = fused(x).chunk(2, dim=-1)
+            return self.dropout(self.down_proj(self.act(gate) * up))
         return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))

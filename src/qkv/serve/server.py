@@ -39,8 +39,9 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
     run = load(path, device)
     for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
         log(warning)
+    description = weights.prepare(run.model, dtype=dtype, quant=quant)  # fuses Q/K/V and gate/up too
     if (dtype, quant) != ("fp32", "none"):
-        log(f"qkv: serving at {weights.prepare(run.model, dtype=dtype, quant=quant)}")
+        log(f"qkv: serving at {description}")
     if run.tokenizer is None:
         raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")
     for module in run.model.modules():  # capacity drops would make a row's output depend on the others
