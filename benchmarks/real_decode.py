@@ -96,7 +96,8 @@ def decode_bytes(model) -> int:
     it is also the head."""
     total = weight_bytes(model)
     emb = model.tok_emb.weight
-    tied = any(p.data_ptr() == emb.data_ptr() for name, p in model.named_parameters() if "lm_head" in name)
+    head = model.lm_head
+    tied = isinstance(head, torch.nn.Linear) and head.weight is emb  # the head reads the whole table
     return total if tied else total - emb.numel() * emb.element_size()
 
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.generate import weights
-from qkv.nn.quant import (QuantLinear, dequantize_int4, dequantize_int8, int4_supported, quantize_int4,
-                          quantize_int8)
+from qkv.nn.quant import (QuantLinear, dequantize_int4, dequantize_int8, head_kind, head_of, int4_supported,
+                          quantize_int4, quantize_int8)
 
 torch.manual_seed(0)
 
@@ -115,6 +115,17 @@ def test_q4_1_weights_requantize_to_themselves():
     assert torch.allclose(layer.weight, dequantized, rtol=0, atol=1e-6 * float(dequantized.abs().max()))
 
 
+def test_int4_codes_are_held_two_a_byte():
+    from qkv.nn.quant import pack_nibbles, unpack_nibbles
+
+    codes = torch.randint(0, 16, (6, 64), dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (6, 32) and torch.equal(unpack_nibbles(packed), codes)
+    assert int(packed[0, 0]) == int(codes[0, 0]) + 16 * int(codes[0, 1])
+    layer = QuantLinear.from_linear(_linear(torch.randn(16, 64)), "int4")
+    assert layer.codes.shape == (16, 32) and layer.codes.dtype == torch.uint8
+
+
 def test_int4_takes_whole_groups_only():
     assert int4_supported(torch.zeros(8, 64)) and not int4_supported(torch.zeros(8, 48))
 
@@ -145,7 +156,23 @@ def test_a_model_at_each_precision_stays_close_to_fp32(tmp_path, dtype, quant, m
     assert kl(reference, logits) < max_kl, description
     if quant == "int4":  # a Q4_1 file's own weights: every int4 layer holds exactly what was loaded
         assert "groups of 32" in description
-        assert isinstance(run.model.lm_head, QuantLinear) and run.model.lm_head.kind == "int8"
+    if quant != "none":  # the head above 4 bits: bf16 where the CPU has it natively, else int8
+        assert f"the head {head_kind()}" in description
+        assert head_of(run.model) == head_kind()
+
+
+@pytest.mark.parametrize("flag, head", [("avx512_bf16", "bf16"), (None, "int8")])
+def test_the_head_is_bf16_where_native_else_int8(monkeypatch, tmp_path, flag, head):
+    from qkv import hardware
+
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: flag)
+    run = tiny_llama(tmp_path)
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        reference = run.model(ids)
+        weights.prepare(run.model, quant="int4")
+        logits = run.model(ids)
+    assert head_of(run.model) == head and kl(reference, logits) < 1e-3
 
 
 def test_int4_of_a_q4_1_file_is_the_file_itself(tmp_path):

@@ -23,7 +23,7 @@ from qkv.formats.base import Chat, Run, check_vocabulary
 from qkv.formats import chat as model_dir_chat
 from qkv.models import build_model
 from qkv.models.build import check_model
-from qkv.nn.quant import GROUP, QuantLinear, quantization_of, quantize_model
+from qkv.nn.quant import GROUP, QuantLinear, head_of, quantization_of, quantize_model
 
 CHAT_FILE = "chat.json"  # how a converted model chats (qkv.formats.base.Chat)
 QUANT_FILE = "quant.json"  # a run saved with quantized linear layers (qkv convert --quant): {"quant", "group"}
@@ -51,24 +51,26 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     tensors = files.read_tensors(model_file)
     quant = read_quant(path)
     if quant is not None:  # the saved codes and scales go into layers of their shapes: nothing is requantized
-        quantize_model(model, *quant, empty=True)
+        kind, group, head = quant
+        quantize_model(model, kind, group, empty=True, head=head)
         load_quantized(model, tensors, str(model_file))
     files.load_model_tensors(model, tensors, str(model_file))
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer,
                chat=read_chat(path, tokenizer.vocab_size))
 
 
-def read_quant(path: Path) -> tuple[str, int] | None:
-    """(quant, group) of a run saved quantized, None for one that is not."""
+def read_quant(path: Path) -> tuple[str, int, str] | None:
+    """(quant, group, head kind) of a run saved quantized, None for one that is not."""
     file = path / QUANT_FILE
     if not file.is_file():
         return None
     raw = files.read_json(file)
-    quant, group = (raw.get("quant"), raw.get("group")) if isinstance(raw, dict) else (None, None)
+    quant, group, head = (raw.get("quant"), raw.get("group"), raw.get("head")) if isinstance(raw, dict) else (None,) * 3
     if quant not in ("int8", "int4") or not isinstance(group, int) or isinstance(group, bool) or group <= 0 \
-            or group % 2:
-        raise QkvError(f"{file}: must be an object with quant (int8 or int4) and group (a positive even integer)")
-    return quant, group
+            or group % 2 or head not in ("int8", "bf16"):
+        raise QkvError(f"{file}: must be an object with quant (int8 or int4), group (a positive even integer) and "
+                       "head (int8 or bf16)")
+    return quant, group, head
 
 
 def load_quantized(model, tensors: dict[str, torch.Tensor], origin: str) -> None:
@@ -83,8 +85,6 @@ def load_quantized(model, tensors: dict[str, torch.Tensor], origin: str) -> None
         if value.dtype != buffer.dtype or tuple(value.shape) != tuple(buffer.shape):
             raise QkvError(f"{origin}: {name} is {str(value.dtype).replace('torch.', '')} {tuple(value.shape)}, "
                            f"{QUANT_FILE} needs {str(buffer.dtype).replace('torch.', '')} {tuple(buffer.shape)}")
-        if value.dtype == torch.uint8 and value.numel() and int(value.max()) > 15:
-            raise QkvError(f"{origin}: {name} holds codes above 15; int4 codes are 0..15")
         buffer.copy_(value)
 
 
@@ -127,8 +127,8 @@ def save(run: Run, out: str | Path, extra: dict[str, str] | None = None) -> Path
         quant = quantization_of(run.model)
         if quant != "none":
             groups = [m.group for m in run.model.modules() if isinstance(m, QuantLinear) and m.kind == "int4"]
-            (tmp / QUANT_FILE).write_text(json.dumps({"quant": quant, "group": groups[0] if groups else GROUP}),
-                                          encoding="utf-8")
+            (tmp / QUANT_FILE).write_text(json.dumps({"quant": quant, "group": groups[0] if groups else GROUP,
+                                                      "head": head_of(run.model)}), encoding="utf-8")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

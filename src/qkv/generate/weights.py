@@ -20,7 +20,8 @@ from torch import nn
 from qkv import hardware
 from qkv.errors import QkvError
 from qkv.nn.fuse import fuse_projections
-from qkv.nn.quant import GROUP, QUANTS, QuantLinear, kind_for, quantization_of, quantize_model
+from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantization_of,
+                          quantize_model)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -50,19 +51,20 @@ def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group
     if held != "none" and quant not in ("none", held):
         raise QkvError(f"this model holds {held} weights (qkv convert --quant {held}); --quant {quant} would "
                        f"requantize them: convert the original model instead")
-    model.to(DTYPES[dtype])
+    cast_unquantized(model, DTYPES[dtype])
     if held != "none":
         fuse_projections(model)
-        return f"{held} weights (as saved), {dtype} activations"
+        return f"{held} weights (as saved; the head {head_of(model)}), {dtype} activations"
     if quant == "none":
         fuse_projections(model)
         return f"{dtype} weights"
     counts = quantize_model(model, quant, group)
     fuse_projections(model)
-    if quant == "int8":
-        return f"int8 weights ({counts['int8']} linear layers), {dtype} activations"
-    return (f"int4 weights, groups of {group} ({counts['int4']} linear layers; {counts['int8']} in int8: the head"
-            f"{' and shapes int4 cannot take' if counts['int8'] > 1 else ''}), {dtype} activations")
+    layers = counts[quant] + (counts["int8"] if quant == "int4" else 0)
+    odd = counts["int8"] - (head_of(model) == "int8") if quant == "int4" else 0
+    return (f"{quant} weights{f', groups of {group}' if quant == 'int4' else ''} ({layers} linear layers"
+            f"{f', {odd} in int8: shapes int4 cannot take' if odd else ''}; the head {head_of(model)}), "
+            f"{dtype} activations")
 
 
 def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str | None:
@@ -82,10 +84,14 @@ def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none",
             for module in model.modules():
                 if type(module) is nn.Linear:
                     kind = kind_for(quant, module, module is head, group)
-                    module.weight.copy_(QuantLinear.from_linear(module, kind, group).weight)
-    parts = [f"{dtype} weights" if quant == "none" else
-             f"{quant} weights{' (the head int8)' if quant == 'int4' else ''}{', rounded to bf16' if dtype == 'bf16' else ''}"]
-    return parts[0] + ", dequantized: the float64 engine computes with the values they hold"
+                    if kind == "bf16":
+                        module.weight.copy_(module.weight.to(torch.bfloat16).float())
+                    else:
+                        module.weight.copy_(QuantLinear.from_linear(module, kind, group).weight)
+    if quant == "none":
+        return f"{dtype} weights, the float64 engine computing with the values they hold"
+    return (f"{quant} weights (the head {head_kind()}){', rounded to bf16' if dtype == 'bf16' else ''}, dequantized: "
+            "the float64 engine computes with the values they hold")
 
 
 def weight_bytes(model: nn.Module) -> int:

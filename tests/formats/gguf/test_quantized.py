@@ -8,7 +8,7 @@ import torch
 
 from qkv.formats import load
 from qkv.generate import weights
-from qkv.nn.quant import QuantLinear
+from qkv.nn.quant import QuantLinear, head_kind
 from tests.cli.test_main import cli
 from tests.formats.gguf import TEXT, write_llama
 
@@ -25,14 +25,14 @@ def test_convert_quant_saves_codes_that_load_as_saved(capsys, model, quant):
     out = tmp / f"run-{quant}"
     code, _, err = cli(capsys, "convert", "--from-gguf", path, "--out", out, "--quant", quant)
     assert code == 0, err
-    assert json.loads((out / "quant.json").read_text()) == {"quant": quant, "group": 32}
+    assert json.loads((out / "quant.json").read_text()) == {"quant": quant, "group": 32, "head": head_kind()}
     saved, direct = load(out), load(path)
     weights.prepare(direct.model, quant=quant)  # the same quantization, done in memory
     ids = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
         assert torch.equal(saved.model(ids), direct.model(ids))
     kinds = {m.kind for m in saved.model.modules() if isinstance(m, QuantLinear)}
-    assert kinds == ({"int8", "int4"} if quant == "int4" else {"int8"})
+    assert kinds | {head_kind()} == ({"int4", head_kind()} if quant == "int4" else {"int8", head_kind()})
     # the file is smaller than the fp32 run's
     full = tmp / "run-fp32"
     if not full.exists():
@@ -80,7 +80,7 @@ def test_a_damaged_quant_file_is_refused(capsys, model, tmp_path):
     (out / "quant.json").write_text(json.dumps({"quant": "int5", "group": 32}))
     code, _, err = cli(capsys, "generate", out, "--prompt", "x", "--max-new-tokens", "2")
     assert code == 2 and "quant.json" in err and "Traceback" not in err
-    (out / "quant.json").write_text(json.dumps({"quant": "int8", "group": 32}))  # codes of the other kind
+    (out / "quant.json").write_text(json.dumps({"quant": "int8", "group": 32, "head": head_kind()}))  # other codes
     code, _, err = cli(capsys, "generate", out, "--prompt", "x", "--max-new-tokens", "2")
     assert code == 2 and "quant.json needs" in err
 
@@ -90,12 +90,12 @@ def test_explain_at_a_precision_computes_with_the_quantized_weights(capsys, mode
     from qkv.explain.trace import trace
 
     path, _ = model
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: None)  # fp32 products and an int8 head: to 1e-4
     run = load(path)
     weights.round_weights(run.model, quant="int4")
     explanation = trace(run, "To be, or not to be", None)
     meta = explanation.meta
     served = load(path)
-    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: None)  # fp32 products, to compare to 1e-4
     weights.prepare(served.model, quant="int4")  # the kernels' model: the same weights
     with torch.no_grad():
         logits = served.model(torch.tensor([meta["ids"]]))[0, meta["position"]].double()
