@@ -49,11 +49,13 @@ def default_run(path: Path) -> Path:
     return path
 
 
-def start(run: Path, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start(run: Path, max_batch: int, threads: int, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", str(run), "--port", "0", "--max-batch",
-                             str(max_batch), "--name", "bench"], env=env, stderr=subprocess.PIPE, text=True)
+                             str(max_batch), "--name", "bench", *extra], env=env, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
+    while line.startswith("qkv:") and " on http" not in line:  # what it runs at, before the address
+        line = proc.stderr.readline()
     if " on http" not in line:
         proc.kill()
         raise SystemExit(f"the server did not start: {line}")
@@ -106,11 +108,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--dtype", default="fp32", help="the server's --dtype")
+    parser.add_argument("--quant", default="none", help="the server's --quant")
+    parser.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch")
+    parser.add_argument("--no-peer", action="store_true", help="skip the unbatched server")
     args = parser.parse_args()
     run = Path(args.run) if args.run else default_run(Path(tempfile.mkdtemp()) / "shakespeare-random")
     rows = []
-    for label, max_batch in (("qkv serve (continuous batching)", 16), ("no batching (--max-batch 1)", 1)):
-        proc, url = start(run, max_batch, args.threads)
+    servers = [("qkv serve (continuous batching)", args.max_batch), ("no batching (--max-batch 1)", 1)]
+    for label, max_batch in servers[:1] if args.no_peer else servers:
+        proc, url = start(run, max_batch, args.threads, ["--dtype", args.dtype, "--quant", args.quant])
         try:
             load(url, 1, 2, 8)  # warm-up
             for clients in args.clients:

@@ -68,7 +68,8 @@ class Attention(nn.Module):
         q, k = ctx.positional.rotate(q, k, ctx.positions)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
-        if not getattr(self.kernel, "grouped_kv", False):  # a kernel that takes grouped K/V repeats nothing
+        # a kernel that takes grouped K/V repeats nothing, unless the score bias is made from K (Shaw, XL)
+        if not getattr(self.kernel, "grouped_kv", False) or ctx.positional.score_bias_kind == "content":
             k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)

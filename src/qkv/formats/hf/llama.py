@@ -16,6 +16,8 @@ ARCHITECTURE = "LlamaForCausalLM"
 def rope_theta(hf: dict) -> float:
     """transformers 5 keeps RoPE settings in `rope_parameters`; 4.x had `rope_theta` / `rope_scaling`."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise QkvError(f"rope_parameters / rope_scaling={params!r} must be an object")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise QkvError(f"rope_type={kind!r}: scaled RoPE is not supported by qkv (only 'default')")
