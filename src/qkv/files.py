@@ -100,6 +100,37 @@ def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], o
             param.copy_(shard_like(tensors[name], param))
 
 
+def assign_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], origin: str) -> None:
+    """Make `tensors` the parameters of `model` (built on the meta device: no memory, no initialisation),
+    without copying them: each name checked as load_model_tensors checks it, tied parameters tied again.
+    The model must have no buffers (they would stay on the meta device)."""
+    import torch
+    from torch import nn
+
+    if any(True for _ in model.buffers()):
+        raise ValueError("assign_model_tensors: the model has buffers; build it on a device and load_model_tensors")
+    places: dict[int, list[tuple[nn.Module, str]]] = {}  # one parameter -> every (module, attribute) holding it
+    first: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module, attribute))
+            first.setdefault(id(param), f"{module_name}.{attribute}" if module_name else attribute)
+    for key, name in first.items():
+        holders = places[key]
+        current = getattr(*holders[0])
+        if name not in tensors:
+            raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")
+        value = tensors[name]
+        if not value.is_floating_point():
+            raise QkvError(f"{origin}: {name} is stored as {str(value.dtype).replace('torch.', '')}; "
+                           "weights must be floating point")
+        if tuple(value.shape) != tuple(current.shape):
+            raise QkvError(f"{origin}: {name} has shape {tuple(value.shape)}, config.json needs {tuple(current.shape)}")
+        new = nn.Parameter(value.to(torch.float32), requires_grad=current.requires_grad)
+        for module, attribute in holders:
+            setattr(module, attribute, new)
+
+
 def shard_like(value: "torch.Tensor", param: "torch.Tensor") -> "torch.Tensor":
     """A full tensor laid out as `param`: its own shard of a sharded (DTensor) parameter under FSDP2 or
     tensor parallel, cut locally (every rank read the same file: no communication)."""

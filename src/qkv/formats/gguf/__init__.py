@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qkv.errors import QkvError
-from qkv.files import load_model_tensors
+from qkv.files import assign_model_tensors, load_model_tensors
 from qkv.formats.base import Chat, Run, check_vocabulary
 from qkv.formats.gguf.archs import GGUF_ARCHS
 from qkv.formats.gguf.reader import GgufFile, is_gguf
@@ -57,8 +57,14 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
     except QkvError as exc:
         raise QkvError(f"{path}: {exc}") from None
-    model = build_model(cfg)
-    load_model_tensors(model, tensors, str(path))  # its errors name the file
+    with torch.device("meta"):  # no memory and no random initialisation: the file's tensors become the weights
+        model = build_model(cfg)
+    if any(True for _ in model.buffers()):  # a buffer would stay on the meta device: build and copy instead
+        model = build_model(cfg)
+        load_model_tensors(model, tensors, str(path))  # its errors name the file
+    else:
+        assign_model_tensors(model, tensors, str(path))  # one fp32 copy of the weights in memory, not two
+    del tensors
     tokenizer = gguf_tokenizer(file.metadata, str(path))
     check_vocabulary(tokenizer, cfg.vocab_size, path)
     return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
