@@ -276,3 +276,15 @@ def test_a_job_being_prefilled_counts_as_running():
     finally:
         engine.stop()
     assert seen == [(1, 0)] and engine.load == (0, 0) and len(recorder.tokens) == 4
+
+
+@pytest.mark.parametrize("dtype, quant", [("fp32", "none"), ("fp32", "int8"), ("fp32", "int4")])
+def test_greedy_batched_equals_alone_at_every_fp32_precision(dtype, quant):
+    """A request's greedy tokens do not depend on the others with fp32 activations at every --quant (a LLaMA
+    shape: GQA, fused projections, the quantized kernels and head). With bf16 activations they may: `qkv serve
+    --dtype bf16` says so (tests/serve/test_server.py)."""
+    from qkv.generate.weights import prepare
+
+    model = model_for(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2)
+    prepare(model, dtype=dtype, quant=quant)
+    check_batched_equals_alone(model)

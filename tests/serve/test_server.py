@@ -281,3 +281,16 @@ def test_a_hugging_face_dir_is_served_and_greedy_matches_transformers_generate(t
     with Live(path) as server:
         got = server.client().completions.create(model="gpt2-tiny", prompt="the cat", max_tokens=12, temperature=0)
     assert got.choices[0].text == tok.decode(new)
+
+
+def test_serve_at_a_precision_says_it_and_warns_where_batches_may_change_tokens(run_dir):
+    from qkv.serve.server import prepare
+
+    lines = []
+    served = prepare(str(run_dir), dtype="fp32", quant="int8", log=lines.append)
+    assert any(line.startswith("qkv: serving at int8 weights") for line in lines)
+    assert not any("warning" in line for line in lines)
+    lines.clear()
+    prepare(str(run_dir), dtype="bf16", quant="none", log=lines.append)
+    assert any("warning" in line and "--dtype fp32 keeps them independent" in line for line in lines)
+    assert served.run.model.lm_head is not None
