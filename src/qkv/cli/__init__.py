@@ -10,11 +10,11 @@ import os
 import sys
 import warnings
 
-from qkv.cli import analysis, chat, convert, evaluate, generate, plot, serve, train
+from qkv.cli import analysis, chat, convert, evaluate, generate, plot, probe, serve, train
 from qkv.cli.options import Parser, main_rank
 from qkv.errors import QkvError
 
-GROUPS = (train, generate, chat, evaluate, serve, convert, analysis, plot)  # the order of `qkv --help`
+GROUPS = (train, generate, chat, evaluate, serve, convert, analysis, probe, plot)  # the order of `qkv --help`
 COMMANDS = {name: handler for group in GROUPS for name, handler in group.COMMANDS.items()}
 
 

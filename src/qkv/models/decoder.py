@@ -13,10 +13,12 @@ from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.embedding import Embeddings, last_tokens, previous_tokens
+from qkv.nn.hookpoints import point
 from qkv.nn.positional import Positional
 
 
 class DecoderLM(Embeddings):
+    hook_points = ("embed", "final_norm", "logits")  # qkv.nn.hookpoints (the blocks add theirs)
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int,
                  bigram_emb: nn.Embedding | None = None):
@@ -40,12 +42,12 @@ class DecoderLM(Embeddings):
             previous = previous_tokens(input_ids, attention_mask, last)
             if cache is not None:
                 cache.last_token = last_tokens(input_ids, attention_mask, cache.last_token)
-        x = self.embed(input_ids, ctx.positions, previous=previous)  # H0 (B, T, D)
+        x = point(self, "embed", self.embed(input_ids, ctx.positions, previous=previous))  # H0 (B, T, D)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)
-        x = self.final_norm(x)  # (B, T, D)
-        return self.lm_head(x) if head else x  # (B, T, V) or (B, T, D)
+        x = point(self, "final_norm", self.final_norm(x))  # (B, T, D)
+        return point(self, "logits", self.lm_head(x)) if head else x  # (B, T, V) or (B, T, D)
 
     def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
         return self_context(self.positional, input_ids, attention_mask, cache, causal=True)

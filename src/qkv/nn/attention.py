@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from qkv.nn.cache import LayerCache
 from qkv.nn.fastpath import fused_or_none
-from qkv.nn.kernels import kernel_for
+from qkv.nn.hookpoints import point, wants
+from qkv.nn.kernels import kernel_for, weighted_values, weights_for
 from qkv.nn.norms import RMSNorm
 from qkv.nn.positional import Positional
 
@@ -29,6 +30,7 @@ class AttentionContext:
 
 
 class Attention(nn.Module):
+    hook_points = ("q", "k", "v", "pattern", "z", "out")  # qkv.nn.hookpoints
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
                  dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None):
         super().__init__()
@@ -66,6 +68,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, which keeps the norm
         q, k = ctx.positional.rotate(q, k, ctx.positions)
+        q, k, v = point(self, "q", q), point(self, "k", k), point(self, "v", v)  # qkv.nn.hookpoints
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
         # a kernel that takes grouped K/V repeats nothing, unless the score bias is made from K (Shaw, XL)
@@ -74,10 +77,18 @@ class Attention(nn.Module):
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0
-        out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, value_bias=value_bias,
-                          scale=self.head_dim ** -0.5, dropout=dropout)  # (B, H, T, Dh)
+        if wants(self, "pattern"):  # A formed explicitly, seen (and maybe replaced) by the hook, then A V
+            if k.shape[1] != q.shape[1]:
+                k, v = self.repeat_kv(k), self.repeat_kv(v)
+            pattern = weights_for(self.kernel_name, window=self.window)(
+                q, k, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=self.head_dim ** -0.5)  # (B, H, T, S)
+            out = weighted_values(point(self, "pattern", pattern), v, value_bias, dropout)
+        else:
+            out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, value_bias=value_bias,
+                              scale=self.head_dim ** -0.5, dropout=dropout)  # (B, H, T, Dh)
+        out = point(self, "z", out)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # concat heads (B, T, H*Dh)
-        return self.dropout(self.o_proj(out))  # (B, T, D)
+        return self.dropout(point(self, "out", self.o_proj(out)))  # (B, T, D)
 
     def split_heads(self, x: Tensor, heads: int) -> Tensor:  # (B, T, heads*Dh) -> (B, heads, T, Dh)
         B, T, _ = x.shape

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.nn.fastpath import fused_or_none
+from qkv.nn.hookpoints import point
 from qkv.registry import Registry
 
 ACTIVATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("activation")
@@ -37,12 +38,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)  # W2 (D, F)
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
+    hook_points = ("pre", "post")  # qkv.nn.hookpoints
+
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
-        return self.dropout(self.down_proj(self.act(self.up_proj(x))))
+        return self.dropout(point(self, "post", self.down_proj(point(self, "pre", self.act(self.up_proj(x))))))
 
 
 @FFNS.register("glu")
 class GLU(nn.Module):
+    hook_points = ("pre", "post")  # qkv.nn.hookpoints
     def __init__(self, d_model: int, d_ff: int, *, activation: str, bias: bool, dropout: float = 0.0):
         super().__init__()
         self.act = ACTIVATIONS.get(activation)
@@ -55,5 +59,7 @@ class GLU(nn.Module):
         fused = fused_or_none(self, "fused_gate_up", self.gate_proj, self.up_proj)
         if fused is not None:  # [gate up] = x [W_gate; W_up]^T in one product (qkv.nn.fuse, inference)
             gate, up = fused(x).chunk(2, dim=-1)
-            return self.dropout(self.down_proj(self.act(gate) * up))
-        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(self.gate_proj(x)) * self.up_proj(x)
+        return self.dropout(point(self, "post", self.down_proj(point(self, "pre", hidden))))

@@ -1,0 +1,82 @@
+"""`qkv probe`: the numbers of qkv.interp for scripts: the logit lens of a text, and each head's previous-token,
+first-token and induction scores."""
+from __future__ import annotations
+
+from qkv.cli.options import add_precision, apply_precision, strict_json
+from qkv.errors import QkvError
+
+
+def add_parsers(sub) -> None:
+    probe = sub.add_parser("probe", help="look inside a decoder: the logit lens (--lens) and head scores (--heads) "
+                                         "of a text, as a table or --json")
+    probe.add_argument("run", help="a qkv run dir, a Hugging Face model dir or a GGUF file (a decoder LM)")
+    probe.add_argument("--text", required=True, help="the text to run through the model")
+    probe.add_argument("--lens", action="store_true", help="each layer's residual through the final norm and head")
+    probe.add_argument("--heads", action="store_true", help="previous-token, first-token and induction scores per head")
+    probe.add_argument("--target", help="with --lens: the token whose rank each layer gives (default: the model's "
+                                        "own top token at the last position)")
+    probe.add_argument("--json", action="store_true")
+    add_precision(probe)
+
+
+def cmd_probe(args) -> int:
+    import torch
+
+    from qkv.formats import load
+    from qkv.interp import head_scores, induction_scores, logit_lens
+    from qkv.models.build import architecture_of
+
+    if not (args.lens or args.heads):
+        raise QkvError("probe: give --lens, --heads or both")
+    if args.target is not None and not args.lens:
+        raise QkvError("--target applies to --lens")
+    run = load(args.run)
+    if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
+        raise QkvError(f"{args.run}: qkv probe reads decoder-only language models with a tokenizer")
+    apply_precision(run, args)
+    ids = run.tokenizer.encode(args.text)
+    if not ids:
+        raise QkvError("--text is empty")
+    context = run.config.model.max_seq_len
+    ids = torch.tensor([ids[-context:]])
+    tokenizer = run.tokenizer
+    result: dict = {"tokens": [tokenizer.decode([int(i)]) for i in ids[0]]}
+    if args.lens:
+        target = None
+        if args.target is not None:
+            wanted = tokenizer.encode(args.target)
+            if len(wanted) != 1:
+                raise QkvError(f"--target {args.target!r} is {len(wanted)} tokens; give one token's text")
+            target = wanted[0]
+        rows = logit_lens(run.model, ids, target=target)
+        target = target if target is not None else rows[-1]["top"][0][0]
+        result["lens"] = {"target": tokenizer.decode([target]), "layers": [
+            {**row, "top": [(tokenizer.decode([i]), p) for i, p in row["top"]]} for row in rows]}
+    if args.heads:
+        scores = head_scores(run.model, ids)
+        result["heads"] = {**scores, "induction": induction_scores(run.model, tokenizer.vocab_size,
+                                                                   prefix=[int(ids[0, 0])])}
+    print(strict_json(result) if args.json else describe(result))
+    return 0
+
+
+def describe(result: dict) -> str:
+    lines = []
+    if "lens" in result:
+        lens = result["lens"]
+        lines.append(f"logit lens at the last position (target {lens['target']!r}):")
+        lines.append(f"  {'layer':<22} {'target rank':>11} {'p(target)':>10}  top tokens")
+        for row in lens["layers"]:
+            top = ", ".join(f"{t!r} {p:.2f}" for t, p in row["top"][:3])
+            lines.append(f"  {row['point']:<22} {row['target_rank']:>11} {row['target_prob']:>10.4f}  {top}")
+    if "heads" in result:
+        heads = result["heads"]
+        lines.append("the highest-scoring heads (layer.head score):")
+        for name in ("previous_token", "first_token", "induction"):
+            ranked = sorted(((s, f"{i}.{h}") for i, layer in enumerate(heads[name]) for h, s in enumerate(layer)),
+                            reverse=True)[:5]
+            lines.append(f"  {name:<15} " + "  ".join(f"{where} {s:.2f}" for s, where in ranked))
+    return "\n".join(lines)
+
+
+COMMANDS = {"probe": cmd_probe}

@@ -1,0 +1,124 @@
+"""Looking inside a model through its hook points (qkv.nn.hookpoints): caches of activations, hooks that
+replace them, and the analyses built on them. One model code for every family, so these work the same on a
+qkv-trained run, an imported Hugging Face model and a GGUF file.
+
+    logits, cache = run_with_cache(model, ids, names=["blocks.3.resid_post", "blocks.3.attn.pattern"])
+    logits = run_with_hooks(model, ids, hooks=[("blocks.3.attn.z", zero_head(5))])
+    lens = logit_lens(model, ids)          # each layer's residual through the final norm and the head
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from qkv.errors import QkvError
+from qkv.nn.hookpoints import Hook, hook_names, hooked
+
+
+def run_with_cache(model: nn.Module, input_ids: Tensor, names: Sequence[str] | None = None, **forward
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The logits and {name: activation} of every named point (all of them when `names` is None), detached;
+    the pattern points only when named (forming A costs a T x S matrix per head)."""
+    wanted = list(names) if names is not None else [n for n in hook_names(model) if not n.endswith(".pattern")]
+    cache: dict[str, Tensor] = {}
+
+    def keep(x: Tensor, name: str) -> None:
+        cache[name] = x.detach()
+
+    with torch.no_grad(), hooked(model, [(name, keep) for name in wanted]):
+        logits = model(input_ids, **forward)
+    return logits, cache
+
+
+def run_with_hooks(model: nn.Module, input_ids: Tensor, hooks: Sequence[tuple[str, Hook]], **forward) -> Tensor:
+    """The logits with `hooks` [(point name, fn(x, name) -> replacement or None)] in place."""
+    with torch.no_grad(), hooked(model, list(hooks)):
+        return model(input_ids, **forward)
+
+
+def zero_head(head: int) -> Hook:
+    """A hook for `blocks.{i}.attn.z` that zeroes one head's output (zero ablation)."""
+    def hook(z: Tensor, name: str) -> Tensor:
+        z = z.clone()
+        z[:, head] = 0
+        return z
+    return hook
+
+
+def patch_from(cache: dict[str, Tensor], positions: Sequence[int] | None = None) -> Hook:
+    """A hook that puts a cached (clean) activation in place of this run's (activation patching), at every
+    position or at `positions` only (the position axis is -2 for (B, T, D) and (B, H, T, Dh) points)."""
+    def hook(x: Tensor, name: str) -> Tensor:
+        clean = cache[name]
+        if positions is None:
+            return clean.to(x.dtype)
+        x = x.clone()
+        x[..., list(positions), :] = clean[..., list(positions), :].to(x.dtype)
+        return x
+    return hook
+
+
+def unembed(model: nn.Module) -> Callable[[Tensor], Tensor]:
+    """Residual stream (..., D) -> logits (..., V) through the model's final norm and head (the logit lens)."""
+    norm, head = getattr(model, "final_norm", None), getattr(model, "lm_head", None)
+    if norm is None or head is None:
+        raise QkvError(f"the logit lens needs a final norm and an output head; a {type(model).__name__} has "
+                       f"{'no final norm' if norm is None else 'no head'}")
+    return lambda x: head(norm(x))
+
+
+def logit_lens(model: nn.Module, input_ids: Tensor, *, position: int = -1, target: int | None = None,
+               top: int = 5) -> list[dict]:
+    """nostalgebraist's logit lens (2020): each block's output resid_post (and the embedding) read through the
+    final norm and the head, at one position. Per layer: the top tokens with their probabilities, and the rank
+    and probability of `target` (default: the model's own final top token). The last row equals the model's
+    own output distribution (the final block's resid_post through the same norm and head)."""
+    blocks = len(model.blocks)
+    names = ["embed"] + [f"blocks.{i}.resid_post" for i in range(blocks)]
+    logits, cache = run_with_cache(model, input_ids, names)
+    final = logits[0, position].float()
+    target = int(final.argmax()) if target is None else target
+    read = unembed(model)
+    rows = []
+    with torch.no_grad():
+        for layer, name in enumerate(names):
+            row = read(cache[name][:, position]).float()[0]
+            probs = row.softmax(-1)
+            best = torch.topk(probs, top)
+            rows.append({"layer": layer, "point": name, "top": [(int(i), float(p)) for p, i in zip(*best)],
+                         "target_rank": int((row > row[target]).sum()), "target_prob": float(probs[target])})
+    return rows
+
+
+def head_scores(model: nn.Module, input_ids: Tensor) -> dict[str, list[list[float]]]:
+    """Per layer and head, from the attention patterns on `input_ids` (one row; queries from position 1 on):
+    previous-token score, the mean weight on the key just before the query; first-token (sink) score, the mean
+    weight on position 0 (Xiao et al. 2023's attention sinks)."""
+    layers = len(model.blocks)
+    _, cache = run_with_cache(model, input_ids[:1], [f"blocks.{i}.attn.pattern" for i in range(layers)])
+    previous, first = [], []
+    for i in range(layers):
+        a = cache[f"blocks.{i}.attn.pattern"][0].float()  # (H, T, T)
+        t = a.shape[-1]
+        rows = torch.arange(1, t)
+        previous.append(a[:, rows, rows - 1].mean(-1).tolist())
+        first.append(a[:, rows, 0].mean(-1).tolist())
+    return {"previous_token": previous, "first_token": first}
+
+
+def induction_scores(model: nn.Module, vocab: int, *, length: int = 25, seed: int = 0,
+                     prefix: Sequence[int] = ()) -> list[list[float]]:
+    """Per layer and head, the induction score of Olsson et al. (2022): on random tokens R repeated (`prefix`,
+    R, R), the mean weight a query in the second R puts on the key just after its earlier occurrence (the
+    token that came next last time). Random tokens have no meaning to copy: a high score is the mechanism."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, vocab, (length,), generator=g).tolist()
+    ids = torch.tensor([list(prefix) + r + r])
+    start = len(prefix)
+    layers = len(model.blocks)
+    _, cache = run_with_cache(model, ids, [f"blocks.{i}.attn.pattern" for i in range(layers)])
+    queries = torch.arange(start + length, start + 2 * length)  # the second copy
+    keys = queries - length + 1  # just after the same token in the first copy
+    return [cache[f"blocks.{i}.attn.pattern"][0].float()[:, queries, keys].mean(-1).tolist() for i in range(layers)]

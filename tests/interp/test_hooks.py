@@ -1,0 +1,170 @@
+"""Hook points (qkv.nn.hookpoints) and qkv.interp, against identities the math guarantees and against transformers
+on the same weights: identity hooks change nothing bitwise; patching resid_pre at layer 0 from the clean run
+gives the clean run; zero-ablating a head equals removing its columns of W^O; the cached residual streams and
+attention patterns of an imported LLaMA and GPT-2 equal transformers' hidden states and attentions; the logit
+lens's last row is the model's output; hooks compose with KV-cached generation."""
+import pytest
+import torch
+
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+from qkv.generate import generate
+from qkv.interp import logit_lens, patch_from, run_with_cache, run_with_hooks, zero_head
+from qkv.models import build_model
+from qkv.nn.hookpoints import hook_names, hooked
+
+LLAMA = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, n_layers=3, d_ff=64, max_seq_len=64,
+                    positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, dropout=0.0)
+GPT2 = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=3, d_ff=64, max_seq_len=64, dropout=0.0)
+
+
+def model_of(cfg):
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_identity_hooks_everywhere_leave_the_logits_bitwise_equal(cfg):
+    model = model_of(cfg)
+    ids = torch.randint(0, 97, (2, 10))
+    names = hook_names(model)
+    assert {"embed", "blocks.0.resid_pre", "blocks.2.attn.pattern", "blocks.1.ffn.pre", "final_norm",
+            "logits"} <= set(names)
+    seen = []
+    with torch.no_grad():
+        plain = model(ids)
+        hooked_logits = run_with_hooks(model, ids, [(n, lambda x, name: seen.append(name)) for n in names
+                                                    if not n.endswith("pattern")])
+    assert torch.equal(plain, hooked_logits)
+    assert len(seen) == len(names) - 3  # every point but the patterns ran once
+    with torch.no_grad():  # forming the pattern explicitly: the same logits up to the kernels' rounding
+        with_pattern = run_with_hooks(model, ids, [(n, lambda x, name: x) for n in names])
+    assert torch.allclose(plain, with_pattern, atol=1e-5)
+
+
+def test_unknown_point_names_are_refused_with_the_list():
+    with pytest.raises(QkvError, match="no hook point blocks.9.resid_pre"):
+        run_with_hooks(model_of(LLAMA), torch.zeros(1, 3, dtype=torch.long), [("blocks.9.resid_pre", print)])
+
+
+def test_patching_resid_pre_of_layer_0_turns_the_corrupted_run_into_the_clean_one():
+    model = model_of(LLAMA)
+    clean, corrupted = torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 8))
+    clean_logits, cache = run_with_cache(model, clean, ["blocks.0.resid_pre", "blocks.1.resid_post"])
+    patched = run_with_hooks(model, corrupted, [("blocks.0.resid_pre", patch_from(cache))])
+    assert torch.allclose(patched, clean_logits, atol=1e-6)
+    # one position only: the positions before it are unchanged (causal), the ones from it on move
+    partial = run_with_hooks(model, corrupted, [("blocks.0.resid_pre", patch_from(cache, [5]))])
+    corrupted_logits = run_with_hooks(model, corrupted, [])
+    assert torch.allclose(partial[:, :5], corrupted_logits[:, :5], atol=1e-6)
+    assert not torch.allclose(partial[:, 5:], corrupted_logits[:, 5:], atol=1e-3)
+
+
+def test_zero_ablating_a_head_equals_removing_its_columns_of_w_o():
+    model = model_of(GPT2)
+    ids = torch.randint(0, 97, (2, 9))
+    ablated = run_with_hooks(model, ids, [("blocks.1.attn.z", zero_head(2))])
+    edited = model_of(GPT2)
+    with torch.no_grad():
+        edited.blocks[1].attn.o_proj.weight[:, 2 * 8:3 * 8] = 0  # head 2's Dh = 8 columns
+        assert torch.allclose(edited(ids), ablated, atol=1e-6)
+
+
+def test_the_logit_lens_last_row_is_the_models_own_prediction():
+    model = model_of(LLAMA)
+    ids = torch.randint(0, 97, (1, 7))
+    rows = logit_lens(model, ids)
+    with torch.no_grad():
+        probs = model(ids)[0, -1].softmax(-1)
+    assert [r["layer"] for r in rows] == [0, 1, 2, 3] and rows[0]["point"] == "embed"
+    assert rows[-1]["target_rank"] == 0 and rows[-1]["top"][0][0] == int(probs.argmax())
+    assert abs(rows[-1]["target_prob"] - float(probs.max())) < 1e-6
+
+
+def test_hooks_compose_with_the_kv_cache_during_generation():
+    """Steering: a vector added to blocks.1.resid_post at every step of a cached generate gives the tokens of
+    argmax over full forwards with the same hook (no cache)."""
+    model = model_of(LLAMA)
+    torch.manual_seed(1)
+    vector = torch.randn(32) * 3
+    steer = [("blocks.1.resid_post", lambda x, name: x + vector)]
+    prompt = torch.randint(0, 97, (1, 4))
+    with torch.no_grad(), hooked(model, steer):
+        cached = generate(model, prompt, max_new_tokens=8)
+        ids = prompt
+        for _ in range(8):
+            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(cached, ids)
+    with torch.no_grad():
+        assert not torch.equal(generate(model, prompt, max_new_tokens=8), cached)  # the hook did something
+
+
+# ------------------------------------------------------------------------ against transformers (same weights)
+transformers = pytest.importorskip("transformers")
+
+
+def hf_pair(tmp_path, family: str):
+    from qkv.formats import load
+
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          attn_implementation="eager")
+        hf = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+                                         attn_implementation="eager")
+        hf = transformers.GPT2LMHeadModel(config)
+    hf.eval().save_pretrained(tmp_path / family)
+    return hf, load(tmp_path / family).model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_residual_streams_and_patterns_equal_transformers(tmp_path, family):
+    hf, model = hf_pair(tmp_path, family)
+    ids = torch.randint(0, 97, (2, 11))
+    names = [f"blocks.{i}.resid_pre" for i in range(3)] + ["final_norm"] + [f"blocks.{i}.attn.pattern" for i in range(3)]
+    logits, cache = run_with_cache(model, ids, names)
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True, output_attentions=True)
+    assert torch.allclose(logits, out.logits, atol=1e-4)
+    for i in range(3):  # hidden_states[i] enters layer i; the last one is after the final norm
+        assert torch.allclose(cache[f"blocks.{i}.resid_pre"], out.hidden_states[i], atol=1e-5), i
+        assert torch.allclose(cache[f"blocks.{i}.attn.pattern"], out.attentions[i], atol=1e-5), i
+    assert torch.allclose(cache["final_norm"], out.hidden_states[3], atol=1e-5)
+
+
+def test_head_scores_find_a_previous_token_head_and_an_induction_head_made_by_hand():
+    """A pattern hook that makes head 1 of layer 0 attend to the previous token, and head 0 of layer 1 to the
+    key after the query's earlier occurrence: the scores find exactly those heads (1.0) among the others."""
+    from qkv.interp import head_scores, induction_scores
+
+    model = model_of(GPT2)
+    n = 10
+
+    def previous(a, name):  # head 1: each query on the key before it (the first on itself)
+        a = a.clone()
+        t = a.shape[-1]
+        a[:, 1] = 0
+        a[:, 1, 0, 0] = 1.0
+        a[:, 1, torch.arange(1, t), torch.arange(0, t - 1)] = 1.0
+        return a
+
+    def induction(a, name):  # head 0, on R R only: each query of the second R on the key after its twin
+        if a.shape[-1] != 2 * n:
+            return None
+        a = a.clone()
+        q = torch.arange(n, 2 * n)
+        a[:, 0, q] = 0
+        a[:, 0, q, q - n + 1] = 1.0
+        return a
+
+    with hooked(model, [("blocks.0.attn.pattern", previous), ("blocks.1.attn.pattern", induction)]):
+        scores = head_scores(model, torch.randint(0, 97, (1, 12)))
+        ind = induction_scores(model, 97, length=n)
+    assert scores["previous_token"][0][1] == pytest.approx(1.0)
+    assert max(s for i, layer in enumerate(scores["previous_token"]) for h, s in enumerate(layer)
+               if (i, h) != (0, 1)) < 0.9
+    assert ind[1][0] == pytest.approx(1.0) and max(ind[2]) < 0.9
+    assert all(0.0 <= s <= 1.0 for layer in scores["first_token"] for s in layer)

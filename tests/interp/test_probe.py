@@ -1,0 +1,50 @@
+"""`qkv probe`: the logit lens and head scores of a text as JSON equal qkv.interp's numbers; bad options get one
+line; on SmolLM2 (when its file is here) the lens names " Paris" at the last layer for "The capital of France
+is"."""
+import json
+
+import pytest
+import torch
+
+from qkv.formats import load
+from qkv.interp import logit_lens
+from tests.cli.test_main import cli
+from tests.formats.gguf import write_llama
+from tests.formats.gguf.smollm2 import require_smollm2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("probe") / "m.gguf", seed=4)
+
+
+def test_probe_json_is_the_logit_lens_and_the_head_scores(capsys, model):
+    code, out, err = cli(capsys, "probe", model, "--text", "To be, or not to be", "--lens", "--heads", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    run = load(model)
+    ids = torch.tensor([run.tokenizer.encode("To be, or not to be")])
+    rows = logit_lens(run.model, ids)
+    assert [r["target_rank"] for r in result["lens"]["layers"]] == [r["target_rank"] for r in rows]
+    assert result["lens"]["layers"][-1]["target_prob"] == pytest.approx(rows[-1]["target_prob"], abs=1e-6)
+    heads = result["heads"]
+    assert len(heads["previous_token"]) == 2 and len(heads["induction"][0]) == 4  # 2 layers x 4 heads
+    code, out, _ = cli(capsys, "probe", model, "--text", "To be, or not to be", "--heads")
+    assert code == 0 and "previous_token" in out and "induction" in out
+
+
+@pytest.mark.parametrize("argv, message", [(["--text", "x"], "give --lens, --heads or both"),
+                                           (["--text", "x", "--heads", "--target", "x"], "--target applies to --lens"),
+                                           (["--text", "", "--lens"], "--text is empty")])
+def test_bad_probe_options_get_one_line(capsys, model, argv, message):
+    code, _, err = cli(capsys, "probe", model, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_smollm2_lens_finds_paris_by_the_last_layer(capsys):
+    path = require_smollm2()
+    code, out, err = cli(capsys, "probe", path, "--text", "The capital of France is", "--lens", "--json")
+    assert code == 0, err
+    layers = json.loads(out)["lens"]["layers"]
+    assert json.loads(out)["lens"]["target"] == " Paris"
+    assert layers[-1]["target_rank"] == 0 and layers[0]["target_rank"] > 0
