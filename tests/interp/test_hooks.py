@@ -168,3 +168,33 @@ def test_head_scores_find_a_previous_token_head_and_an_induction_head_made_by_ha
                if (i, h) != (0, 1)) < 0.9
     assert ind[1][0] == pytest.approx(1.0) and max(ind[2]) < 0.9
     assert all(0.0 <= s <= 1.0 for layer in scores["first_token"] for s in layer)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama-rmsnorm", "gpt2-layernorm"])
+def test_direct_attributions_add_up_to_the_logit(cfg):
+    """The sum of every component's direct term (embedding, each head, each output bias, each FFN) and the
+    norm's and head's biases is the target's logit, with the final norm's scale frozen (1e-4)."""
+    from qkv.interp import direct_logit_attribution
+
+    model = model_of(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial gains and biases
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, 97, (1, 9))
+    result = direct_logit_attribution(model, ids, target=11)
+    total = sum(t for _, t in result["components"]) + result["constant"]
+    assert total == pytest.approx(result["logit"], abs=1e-4)
+    assert len([n for n, _ in result["components"] if ".attn.head" in n]) == 3 * 4
+    # the biggest head, ablated, moves the logit (direct effect plus what later layers make of it)
+    name, value = max(((n, t) for n, t in result["components"] if ".attn.head" in n), key=lambda c: abs(c[1]))
+    layer, head = int(name.split(".")[1]), int(name.rsplit("head", 1)[1])
+    ablated = run_with_hooks(model, ids, [(f"blocks.{layer}.attn.z", zero_head(head))])[0, -1, 11]
+    assert float(ablated) != pytest.approx(result["logit"], abs=1e-6)
+
+
+def test_direct_attribution_refuses_post_ln():
+    from qkv.interp import direct_logit_attribution
+
+    model = model_of(ModelConfig(**{**GPT2.__dict__, "norm_placement": "post"}))
+    with pytest.raises(QkvError, match="Pre-LN"):
+        direct_logit_attribution(model, torch.randint(0, 97, (1, 5)))

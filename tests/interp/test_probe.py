@@ -31,9 +31,12 @@ def test_probe_json_is_the_logit_lens_and_the_head_scores(capsys, model):
     assert len(heads["previous_token"]) == 2 and len(heads["induction"][0]) == 4  # 2 layers x 4 heads
     code, out, _ = cli(capsys, "probe", model, "--text", "To be, or not to be", "--heads")
     assert code == 0 and "previous_token" in out and "induction" in out
+    code, out, _ = cli(capsys, "probe", model, "--text", "To be, or not to be", "--attribution", "--json")
+    found = json.loads(out)["attribution"]
+    assert sum(t for _, t in found["components"]) + found["constant"] == pytest.approx(found["logit"], abs=1e-4)
 
 
-@pytest.mark.parametrize("argv, message", [(["--text", "x"], "give --lens, --heads or both"),
+@pytest.mark.parametrize("argv, message", [(["--text", "x"], "give --lens, --heads, --attribution or several"),
                                            (["--text", "x", "--heads", "--target", "x"], "--target applies to --lens"),
                                            (["--text", "", "--lens"], "--text is empty")])
 def test_bad_probe_options_get_one_line(capsys, model, argv, message):

@@ -13,7 +13,10 @@ def add_parsers(sub) -> None:
     probe.add_argument("--text", required=True, help="the text to run through the model")
     probe.add_argument("--lens", action="store_true", help="each layer's residual through the final norm and head")
     probe.add_argument("--heads", action="store_true", help="previous-token, first-token and induction scores per head")
-    probe.add_argument("--target", help="with --lens: the token whose rank each layer gives (default: the model's "
+    probe.add_argument("--attribution", action="store_true",
+                       help="each head's, FFN's and the embedding's direct term in the target's logit at the last "
+                            "position (Pre-LN decoders)")
+    probe.add_argument("--target", help="with --lens / --attribution: the token whose rank each layer gives (default: the model's "
                                         "own top token at the last position)")
     probe.add_argument("--json", action="store_true")
     add_precision(probe)
@@ -23,13 +26,13 @@ def cmd_probe(args) -> int:
     import torch
 
     from qkv.formats import load
-    from qkv.interp import head_scores, induction_scores, logit_lens
+    from qkv.interp import direct_logit_attribution, head_scores, induction_scores, logit_lens
     from qkv.models.build import architecture_of
 
-    if not (args.lens or args.heads):
-        raise QkvError("probe: give --lens, --heads or both")
-    if args.target is not None and not args.lens:
-        raise QkvError("--target applies to --lens")
+    if not (args.lens or args.heads or args.attribution):
+        raise QkvError("probe: give --lens, --heads, --attribution or several")
+    if args.target is not None and not (args.lens or args.attribution):
+        raise QkvError("--target applies to --lens and --attribution")
     run = load(args.run)
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv probe reads decoder-only language models with a tokenizer")
@@ -41,13 +44,16 @@ def cmd_probe(args) -> int:
     ids = torch.tensor([ids[-context:]])
     tokenizer = run.tokenizer
     result: dict = {"tokens": [tokenizer.decode([int(i)]) for i in ids[0]]}
+    target = None
+    if args.target is not None:
+        wanted = tokenizer.encode(args.target)
+        if len(wanted) != 1:
+            raise QkvError(f"--target {args.target!r} is {len(wanted)} tokens; give one token's text")
+        target = wanted[0]
+    if args.attribution:
+        found = direct_logit_attribution(run.model, ids, target=target)
+        result["attribution"] = {**found, "target": tokenizer.decode([found["target"]])}
     if args.lens:
-        target = None
-        if args.target is not None:
-            wanted = tokenizer.encode(args.target)
-            if len(wanted) != 1:
-                raise QkvError(f"--target {args.target!r} is {len(wanted)} tokens; give one token's text")
-            target = wanted[0]
         rows = logit_lens(run.model, ids, target=target)
         target = target if target is not None else rows[-1]["top"][0][0]
         result["lens"] = {"target": tokenizer.decode([target]), "layers": [
@@ -69,6 +75,12 @@ def describe(result: dict) -> str:
         for row in lens["layers"]:
             top = ", ".join(f"{t!r} {p:.2f}" for t, p in row["top"][:3])
             lines.append(f"  {row['point']:<22} {row['target_rank']:>11} {row['target_prob']:>10.4f}  {top}")
+    if "attribution" in result:
+        found = result["attribution"]
+        lines.append(f"direct logit attribution of {found['target']!r} (logit {found['logit']:.3f}; biases "
+                     f"{found['constant']:.3f}); the largest terms:")
+        for name, term in sorted(found["components"], key=lambda c: -abs(c[1]))[:10]:
+            lines.append(f"  {name:<24} {term:>+9.3f}")
     if "heads" in result:
         heads = result["heads"]
         lines.append("the highest-scoring heads (layer.head score):")

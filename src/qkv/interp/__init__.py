@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.nn.hookpoints import Hook, hook_names, hooked
+from qkv.nn.norms import LayerNorm
+from qkv.nn.residual import pre_norm
 
 
 def run_with_cache(model: nn.Module, input_ids: Tensor, names: Sequence[str] | None = None, **forward
@@ -122,3 +124,59 @@ def induction_scores(model: nn.Module, vocab: int, *, length: int = 25, seed: in
     queries = torch.arange(start + length, start + 2 * length)  # the second copy
     keys = queries - length + 1  # just after the same token in the first copy
     return [cache[f"blocks.{i}.attn.pattern"][0].float()[:, queries, keys].mean(-1).tolist() for i in range(layers)]
+
+
+def direct_logit_attribution(model: nn.Module, input_ids: Tensor, *, position: int = -1,
+                             target: int | None = None) -> dict:
+    """How much each component writes the target's logit directly (Elhage et al. 2021): a Pre-LN decoder's final
+    residual is a sum, H^L = embed + sum_l (attn_l + ffn_l), and attn_l = sum_h z_h W^O_h^T + b^O; with the final
+    norm's scale frozen at its value for this position (LayerNorm: 1 / sigma and the centring, both linear then;
+    RMSNorm: 1 / rms), the target's logit is exactly the sum of each component's term plus the norm's and head's
+    biases. Returns {"target", "logit", "constant", "components": [(name, term), ...]}; the terms and the
+    constant add up to the logit (tests/interp/)."""
+    blocks = list(model.blocks)
+    if any(block.residual is not pre_norm for block in blocks):
+        raise QkvError("direct logit attribution needs Pre-LN blocks, whose output is the sum of their sublayers'; "
+                       "this model normalises the stream inside the blocks")
+    names = ["embed", "final_norm"] + [f"blocks.{i}.{p}" for i in range(len(blocks))
+                                       for p in ("attn.z", "attn.out", "ffn.post")]
+    logits, cache = run_with_cache(model, input_ids[:1], names)
+    target = int(logits[0, position].argmax()) if target is None else target
+    norm, head = model.final_norm, model.lm_head
+    u = head.weight[target].detach().double()  # (D,)
+    gain = norm.weight.detach().double()
+    final = sum([cache["embed"][0, position].double()] +
+                [cache[f"blocks.{i}.{p}"][0, position].double() for i in range(len(blocks))
+                 for p in ("attn.out", "ffn.post")])
+    centred = isinstance(norm, LayerNorm)
+    if centred:
+        scale = 1.0 / torch.sqrt(final.var(unbiased=False) + norm.eps)
+    else:
+        scale = 1.0 / torch.sqrt((final ** 2).mean() + norm.eps)
+
+    def term(vector: Tensor) -> float:  # the frozen norm and the head's row applied to one component
+        v = vector.double()
+        if centred:
+            v = v - v.mean()
+        return float((v * scale * gain) @ u)
+
+    components = [("embed", term(cache["embed"][0, position]))]
+    for i, block in enumerate(blocks):
+        attn = block.attn
+        z = cache[f"blocks.{i}.attn.z"][0, :, position].double()  # (H, Dh)
+        w_o = attn.o_proj.weight.detach().double()  # (D, H*Dh)
+        heads = 0.0
+        for h in range(attn.n_heads):
+            out_h = w_o[:, h * attn.head_dim:(h + 1) * attn.head_dim] @ z[h]  # (D,)
+            components.append((f"blocks.{i}.attn.head{h}", term(out_h)))
+            heads = heads + out_h
+        if attn.o_proj.bias is not None:
+            components.append((f"blocks.{i}.attn.bias", term(attn.o_proj.bias.detach())))
+        components.append((f"blocks.{i}.ffn", term(cache[f"blocks.{i}.ffn.post"][0, position])))
+    constant = 0.0
+    if centred and norm.bias is not None:
+        constant += float(norm.bias.detach().double() @ u)
+    if head.bias is not None:
+        constant += float(head.bias[target])
+    return {"target": target, "logit": float(logits[0, position, target]), "constant": constant,
+            "components": components}
