@@ -51,3 +51,45 @@ def test_smollm2_lens_finds_paris_by_the_last_layer(capsys):
     layers = json.loads(out)["lens"]["layers"]
     assert json.loads(out)["lens"]["target"] == " Paris"
     assert layers[-1]["target_rank"] == 0 and layers[0]["target_rank"] > 0
+
+
+def test_a_steering_vector_written_by_probe_steers_generate(capsys, model, tmp_path):
+    """qkv probe --minus writes mean resid_post(text) - mean resid_post(minus); qkv generate --steer adds it (x
+    scale) at every step: the text equals generate under the same hook in Python, and differs from unsteered."""
+    from safetensors.torch import load_file
+
+    from qkv.generate.text import generate_text
+    from qkv.interp import steer, steering_vector
+    from qkv.nn.hookpoints import hooked
+
+    out = tmp_path / "v.safetensors"
+    code, text, err = cli(capsys, "probe", model, "--text", "To be, or not to be", "--minus", "the question",
+                          "--layer", "1", "--out", out)
+    assert code == 0 and "--steer" in text, err
+    run = load(model)
+    vector = load_file(out)["vector"]
+    plus, minus = (torch.tensor([run.tokenizer.encode(t)]) for t in ("To be, or not to be", "the question"))
+    assert torch.allclose(vector, steering_vector(run.model, plus, minus, 1), atol=1e-6)
+    argv = ["generate", model, "--prompt", "Whether", "--strategy", "greedy", "--max-new-tokens", "12"]
+    code, steered, _ = cli(capsys, *argv, "--steer", f"{out}@1:8")
+    code2, plain, _ = cli(capsys, *argv)
+    assert code == code2 == 0 and steered != plain
+    with hooked(run.model, [("blocks.1.resid_post", steer(vector, 8.0))]):
+        expected = generate_text(run, "Whether", max_new_tokens=12, strategy="greedy", temperature=1.0, top_k=50,
+                                 top_p=1.0, num_beams=1, seed=0)
+    assert steered.strip() == expected.strip()
+    code, _, err = cli(capsys, "probe", model, "--text", "a", "--minus", "b", "--layer", "1", "--out", out)
+    assert code == 2 and "exists" in err  # nothing overwritten
+
+
+@pytest.mark.parametrize("spec, message", [("{f}@9:1", "block 9 is not in this model"), ("{f}@x:1", "FILE@LAYER:SCALE"),
+                                           ("{f}.missing@1:1", "--steer"), ("{bad}@1:1", "needs one tensor 'vector'")])
+def test_bad_steering_gets_one_line(capsys, model, tmp_path, spec, message):
+    from safetensors.torch import save_file
+
+    good, bad = tmp_path / "v.safetensors", tmp_path / "bad.safetensors"
+    save_file({"vector": torch.zeros(64)}, str(good))
+    save_file({"vector": torch.zeros(3)}, str(bad))
+    code, _, err = cli(capsys, "generate", model, "--prompt", "x", "--max-new-tokens", "2",
+                       "--steer", spec.format(f=good, bad=bad))
+    assert code == 2 and message in err and err.count("\n") == 1, err

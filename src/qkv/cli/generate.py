@@ -23,6 +23,9 @@ def add_parsers(sub) -> None:
     generate.add_argument("--seed", type=int, help="sampling strategies (default 0)")
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
     add_precision(generate)
+    generate.add_argument("--steer", action="append", default=[], metavar="FILE@LAYER:SCALE",
+                          help="add SCALE x the vector in FILE (qkv probe --minus ... --out FILE) to the residual "
+                               "stream leaving block LAYER, at every position and step; repeatable")
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop before TEXT (repeatable); the output ends before its first occurrence")
 
@@ -61,6 +64,7 @@ def generation_settings(args, strategy: str, warn: bool = True) -> tuple[str, di
 def cmd_generate(args) -> int:
     from qkv.generate.text import generate_text
     from qkv.formats import load
+    from qkv.nn.hookpoints import hooked
 
     if args.strategy is not None:
         generation_settings(args, args.strategy, warn=False)  # bad options fail before the run is loaded
@@ -68,13 +72,42 @@ def cmd_generate(args) -> int:
     objective = require_objective(run, "generate", ("lm", "seq2seq"))
     apply_precision(run, args)
     strategy, settings = generation_settings(args, args.strategy or ("beam" if objective == "seq2seq" else "top-p"))
-    text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
-                         temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
-                         num_beams=settings["beams"], seed=settings["seed"],
-                         stream=sys.stdout if args.stream else None, stop_strings=tuple(args.stop))
+    with hooked(run.model, [steering(spec, run.model) for spec in args.steer]):
+        text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,
+                             temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
+                             num_beams=settings["beams"], seed=settings["seed"],
+                             stream=sys.stdout if args.stream else None, stop_strings=tuple(args.stop))
     if not args.stream:
         print(text)
     return 0
+
+
+def steering(spec: str, model):
+    """FILE@LAYER:SCALE -> the hook (name, fn) that adds SCALE x FILE's vector to blocks.LAYER.resid_post."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from qkv.interp import steer
+
+    path, _, rest = spec.rpartition("@")
+    layer, _, scale = rest.partition(":")
+    try:
+        layer, scale = int(layer), float(scale or 1.0)
+    except ValueError:
+        raise QkvError(f"--steer {spec!r}: expected FILE@LAYER:SCALE (a block number and a number)") from None
+    if not path:
+        raise QkvError(f"--steer {spec!r}: expected FILE@LAYER:SCALE")
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not 0 <= layer < len(blocks):
+        raise QkvError(f"--steer {spec!r}: block {layer} is not in this model")
+    try:
+        vector = load_file(path).get("vector")
+    except (OSError, SafetensorError) as exc:
+        raise QkvError(f"--steer {path}: {exc}") from None
+    width = model.blocks[layer].attn.o_proj.out_features
+    if vector is None or tuple(vector.shape) != (width,) or not vector.is_floating_point():
+        raise QkvError(f"--steer {path}: needs one tensor 'vector' of shape ({width},) (qkv probe --minus writes it)")
+    return f"blocks.{layer}.resid_post", steer(vector, scale)
 
 
 def require_objective(run, command: str, supported: tuple[str, ...]) -> str:

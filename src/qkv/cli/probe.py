@@ -2,6 +2,8 @@
 first-token and induction scores."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from qkv.cli.options import add_precision, apply_precision, strict_json
 from qkv.errors import QkvError
 
@@ -18,6 +20,11 @@ def add_parsers(sub) -> None:
                             "position (Pre-LN decoders)")
     probe.add_argument("--target", help="with --lens / --attribution: the token whose rank each layer gives (default: the model's "
                                         "own top token at the last position)")
+    probe.add_argument("--minus", metavar="TEXT", help="with --layer and --out: write the steering vector mean "
+                                                       "resid_post(--text) - mean resid_post(--minus) at --layer")
+    probe.add_argument("--layer", type=int, help="with --minus: the block whose output the vector is taken from")
+    probe.add_argument("--out", help="with --minus: the safetensors file to write the vector to (for qkv generate "
+                                     "--steer FILE@LAYER:SCALE)")
     probe.add_argument("--json", action="store_true")
     add_precision(probe)
 
@@ -26,11 +33,18 @@ def cmd_probe(args) -> int:
     import torch
 
     from qkv.formats import load
-    from qkv.interp import direct_logit_attribution, head_scores, induction_scores, logit_lens
+    from safetensors.torch import save_file
+
+    from qkv.interp import direct_logit_attribution, head_scores, induction_scores, logit_lens, steering_vector
     from qkv.models.build import architecture_of
 
-    if not (args.lens or args.heads or args.attribution):
-        raise QkvError("probe: give --lens, --heads, --attribution or several")
+    vector = (args.minus, args.layer, args.out)
+    if any(v is not None for v in vector) and not all(v is not None for v in vector):
+        raise QkvError("a steering vector needs --minus TEXT, --layer N and --out FILE together")
+    if not (args.lens or args.heads or args.attribution or args.minus is not None):
+        raise QkvError("probe: give --lens, --heads, --attribution or several (or --minus, --layer, --out)")
+    if args.out is not None and Path(args.out).exists():
+        raise QkvError(f"--out {args.out} exists; not overwriting it")
     if args.target is not None and not (args.lens or args.attribution):
         raise QkvError("--target applies to --lens and --attribution")
     run = load(args.run)
@@ -44,6 +58,13 @@ def cmd_probe(args) -> int:
     ids = torch.tensor([ids[-context:]])
     tokenizer = run.tokenizer
     result: dict = {"tokens": [tokenizer.decode([int(i)]) for i in ids[0]]}
+    if args.minus is not None:
+        minus = tokenizer.encode(args.minus)
+        if not minus:
+            raise QkvError("--minus is empty")
+        vec = steering_vector(run.model, ids, torch.tensor([minus[-context:]]), args.layer)
+        save_file({"vector": vec.contiguous()}, args.out, metadata={"layer": str(args.layer)})
+        result["vector"] = {"out": args.out, "layer": args.layer, "norm": float(vec.norm())}
     target = None
     if args.target is not None:
         wanted = tokenizer.encode(args.target)
@@ -68,6 +89,10 @@ def cmd_probe(args) -> int:
 
 def describe(result: dict) -> str:
     lines = []
+    if "vector" in result:
+        v = result["vector"]
+        lines.append(f"wrote {v['out']}: the steering vector at block {v['layer']} (norm {v['norm']:.3f}); "
+                     f"use qkv generate RUN --steer {v['out']}@{v['layer']}:SCALE")
     if "lens" in result:
         lens = result["lens"]
         lines.append(f"logit lens at the last position (target {lens['target']!r}):")

@@ -180,3 +180,20 @@ def direct_logit_attribution(model: nn.Module, input_ids: Tensor, *, position: i
         constant += float(head.bias[target])
     return {"target": target, "logit": float(logits[0, position, target]), "constant": constant,
             "components": components}
+
+
+def steering_vector(model: nn.Module, plus: Tensor, minus: Tensor, layer: int) -> Tensor:
+    """The difference of two prompts' mean residual streams leaving block `layer` (Turner et al. 2023's
+    activation addition): mean_t resid_post(plus) - mean_t resid_post(minus), (D,)."""
+    if not 0 <= layer < len(model.blocks):
+        raise QkvError(f"layer {layer} is not in 0..{len(model.blocks) - 1}")
+    name = f"blocks.{layer}.resid_post"
+    means = [run_with_cache(model, ids[:1], [name])[1][name][0].float().mean(0) for ids in (plus, minus)]
+    return means[0] - means[1]
+
+
+def steer(vector: Tensor, scale: float = 1.0) -> Hook:
+    """A hook adding scale x vector to a residual-stream point at every position (and every decoding step)."""
+    def hook(x: Tensor, name: str) -> Tensor:
+        return x + (scale * vector).to(x.dtype)
+    return hook
