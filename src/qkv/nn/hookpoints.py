@@ -1,7 +1,7 @@
 """Named hook points: every tensor the notes name, readable and replaceable from outside the model.
 
-The models call `point(self, "resid_pre", x)` at each place below; with no hooks installed that is one
-thread-local lookup and `x` comes back untouched (the decoding speed is unchanged: benchmarks/real_decode.py).
+The models call `point(self, "resid_pre", x)` at each place below; with no hooks installed it returns `x` at
+its first line (the decoding speed is unchanged: docs/interpretability.md).
 Installed hooks (`hooked(model, [(name, fn)])`, or qkv.interp's run_with_hooks / run_with_cache) see the
 tensor and may return a replacement, which the forward then continues with. The names are the module's
 qualified name in the model and the point's:
@@ -36,12 +36,15 @@ from qkv.errors import QkvError
 Hook = Callable[[Tensor, str], "Tensor | None"]  # (tensor, name) -> a replacement, or None to keep it
 
 _ACTIVE = threading.local()  # .table: {name: [hook, ...]} while hooks are installed in this thread
+_INSTALLED = [0]  # hooked() blocks open in any thread: 0 means every point returns at its first line
 
 POINTS_ATTRIBUTE = "hook_points"  # each module class that calls point() lists its points under this name
 
 
 def point(module: nn.Module, name: str, x: Tensor) -> Tensor:
     """`x`, or what the hooks installed at `module`'s point `name` make of it."""
+    if not _INSTALLED[0]:
+        return x
     table = getattr(_ACTIVE, "table", None)
     if table is None:
         return x
@@ -57,6 +60,8 @@ def point(module: nn.Module, name: str, x: Tensor) -> Tensor:
 
 def wants(module: nn.Module, name: str) -> bool:
     """A hook sits at this module's point `name` (for points that cost work to form, like the pattern)."""
+    if not _INSTALLED[0]:
+        return False
     table = getattr(_ACTIVE, "table", None)
     return table is not None and f"{module.__dict__.get('_point_prefix', '')}{name}" in table
 
@@ -97,7 +102,9 @@ def hooked(model: nn.Module, hooks: list[tuple[str, Hook]]) -> Iterator[nn.Modul
     for name, fns in table.items():
         merged[name] = [*merged.get(name, ()), *fns]
     _ACTIVE.table = merged
+    _INSTALLED[0] += 1
     try:
         yield model
     finally:
+        _INSTALLED[0] -= 1
         _ACTIVE.table = previous
