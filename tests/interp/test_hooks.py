@@ -198,3 +198,23 @@ def test_direct_attribution_refuses_post_ln():
     model = model_of(ModelConfig(**{**GPT2.__dict__, "norm_placement": "post"}))
     with pytest.raises(QkvError, match="Pre-LN"):
         direct_logit_attribution(model, torch.randint(0, 97, (1, 5)))
+
+
+def test_patching_map_recovers_everything_at_the_last_resid_post_and_nothing_before_the_change():
+    from qkv.interp import patching_map
+
+    model = model_of(LLAMA)
+    clean = torch.randint(0, 97, (1, 7))
+    corrupted = clean.clone()
+    corrupted[0, 3] = (clean[0, 3] + 5) % 97  # one token differs
+    with torch.no_grad():
+        logits = model(clean)[0, -1]
+    answer, wrong = int(logits.argmax()), int(logits.argmin())
+    found = patching_map(model, clean, corrupted, answer=answer, wrong=wrong)
+    rows = found["recovered"]
+    assert len(rows) == 4 and len(rows[0]) == 7
+    assert rows[-1][-1] == pytest.approx(1.0, abs=1e-5)  # the last resid_post at the last position: all of it
+    assert rows[0][3] == pytest.approx(1.0, abs=1e-5)  # block 0's input at the changed token: the clean run
+    assert all(abs(rows[0][t]) < 1e-5 for t in range(7) if t != 3)  # the same tokens elsewhere: nothing to patch
+    with pytest.raises(QkvError, match="one length"):
+        patching_map(model, clean, clean[:, :5], answer=answer, wrong=wrong)

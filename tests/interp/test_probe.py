@@ -93,3 +93,21 @@ def test_bad_steering_gets_one_line(capsys, model, tmp_path, spec, message):
     code, _, err = cli(capsys, "generate", model, "--prompt", "x", "--max-new-tokens", "2",
                        "--steer", spec.format(f=good, bad=bad))
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_patching_prompts_of_different_lengths_get_one_line(capsys, model):
+    code, _, err = cli(capsys, "probe", model, "--text", "To be, or not to be", "--corrupt", "To be")
+    assert code == 2 and "one length" in err and err.count("\n") == 1
+
+
+def test_smollm2_patching_moves_france_to_the_last_position_in_the_upper_middle(capsys):
+    path = require_smollm2()
+    code, out, err = cli(capsys, "probe", path, "--text", "The capital of France is", "--corrupt",
+                         "The capital of Italy is", "--json")
+    assert code == 0, err
+    found = json.loads(out)["patching"]
+    assert (found["answer"], found["wrong"]) == (" Paris", " Rome")
+    rows = found["recovered"]
+    assert rows[-1][-1] == pytest.approx(1.0, abs=1e-4) and rows[0][3] == pytest.approx(1.0, abs=1e-4)
+    moved = next(layer for layer, row in enumerate(rows) if row[-1] > 0.5)  # where the last position takes it over
+    assert 10 <= moved < 30

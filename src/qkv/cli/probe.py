@@ -18,6 +18,9 @@ def add_parsers(sub) -> None:
     probe.add_argument("--attribution", action="store_true",
                        help="each head's, FFN's and the embedding's direct term in the target's logit at the last "
                             "position (Pre-LN decoders)")
+    probe.add_argument("--corrupt", metavar="TEXT", help="activation patching: the residual stream of each block and "
+                       "position taken from --text into this prompt (as many tokens), and the share of the logit "
+                       "difference between the clean and corrupted top tokens it gives back")
     probe.add_argument("--target", help="with --lens / --attribution: the token whose rank each layer gives (default: the model's "
                                         "own top token at the last position)")
     probe.add_argument("--minus", metavar="TEXT", help="with --layer and --out: write the steering vector mean "
@@ -35,13 +38,14 @@ def cmd_probe(args) -> int:
     from qkv.formats import load
     from safetensors.torch import save_file
 
-    from qkv.interp import direct_logit_attribution, head_scores, induction_scores, logit_lens, steering_vector
+    from qkv.interp import (direct_logit_attribution, head_scores, induction_scores, logit_lens, patching_map,
+                            steering_vector)
     from qkv.models.build import architecture_of
 
     vector = (args.minus, args.layer, args.out)
     if any(v is not None for v in vector) and not all(v is not None for v in vector):
         raise QkvError("a steering vector needs --minus TEXT, --layer N and --out FILE together")
-    if not (args.lens or args.heads or args.attribution or args.minus is not None):
+    if not (args.lens or args.heads or args.attribution or args.minus is not None or args.corrupt is not None):
         raise QkvError("probe: give --lens, --heads, --attribution or several (or --minus, --layer, --out)")
     if args.out is not None and Path(args.out).exists():
         raise QkvError(f"--out {args.out} exists; not overwriting it")
@@ -71,6 +75,19 @@ def cmd_probe(args) -> int:
         if len(wanted) != 1:
             raise QkvError(f"--target {args.target!r} is {len(wanted)} tokens; give one token's text")
         target = wanted[0]
+    if args.corrupt is not None:
+        corrupt = tokenizer.encode(args.corrupt)
+        if len(corrupt) != ids.shape[-1]:
+            raise QkvError(f"--corrupt is {len(corrupt)} tokens and --text {ids.shape[-1]}: patching needs prompts "
+                           "of one length")
+        corrupt = torch.tensor([corrupt])
+        with torch.no_grad():
+            answer, wrong = int(run.model(ids)[0, -1].argmax()), int(run.model(corrupt)[0, -1].argmax())
+        if answer == wrong:
+            raise QkvError(f"--text and --corrupt predict the same token ({tokenizer.decode([answer])!r}): nothing to "
+                           "recover")
+        found = patching_map(run.model, ids, corrupt, answer=answer, wrong=wrong)
+        result["patching"] = {**found, "answer": tokenizer.decode([answer]), "wrong": tokenizer.decode([wrong])}
     if args.attribution:
         found = direct_logit_attribution(run.model, ids, target=target)
         result["attribution"] = {**found, "target": tokenizer.decode([found["target"]])}
@@ -100,6 +117,13 @@ def describe(result: dict) -> str:
         for row in lens["layers"]:
             top = ", ".join(f"{t!r} {p:.2f}" for t, p in row["top"][:3])
             lines.append(f"  {row['point']:<22} {row['target_rank']:>11} {row['target_prob']:>10.4f}  {top}")
+    if "patching" in result:
+        found = result["patching"]
+        lines.append(f"patching {found['answer']!r} (clean) against {found['wrong']!r} (corrupted): the share of the "
+                     "logit difference each block's input gives back, by position")
+        lines.append("  " + " " * 22 + " ".join(f"{t[:6]!r:>8}" for t in result["tokens"]))
+        for name, row in zip(found["points"], found["recovered"]):
+            lines.append(f"  {name:<22}" + " ".join(f"{v:>8.2f}" for v in row))
     if "attribution" in result:
         found = result["attribution"]
         lines.append(f"direct logit attribution of {found['target']!r} (logit {found['logit']:.3f}; biases "

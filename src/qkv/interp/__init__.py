@@ -197,3 +197,29 @@ def steer(vector: Tensor, scale: float = 1.0) -> Hook:
     def hook(x: Tensor, name: str) -> Tensor:
         return x + (scale * vector).to(x.dtype)
     return hook
+
+
+def patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, answer: int, wrong: int) -> dict:
+    """Activation patching of the residual stream (Meng et al. 2022; Wang et al. 2022's logit difference): for
+    every block l and position t, run the corrupted prompt with resid_pre of block l at t taken from the clean
+    run, and measure how much of the logit difference logit(answer) - logit(wrong) at the last position comes
+    back: (patched - corrupted) / (clean - corrupted). Row L is the last block's resid_post, at which the last
+    position alone gives everything back (1.0), as it is all the head reads. Prompts of one length."""
+    if clean.shape != corrupted.shape:
+        raise QkvError(f"patching needs prompts of one length in tokens: {clean.shape[-1]} and {corrupted.shape[-1]}")
+    layers = len(model.blocks)
+    names = [f"blocks.{i}.resid_pre" for i in range(layers)] + [f"blocks.{layers - 1}.resid_post"]
+    clean_logits, cache = run_with_cache(model, clean[:1], names)
+    corrupted_logits = run_with_hooks(model, corrupted[:1], [])
+
+    def difference(logits: Tensor) -> float:
+        return float(logits[0, -1, answer] - logits[0, -1, wrong])
+
+    low, high = difference(corrupted_logits), difference(clean_logits)
+    if abs(high - low) < 1e-9:
+        raise QkvError("the clean and corrupted prompts give the same logit difference: nothing to recover")
+    rows = []
+    for name in names:
+        rows.append([(difference(run_with_hooks(model, corrupted[:1], [(name, patch_from(cache, [t]))])) - low)
+                     / (high - low) for t in range(clean.shape[-1])])
+    return {"points": names, "recovered": rows, "clean": high, "corrupted": low}
