@@ -218,3 +218,42 @@ def test_patching_map_recovers_everything_at_the_last_resid_post_and_nothing_bef
     assert all(abs(rows[0][t]) < 1e-5 for t in range(7) if t != 3)  # the same tokens elsewhere: nothing to patch
     with pytest.raises(QkvError, match="one length"):
         patching_map(model, clean, clean[:, :5], answer=answer, wrong=wrong)
+
+
+def test_every_head_ffn_and_the_embedding_patched_from_clean_is_the_clean_run():
+    """A Pre-LN stream is embed + the sublayers' outputs: with the embedding, every head's z and every FFN's output
+    taken from the clean run, the corrupted run is the clean one; the head map of a one-head change is 1.0 there."""
+    from qkv.interp import head_patching_map, patch_head_from
+
+    model = model_of(LLAMA)
+    clean, corrupted = torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 8))
+    names = ["embed"] + [f"blocks.{i}.{p}" for i in range(3) for p in ("attn.z", "ffn.post")]
+    clean_logits, cache = run_with_cache(model, clean, names)
+    patched = run_with_hooks(model, corrupted, [(n, patch_from(cache)) for n in names])
+    assert torch.allclose(patched, clean_logits, atol=1e-5)
+    with torch.no_grad():
+        logits = model(clean)[0, -1]
+    answer, wrong = int(logits.argmax()), int(logits.argmin())
+    rows = head_patching_map(model, clean, corrupted, answer=answer, wrong=wrong)
+    assert [len(r) for r in rows] == [4, 4, 4]
+    # one entry recomputed by hand: layer 1, head 3
+    diff = lambda out: float(out[0, -1, answer] - out[0, -1, wrong])  # noqa: E731
+    low, high = diff(run_with_hooks(model, corrupted, [])), diff(clean_logits)
+    z = run_with_cache(model, clean, ["blocks.1.attn.z"])[1]
+    one = run_with_hooks(model, corrupted, [("blocks.1.attn.z", patch_head_from(z, 3))])
+    assert rows[1][3] == pytest.approx((diff(one) - low) / (high - low), abs=1e-6)
+    with pytest.raises(QkvError, match="nothing to recover"):
+        head_patching_map(model, clean, clean, answer=answer, wrong=wrong)
+
+
+def test_mean_ablation_keeps_the_heads_average():
+    from qkv.interp import mean_head
+
+    model = model_of(GPT2)
+    ids = torch.randint(0, 97, (1, 9))
+    _, cache = run_with_cache(model, ids, ["blocks.1.attn.z"])
+    mean = cache["blocks.1.attn.z"][0, 3].mean(0)  # head 3's output averaged over positions
+    seen = {}
+    run_with_hooks(model, ids, [("blocks.1.attn.z", mean_head(mean, 3)),
+                                ("blocks.1.attn.z", lambda z, name: seen.setdefault("z", z))])
+    assert torch.allclose(seen["z"][0, 3], mean.expand(9, -1)) and torch.equal(seen["z"][0, 2], cache["blocks.1.attn.z"][0, 2])

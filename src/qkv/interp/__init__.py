@@ -223,3 +223,45 @@ def patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, answer: 
         rows.append([(difference(run_with_hooks(model, corrupted[:1], [(name, patch_from(cache, [t]))])) - low)
                      / (high - low) for t in range(clean.shape[-1])])
     return {"points": names, "recovered": rows, "clean": high, "corrupted": low}
+
+
+def patch_head_from(cache: dict[str, Tensor], head: int) -> Hook:
+    """A hook for `blocks.{i}.attn.z` that puts one head's clean output in place of this run's, at every position."""
+    def hook(z: Tensor, name: str) -> Tensor:
+        z = z.clone()
+        z[:, head] = cache[name][:, head].to(z.dtype)
+        return z
+    return hook
+
+
+def mean_head(mean: Tensor, head: int) -> Hook:
+    """A hook for `blocks.{i}.attn.z` that replaces one head's output by `mean` (Dh,) at every position (mean
+    ablation: the head's average contribution kept, what it computes from this input removed)."""
+    def hook(z: Tensor, name: str) -> Tensor:
+        z = z.clone()
+        z[:, head] = mean.to(z.dtype)
+        return z
+    return hook
+
+
+def head_patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, answer: int, wrong: int
+                      ) -> list[list[float]]:
+    """For every layer and head: the corrupted run with that head's output (z, every position) from the clean
+    run, and the share of the logit difference logit(answer) - logit(wrong) at the last position it gives back."""
+    if clean.shape != corrupted.shape:
+        raise QkvError(f"patching needs prompts of one length in tokens: {clean.shape[-1]} and {corrupted.shape[-1]}")
+    layers = len(model.blocks)
+    clean_logits, cache = run_with_cache(model, clean[:1], [f"blocks.{i}.attn.z" for i in range(layers)])
+    corrupted_logits = run_with_hooks(model, corrupted[:1], [])
+    low = float(corrupted_logits[0, -1, answer] - corrupted_logits[0, -1, wrong])
+    high = float(clean_logits[0, -1, answer] - clean_logits[0, -1, wrong])
+    if abs(high - low) < 1e-9:
+        raise QkvError("the clean and corrupted prompts give the same logit difference: nothing to recover")
+    rows = []
+    for i, block in enumerate(model.blocks):
+        row = []
+        for h in range(block.attn.n_heads):
+            logits = run_with_hooks(model, corrupted[:1], [(f"blocks.{i}.attn.z", patch_head_from(cache, h))])
+            row.append((float(logits[0, -1, answer] - logits[0, -1, wrong]) - low) / (high - low))
+        rows.append(row)
+    return rows
