@@ -111,3 +111,8 @@ def test_smollm2_patching_moves_france_to_the_last_position_in_the_upper_middle(
     assert rows[-1][-1] == pytest.approx(1.0, abs=1e-4) and rows[0][3] == pytest.approx(1.0, abs=1e-4)
     moved = next(layer for layer, row in enumerate(rows) if row[-1] > 0.5)  # where the last position takes it over
     assert 10 <= moved < 30
+
+
+def test_per_head_needs_corrupt(capsys, model):
+    code, _, err = cli(capsys, "probe", model, "--text", "To be", "--lens", "--per-head")
+    assert code == 2 and "--per-head applies to --corrupt" in err

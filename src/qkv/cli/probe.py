@@ -21,6 +21,8 @@ def add_parsers(sub) -> None:
     probe.add_argument("--corrupt", metavar="TEXT", help="activation patching: the residual stream of each block and "
                        "position taken from --text into this prompt (as many tokens), and the share of the logit "
                        "difference between the clean and corrupted top tokens it gives back")
+    probe.add_argument("--per-head", action="store_true", help="with --corrupt: also each head's output (every "
+                       "position) from --text, and the share it gives back (one forward per head)")
     probe.add_argument("--target", help="with --lens / --attribution: the token whose rank each layer gives (default: the model's "
                                         "own top token at the last position)")
     probe.add_argument("--minus", metavar="TEXT", help="with --layer and --out: write the steering vector mean "
@@ -38,8 +40,8 @@ def cmd_probe(args) -> int:
     from qkv.formats import load
     from safetensors.torch import save_file
 
-    from qkv.interp import (direct_logit_attribution, head_scores, induction_scores, logit_lens, patching_map,
-                            steering_vector)
+    from qkv.interp import (direct_logit_attribution, head_patching_map, head_scores, induction_scores, logit_lens,
+                            patching_map, steering_vector)
     from qkv.models.build import architecture_of
 
     vector = (args.minus, args.layer, args.out)
@@ -49,6 +51,8 @@ def cmd_probe(args) -> int:
         raise QkvError("probe: give --lens, --heads, --attribution or several (or --minus, --layer, --out)")
     if args.out is not None and Path(args.out).exists():
         raise QkvError(f"--out {args.out} exists; not overwriting it")
+    if args.per_head and args.corrupt is None:
+        raise QkvError("--per-head applies to --corrupt")
     if args.target is not None and not (args.lens or args.attribution):
         raise QkvError("--target applies to --lens and --attribution")
     run = load(args.run)
@@ -88,6 +92,8 @@ def cmd_probe(args) -> int:
                            "recover")
         found = patching_map(run.model, ids, corrupt, answer=answer, wrong=wrong)
         result["patching"] = {**found, "answer": tokenizer.decode([answer]), "wrong": tokenizer.decode([wrong])}
+        if args.per_head:
+            result["patching"]["heads"] = head_patching_map(run.model, ids, corrupt, answer=answer, wrong=wrong)
     if args.attribution:
         found = direct_logit_attribution(run.model, ids, target=target)
         result["attribution"] = {**found, "target": tokenizer.decode([found["target"]])}
@@ -124,6 +130,10 @@ def describe(result: dict) -> str:
         lines.append("  " + " " * 22 + " ".join(f"{t[:6]!r:>8}" for t in result["tokens"]))
         for name, row in zip(found["points"], found["recovered"]):
             lines.append(f"  {name:<22}" + " ".join(f"{v:>8.2f}" for v in row))
+        if "heads" in found:
+            ranked = sorted(((v, f"{i}.{h}") for i, row in enumerate(found["heads"]) for h, v in enumerate(row)),
+                            reverse=True)[:8]
+            lines.append("  heads patched one at a time (layer.head share): " + "  ".join(f"{w} {v:.2f}" for v, w in ranked))
     if "attribution" in result:
         found = result["attribution"]
         lines.append(f"direct logit attribution of {found['target']!r} (logit {found['logit']:.3f}; biases "
