@@ -6,7 +6,9 @@ and explain.
     bf16, none   every parameter in bf16; norms, softmax and RoPE still compute in fp32 inside the model
     *, int8      every linear layer's weight in int8 per output row (1 byte a weight + a scale a row)
     *, int4      every linear layer's weight in 4 bits per group of 32 (0.625 bytes a weight with its scale
-                 and minimum: GGUF's Q4_1), the output head in int8 (llama.cpp keeps it above 4 bits too)
+                 and minimum: GGUF's Q4_1)
+                 with either quant the output head stays above 4 bits: bf16 where the CPU has it natively,
+                 else int8 (qkv.nn.quant.head_kind), and the products are bf16 where native
 
 A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
 file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,

@@ -205,24 +205,32 @@ def patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, answer: 
     run, and measure how much of the logit difference logit(answer) - logit(wrong) at the last position comes
     back: (patched - corrupted) / (clean - corrupted). Row L is the last block's resid_post, at which the last
     position alone gives everything back (1.0), as it is all the head reads. Prompts of one length."""
-    if clean.shape != corrupted.shape:
-        raise QkvError(f"patching needs prompts of one length in tokens: {clean.shape[-1]} and {corrupted.shape[-1]}")
     layers = len(model.blocks)
     names = [f"blocks.{i}.resid_pre" for i in range(layers)] + [f"blocks.{layers - 1}.resid_post"]
-    clean_logits, cache = run_with_cache(model, clean[:1], names)
-    corrupted_logits = run_with_hooks(model, corrupted[:1], [])
+    cache, recovered, (low, high) = _patching(model, clean, corrupted, names, answer, wrong)
+    rows = [[recovered([(name, patch_from(cache, [t]))]) for t in range(clean.shape[-1])] for name in names]
+    return {"points": names, "recovered": rows, "clean": high, "corrupted": low}
+
+
+def _patching(model: nn.Module, clean: Tensor, corrupted: Tensor, names: list[str], answer: int, wrong: int):
+    """What every patching map shares: the clean run's cache of `names`, a function giving the share of the logit
+    difference logit(answer) - logit(wrong) at the last position that the corrupted run with some hooks gives
+    back, and (corrupted, clean) differences."""
+    if clean.shape != corrupted.shape:
+        raise QkvError(f"patching needs prompts of one length in tokens: {clean.shape[-1]} and {corrupted.shape[-1]}")
 
     def difference(logits: Tensor) -> float:
         return float(logits[0, -1, answer] - logits[0, -1, wrong])
 
-    low, high = difference(corrupted_logits), difference(clean_logits)
+    clean_logits, cache = run_with_cache(model, clean[:1], names)
+    low, high = difference(run_with_hooks(model, corrupted[:1], [])), difference(clean_logits)
     if abs(high - low) < 1e-9:
         raise QkvError("the clean and corrupted prompts give the same logit difference: nothing to recover")
-    rows = []
-    for name in names:
-        rows.append([(difference(run_with_hooks(model, corrupted[:1], [(name, patch_from(cache, [t]))])) - low)
-                     / (high - low) for t in range(clean.shape[-1])])
-    return {"points": names, "recovered": rows, "clean": high, "corrupted": low}
+
+    def recovered(hooks: list[tuple[str, Hook]]) -> float:
+        return (difference(run_with_hooks(model, corrupted[:1], hooks)) - low) / (high - low)
+
+    return cache, recovered, (low, high)
 
 
 def patch_head_from(cache: dict[str, Tensor], head: int) -> Hook:
@@ -248,20 +256,7 @@ def head_patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, ans
                       ) -> list[list[float]]:
     """For every layer and head: the corrupted run with that head's output (z, every position) from the clean
     run, and the share of the logit difference logit(answer) - logit(wrong) at the last position it gives back."""
-    if clean.shape != corrupted.shape:
-        raise QkvError(f"patching needs prompts of one length in tokens: {clean.shape[-1]} and {corrupted.shape[-1]}")
-    layers = len(model.blocks)
-    clean_logits, cache = run_with_cache(model, clean[:1], [f"blocks.{i}.attn.z" for i in range(layers)])
-    corrupted_logits = run_with_hooks(model, corrupted[:1], [])
-    low = float(corrupted_logits[0, -1, answer] - corrupted_logits[0, -1, wrong])
-    high = float(clean_logits[0, -1, answer] - clean_logits[0, -1, wrong])
-    if abs(high - low) < 1e-9:
-        raise QkvError("the clean and corrupted prompts give the same logit difference: nothing to recover")
-    rows = []
-    for i, block in enumerate(model.blocks):
-        row = []
-        for h in range(block.attn.n_heads):
-            logits = run_with_hooks(model, corrupted[:1], [(f"blocks.{i}.attn.z", patch_head_from(cache, h))])
-            row.append((float(logits[0, -1, answer] - logits[0, -1, wrong]) - low) / (high - low))
-        rows.append(row)
-    return rows
+    names = [f"blocks.{i}.attn.z" for i in range(len(model.blocks))]
+    cache, recovered, _ = _patching(model, clean, corrupted, names, answer, wrong)
+    return [[recovered([(name, patch_head_from(cache, h))]) for h in range(block.attn.n_heads)]
+            for name, block in zip(names, model.blocks)]

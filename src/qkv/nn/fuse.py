@@ -20,29 +20,23 @@ from qkv.nn.decoding_linear import DecodingLinear
 from qkv.nn.quant import QuantLinear
 
 
+# the fused layer's attribute, and the layers of one module it stands in for (in the order of its output rows)
+FUSIONS = (("fused_qkv", ("q_proj", "k_proj", "v_proj")), ("fused_gate_up", ("gate_proj", "up_proj")))
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every self-attention layer's Q/K/V and every GLU's gate/up of `model` (in place, for inference);
     returns how many groups were fused. Layers of different kinds (a mix of int8 and int4) stay apart."""
     fused = 0
     for module in model.modules():
-        parts = fusable(module)
-        if parts is None:
-            continue
-        attribute, layers = parts
-        one = fuse(layers)
-        if one is not None:
-            object.__setattr__(module, attribute, one)
-            fused += 1
+        for attribute, names in FUSIONS:
+            if not all(hasattr(module, name) for name in names):
+                continue
+            one = fuse([getattr(module, name) for name in names])
+            if one is not None:
+                object.__setattr__(module, attribute, one)
+                fused += 1
     return fused
-
-
-def fusable(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
-    names = {"q_proj", "k_proj", "v_proj"} if hasattr(module, "q_proj") else {"gate_proj", "up_proj"}
-    if not all(hasattr(module, name) for name in names):
-        return None
-    if names == {"q_proj", "k_proj", "v_proj"}:
-        return "fused_qkv", [module.q_proj, module.k_proj, module.v_proj]
-    return "fused_gate_up", [module.gate_proj, module.up_proj]
 
 
 def fuse(layers: list[nn.Module]) -> nn.Module | None:

@@ -45,11 +45,8 @@ def point(module: nn.Module, name: str, x: Tensor) -> Tensor:
     """`x`, or what the hooks installed at `module`'s point `name` make of it."""
     if not _INSTALLED[0]:
         return x
-    table = getattr(_ACTIVE, "table", None)
-    if table is None:
-        return x
-    full = f"{module.__dict__.get('_point_prefix', '')}{name}"
-    for hook in table.get(full, ()):
+    full, hooks = _hooks_at(module, name)
+    for hook in hooks:
         replaced = hook(x, full)
         if replaced is not None:
             if replaced.shape != x.shape:
@@ -60,10 +57,13 @@ def point(module: nn.Module, name: str, x: Tensor) -> Tensor:
 
 def wants(module: nn.Module, name: str) -> bool:
     """A hook sits at this module's point `name` (for points that cost work to form, like the pattern)."""
-    if not _INSTALLED[0]:
-        return False
-    table = getattr(_ACTIVE, "table", None)
-    return table is not None and f"{module.__dict__.get('_point_prefix', '')}{name}" in table
+    return bool(_INSTALLED[0]) and bool(_hooks_at(module, name)[1])
+
+
+def _hooks_at(module: nn.Module, name: str) -> tuple[str, list[Hook]]:
+    """The full name of `module`'s point `name` and the hooks this thread installed there."""
+    full = f"{module.__dict__.get('_point_prefix', '')}{name}"
+    return full, (getattr(_ACTIVE, "table", None) or {}).get(full, [])
 
 
 def hook_names(model: nn.Module) -> list[str]:

@@ -2,7 +2,8 @@
 
 A decoding step multiplies every weight matrix by a few rows (note 003, 推理原理: one token at a time, the KV
 cache holding the past), so its time is the time to read the weights: bytes per weight set the speed. Storing
-W in fewer bits and multiplying in the activations' precision (fp32 or bf16) trades a bounded error for that:
+W in fewer bits trades a bounded error for that (the products in bf16 where the CPU multiplies it natively, in
+the activations' precision elsewhere: QuantLinear.compute_dtype):
 
     int8 (per output row i):       W_ij ~ s_i q_ij,              q_ij in [-127, 127],  s_i = max_j |W_ij| / 127
     int4 (per row i, group g of G consecutive inputs, asymmetric):

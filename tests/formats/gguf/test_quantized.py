@@ -105,3 +105,21 @@ def test_explain_at_a_precision_computes_with_the_quantized_weights(capsys, mode
                          "--out", tmp_path / "p.html")
     assert code == 0, err
     assert "int4 weights (the head int8), rounded to bf16, dequantized" in (tmp_path / "p.html").read_text()
+
+
+def test_a_saved_quantized_run_keeps_its_scales_fp32_under_dtype_bf16(capsys, model):
+    path, tmp = model
+    out = tmp / "run-int4-bf16"
+    assert cli(capsys, "convert", "--from-gguf", path, "--out", out, "--quant", "int4")[0] == 0
+    fp32, bf16 = load(out), load(out)
+    weights.prepare(fp32.model)
+    description = weights.prepare(bf16.model, dtype="bf16")
+    assert "int4 weights (as saved" in description and "bf16 activations" in description
+    layers = [m for m in bf16.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.scale.dtype == torch.float32 and (m.low is None or m.low.dtype == torch.float32)
+                          for m in layers)  # model.to(bf16) would have rounded them
+    assert bf16.model.tok_emb.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 300, (1, 10))
+    with torch.no_grad():
+        p, q = fp32.model(ids).float().log_softmax(-1), bf16.model(ids).float().log_softmax(-1)
+    assert float((p.exp() * (p - q)).sum(-1).mean()) < 2e-3
