@@ -83,7 +83,7 @@ def test_a_steering_vector_written_by_probe_steers_generate(capsys, model, tmp_p
 
 
 @pytest.mark.parametrize("spec, message", [("{f}@9:1", "block 9 is not in this model"), ("{f}@x:1", "FILE@LAYER:SCALE"),
-                                           ("{f}.missing@1:1", "--steer"), ("{bad}@1:1", "needs one tensor 'vector'")])
+                                           ("{f}.missing@1:1", "--steer"), ("{f}@1:nan", "finite"), ("{bad}@1:1", "needs one tensor 'vector'")])
 def test_bad_steering_gets_one_line(capsys, model, tmp_path, spec, message):
     from safetensors.torch import save_file
 

@@ -84,6 +84,8 @@ def cmd_generate(args) -> int:
 
 def steering(spec: str, model):
     """FILE@LAYER:SCALE -> the hook (name, fn) that adds SCALE x FILE's vector to blocks.LAYER.resid_post."""
+    import math
+
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -95,6 +97,8 @@ def steering(spec: str, model):
         layer, scale = int(layer), float(scale or 1.0)
     except ValueError:
         raise QkvError(f"--steer {spec!r}: expected FILE@LAYER:SCALE (a block number and a number)") from None
+    if not math.isfinite(scale):
+        raise QkvError(f"--steer {spec!r}: SCALE must be a finite number")
     if not path:
         raise QkvError(f"--steer {spec!r}: expected FILE@LAYER:SCALE")
     blocks = getattr(model, "blocks", None)
