@@ -2,6 +2,9 @@
 
 Self-attention (note 000 §7.2, §8.2): positions count real tokens only, so left or right padding never
 moves a token's position; the mask combines key padding with the causal triangle where the stack is causal.
+Packed documents (several sequences in one row, `documents` (B, T) the document index of each token, each
+document one contiguous run): positions restart at 0 where a document starts, and a query sees only the keys of
+its own document (causal within it), so each document's outputs equal those it gets alone in a row.
 Cross-attention (note 000 §8.4): queries from the decoder, keys and values from the encoder output;
 no positional hook acts on it and only source padding is masked.
 """
@@ -30,10 +33,38 @@ def token_positions(input_ids: Tensor, attention_mask: Tensor | None, start: Ten
     return start[:, None] + offsets, counts  # (B, T), (B,)
 
 
+def document_positions(documents: Tensor) -> Tensor:
+    """(B, T) each token's index inside its document: the column minus the column where its document starts."""
+    T = documents.shape[1]
+    columns = torch.arange(T, device=documents.device).expand_as(documents)  # (B, T)
+    starts = documents != documents.roll(1, dims=1)
+    starts[:, 0] = True
+    return columns - torch.where(starts, columns, 0).cummax(dim=1).values  # (B, T)
+
+
+def document_mask(documents: Tensor, attention_mask: Tensor | None, *, causal: bool) -> Tensor:
+    """(B, 1, T, T): query t may see key s iff both are in the same document (and s <= t when causal, and s is
+    not padding); a query always sees its own column (qkv.nn.masks)."""
+    T = documents.shape[1]
+    allowed = documents[:, None, :, None] == documents[:, None, None, :]  # (B, 1, T, T)
+    if causal:
+        allowed = allowed & masks.causal_mask(T, T, documents.device)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    return allowed | torch.eye(T, dtype=torch.bool, device=documents.device)
+
+
 def self_context(positional: Positional, input_ids: Tensor, attention_mask: Tensor | None,
-                 cache: KVCache | None, *, causal: bool) -> AttentionContext:
-    """Self-attention over this call's tokens and the cached ones; `attention_mask` (B, T) 1 = token."""
+                 cache: KVCache | None, *, causal: bool, documents: Tensor | None = None) -> AttentionContext:
+    """Self-attention over this call's tokens and the cached ones; `attention_mask` (B, T) 1 = token;
+    `documents` (B, T): packed documents (training: no cache)."""
     B, T = input_ids.shape
+    if documents is not None:
+        if cache is not None:
+            raise ValueError("packed documents are a training input; a KV cache holds one sequence per row")
+        positions = document_positions(documents)
+        mask = document_mask(documents, attention_mask, causal=causal)
+        return AttentionContext(positional, positions, positions, mask, causal=False)
     start = cache.next_position if cache is not None else torch.zeros(B, dtype=torch.long,
                                                                        device=input_ids.device)
     positions, counts = token_positions(input_ids, attention_mask, start)

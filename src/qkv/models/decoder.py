@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from qkv.models.context import self_context
+from qkv.models.context import document_positions, self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.embedding import Embeddings, last_tokens, previous_tokens
@@ -30,16 +30,20 @@ class DecoderLM(Embeddings):
         self.max_seq_len = max_seq_len
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None, *, head: bool = True) -> Tensor:
+                cache: KVCache | None = None, *, head: bool = True, documents: Tensor | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding.
 
         head=False: the final norm's output (B, T, D) instead, which the LM objective hands to the head and
-        the loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole)."""
-        ctx = self.context(input_ids, attention_mask, cache)
+        the loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole).
+        `documents` (B, T): the document index of each token of packed rows (qkv.models.context: positions
+        restart and attention stays inside each document)."""
+        ctx = self_context(self.positional, input_ids, attention_mask, cache, causal=True, documents=documents)
         previous = None
         if self.bigram_emb is not None:  # the pair's first token may be the cache's last
             last = cache.last_token if cache is not None else None
             previous = previous_tokens(input_ids, attention_mask, last)
+            if documents is not None:  # a document's first token has no previous token
+                previous = previous.masked_fill(document_positions(documents) == 0, -1)
             if cache is not None:
                 cache.last_token = last_tokens(input_ids, attention_mask, cache.last_token)
         x = point(self, "embed", self.embed(input_ids, ctx.positions, previous=previous))  # H0 (B, T, D)
@@ -48,9 +52,6 @@ class DecoderLM(Embeddings):
             x = block(x, ctx, layer_cache)
         x = point(self, "final_norm", self.final_norm(x))  # (B, T, D)
         return point(self, "logits", self.lm_head(x)) if head else x  # (B, T, V) or (B, T, D)
-
-    def context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: KVCache | None):
-        return self_context(self.positional, input_ids, attention_mask, cache, causal=True)
 
     def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:
         """A preallocated KV cache for `batch` rows of up to `max_len` tokens; `rolling`: keep only the columns
