@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+from qkv.models.context import self_context
+
 from qkv.config import ModelConfig
 from qkv.models import build_model
 from qkv.nn.init import INITS
@@ -40,7 +42,7 @@ def test_zero_out_starts_every_block_as_the_identity():
             assert_std(weight, 0.02)
     ids = torch.randint(0, 64, (2, 9))
     x = model.embed(ids, torch.arange(9).expand(2, 9))
-    ctx = model.context(ids, None, None)
+    ctx = self_context(model.positional, ids, None, None, causal=True)
     out = x
     for block in model.blocks:
         out = block(out, ctx)
