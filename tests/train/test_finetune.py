@@ -21,10 +21,10 @@ def test_the_backbone_is_copied_and_the_new_head_kept():
     torch.manual_seed(1)
     model = build_model(CLASSIFIER)
     head = {name: p.detach().clone() for name, p in model.named_parameters() if name.startswith("head.")}
-    copied = load_backbone(model, source, "run")
+    copied, fresh = load_backbone(model, source, "run")
     source_tensors = dict(source.named_parameters())
     backbone = [name for name, _ in model.named_parameters() if not name.startswith("head.")]
-    assert copied == len(backbone) and head
+    assert copied == len(backbone) and fresh == len(head) and head
     for name, param in model.named_parameters():
         if name.startswith("head."):
             assert torch.equal(param, head[name])  # the new task's head starts fresh

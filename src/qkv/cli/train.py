@@ -69,7 +69,7 @@ def train_into(args, out: Path, cfg, log) -> int:
 
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet, confirmed=args.yes)
     log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
-        f"(vocab {cfg.model.vocab_size}, {len(trainer.data.train):,} training tokens)")
+        f"(vocab {cfg.model.vocab_size}, {training_data(trainer.data.train)})")
     try:
         summary = reference.run_reference(trainer) if args.engine == "ref" else trainer.run()
     except KeyboardInterrupt:
@@ -91,6 +91,14 @@ def train_into(args, out: Path, cfg, log) -> int:
     if not args.no_sample and objective_of(cfg) == "lm":  # only a language model continues text
         print(sample(trainer, cfg))
     return 0
+
+
+def training_data(train) -> str:
+    """What the run trains on, in words: a token stream's tokens, or examples and their tokens."""
+    tokens = getattr(train, "tokens", None)
+    if isinstance(tokens, int):  # qkv.data.sft.Examples
+        return f"{len(train):,} training examples, {tokens:,} tokens"
+    return f"{len(train):,} training tokens"
 
 
 def summary_line(summary: dict) -> str:

@@ -114,6 +114,33 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
+def read_json_rows(spec: str) -> list[tuple[str, dict]]:
+    """A .jsonl(.gz) file of JSON objects, one a line -> [(\"file:line\", object)]; blank lines skipped. A line
+    that is not UTF-8, not JSON or not an object is an error naming it."""
+    path = Path(spec)
+    if not path.is_file():
+        raise QkvError(f"{spec}: no such file")
+    if not path.name.endswith((".jsonl", ".jsonl.gz")):
+        raise QkvError(f"{spec}: expected a .jsonl or .jsonl.gz file (one JSON object a line)")
+    rows = []
+    for number, raw in enumerate(_read_bytes(path).split(b"\n"), start=1):
+        origin = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise QkvError(f"{origin}: not UTF-8 text (byte {error.start})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise QkvError(f"{origin}: malformed JSON: {error.msg}") from None
+        if not isinstance(record, dict):
+            raise QkvError(f"{origin}: expected a JSON object")
+        rows.append((origin, record))
+    return rows
+
+
 def _read_one(path: Path) -> list[Document]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path)

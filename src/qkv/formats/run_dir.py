@@ -104,6 +104,13 @@ def read_chat(path: Path, vocab_size: int) -> Chat:
     return Chat(template=template, bos_token=bos, stop_ids=tuple(stops))
 
 
+def save_chat(path: Path, chat: Chat) -> None:
+    """chat.json, for a model that chats its own way (nothing for qkv's default)."""
+    if chat != Chat():
+        (path / CHAT_FILE).write_text(json.dumps({"template": chat.template, "bos_token": chat.bos_token,
+                                                  "stop_ids": list(chat.stop_ids)}, indent=1), encoding="utf-8")
+
+
 def save(run: Run, out: str | Path, extra: dict[str, str] | None = None) -> Path:
     """Write `run` as a qkv run dir `out` (new or empty), atomically: config.json, tokenizer.json,
     model.safetensors, and the text files of `extra` ({name: text}, e.g. the original HF tokenizer)."""
@@ -118,9 +125,7 @@ def save(run: Run, out: str | Path, extra: dict[str, str] | None = None) -> Path
     try:
         run.config.save(tmp / CONFIG_FILE)
         run.tokenizer.save(tmp / TOKENIZER_FILE)
-        if run.chat != Chat():
-            (tmp / CHAT_FILE).write_text(json.dumps({"template": run.chat.template, "bos_token": run.chat.bos_token,
-                                                     "stop_ids": list(run.chat.stop_ids)}, indent=1), encoding="utf-8")
+        save_chat(tmp, run.chat)
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
         save_file(files.model_tensors(run.model), str(tmp / MODEL_FILE))

@@ -39,20 +39,22 @@ class ChatTemplate:
         self.tokenizer, self.bos, self.specials, self.stop = tokenizer, bos, specials, stop
         self.prefix = list(prefix)  # ids before the rendered text
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
-                                        eos_token=EOS)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos, eos_token=EOS)
         except TemplateError as exc:
             raise ValueError(f"the model's chat template refused the messages: {exc}") from None
 
     def __call__(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         """messages -> (prompt ids, the stop strings the template implies)."""
-        text = self.render(messages)
-        ids = self.tokenizer.encode_with_specials(text) if self.specials else self.tokenizer.encode(text)
-        return self.prefix + ids, self.stop
+        return self.prefix + self.encode(self.render(messages)), self.stop
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered text -> ids (a special token's text is that token where the template is the model's own)."""
+        return self.tokenizer.encode_with_specials(text) if self.specials else self.tokenizer.encode(text)
 
 
 def _raise(message: str):

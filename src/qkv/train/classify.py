@@ -18,7 +18,7 @@ from qkv.errors import QkvError
 from qkv.evaluate.classify import check_data
 
 
-def prepare_passages(cfg, tokenizer: Tokenizer | None) -> Prepared:
+def prepare_passages(cfg, tokenizer: Tokenizer | None, chat=None) -> Prepared:
     """Tokenizer (trained on the training plays unless given) and the train / validation passages."""
     check_data(cfg)
     train, val, _ = genres.bundled_split()

@@ -28,15 +28,16 @@ def model_from_init(model_cfg, init_model_cfg, path: str):
     return dataclasses.replace(init_model_cfg, **own)
 
 
-def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> int:
+def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> tuple[int, int]:
     """Copy every parameter of `source` into the same-named parameter of `model`; each parameter of `model`
-    outside its head must be found with its shape. Returns the number of tensors copied."""
+    outside its head must be found with its shape. Returns (tensors copied, head tensors left fresh)."""
     tensors = dict(source.named_parameters())
-    copied = 0
+    copied = fresh = 0
     for name, param in model.named_parameters():
         found = tensors.get(name)
         if found is None:
             if name.startswith(FRESH):
+                fresh += 1
                 continue
             raise QkvError(f"--init {origin}: has no tensor {name!r}; it is not a backbone for this model")
         if tuple(found.shape) != tuple(param.shape):
@@ -45,4 +46,4 @@ def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> int:
         with torch.no_grad():
             param.copy_(found)
         copied += 1
-    return copied
+    return copied, fresh

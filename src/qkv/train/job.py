@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from qkv import files, presets
 from qkv.train.checks import check_run, preflight
 from qkv.config import RunConfig, merge_file
@@ -20,6 +22,7 @@ from qkv.parallel import precision
 from qkv.train.loop import Trainer
 from qkv.train.plan import check_plan
 from qkv.evaluate.tokens import score_tokens
+from qkv.formats import run_dir
 
 
 def resolve_config(*, preset: str, config_file: str | None, overrides: list[str], data: list[str],
@@ -34,7 +37,9 @@ def resolve_config(*, preset: str, config_file: str | None, overrides: list[str]
         cfg = tasks.TASKS.get(task).apply(cfg)
     if init:
         model = finetune.model_from_init(cfg.model, finetune.init_run(init).config.model, init)
-        cfg = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, init=os.path.abspath(init)))
+        seq_len = min(cfg.train.seq_len, model.max_seq_len)  # the preset's rows, within the init model's context
+        cfg = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, init=os.path.abspath(init),
+                                                                              seq_len=seq_len))
     cfg = cfg.override(overrides)
     if data:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=tuple(data)))
@@ -114,16 +119,18 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         raise QkvError(f"{own_tokenizer}: missing; the run's weights are indexed by its token ids, so it cannot "
                        "be trained again: restore it")
     init = None if resume or not cfg.train.init else finetune.init_run(cfg.train.init)
+    chat = init.chat if init is not None else None
     if resume and own_tokenizer.is_file():  # a resumed or imported run keeps its tokenizer and vocabulary
-        prepared = objective.prepare(cfg, Tokenizer.load(own_tokenizer))
-    elif init is not None:  # fine-tuning keeps the init run's tokenizer and vocabulary
-        prepared = objective.prepare(cfg, init.tokenizer)
+        tokenizer = Tokenizer.load(own_tokenizer)
+        prepared = objective.prepare(cfg, tokenizer, run_dir.read_chat(out, tokenizer.vocab_size))
+    elif init is not None:  # fine-tuning keeps the init run's tokenizer and vocabulary (and how it chats)
+        prepared = objective.prepare(cfg, init.tokenizer, chat)
         prepared.tokenizer.add_specials(objective.specials)
     else:
         prepared = objective.prepare(cfg, None)
         prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; V counts them
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
-    if len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
+    if isinstance(prepared.val, np.ndarray) and len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
         raise QkvError(f"validation split too short: {len(prepared.val)} tokens, but train.seq_len="
                        f"{cfg.train.seq_len} needs more than {cfg.train.seq_len + 1}; give more text "
                        f"or raise data.val_fraction (now {cfg.data.val_fraction})")
@@ -132,14 +139,16 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
                        f"vocab_size={cfg.model.vocab_size}")
     trainer = Trainer(out, cfg, prepared, progress=progress, log=log)  # may fail: before anything is written
     if init is not None:
-        copied = finetune.load_backbone(trainer.model, init.model, cfg.train.init)
-        log(f"qkv: {copied} tensors from {cfg.train.init}; the head starts fresh")
+        copied, fresh = finetune.load_backbone(trainer.model, init.model, cfg.train.init)
+        log(f"qkv: {copied} tensors from {cfg.train.init}" + ("; the head starts fresh" if fresh else ""))
     if not resume:
         check_plan(trainer, log, confirmed)  # before anything is written
     if not resume and trainer.layout.is_main:  # under torchrun rank 0 alone writes the run dir
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / CONFIG_FILE)
         prepared.tokenizer.save(out / TOKENIZER_FILE)
+        if chat is not None:  # a fine-tuned chat model chats as its init did (qkv chat RUN, qkv serve RUN)
+            run_dir.save_chat(out, chat)
     if resume and not trainer.resume():
         if not (out / "model.safetensors").is_file():
             log(f"{out}: no complete checkpoint yet; starting from step 0")

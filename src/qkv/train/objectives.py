@@ -9,6 +9,7 @@ Every objective has one signature:
 - mlm:     BERT's masked LM on random windows (qkv.data.mlm): CE over the masked positions only
 - seq2seq: teacher forcing on (source, target) line pairs (qkv.data.seq2seq): CE(model(src, tgt_in), labels)
 - classify: labelled passages (qkv.data.genres, qkv.train.classify): CE(model(x), label), one label per row
+- sft:     conversations packed with document masks (qkv.train.sft): CE over the assistant's tokens only
 
 `train.objective = auto` takes the architecture's own: decoder -> lm, encoder -> mlm, encoder-decoder -> seq2seq.
 """
@@ -31,11 +32,11 @@ from qkv.nn.fastpath import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.evaluate import classify as classify_figures, transduction
-from qkv.train import classify
+from qkv.train import classify, sft
 from qkv.parallel.layout import unwrapped
 from qkv.data.sources import prepare_data
 
-def token_streams(cfg, tokenizer: Tokenizer | None):
+def token_streams(cfg, tokenizer: Tokenizer | None, chat=None):
     """The data of the token-stream objectives: qkv.data.sources.prepare_data (a fixed tokenizer or a trained one)."""
     return prepare_data(cfg.data, tokenizer=tokenizer)
 
@@ -46,7 +47,8 @@ class Objective:
     loss: Callable[[nn.Module, tuple[Tensor, ...], float], Tensor]
     model: tuple[str, str]  # the (model.arch, model.head) it trains
     specials: tuple[str, ...] = ()  # tokens added to the tokenizer after its trained vocabulary
-    prepare: Callable[..., object] = token_streams  # (RunConfig, Tokenizer | None) -> data.dataset.Prepared
+    # (RunConfig, Tokenizer | None, Chat | None) -> data.dataset.Prepared; the chat: how the init model chats
+    prepare: Callable[..., object] = token_streams
     report: Callable[..., dict] | None = None  # (Trainer) -> held-out figures for the train summary
     cuts_columns: bool = False  # batches of position-wise (B, T) arrays: train.seq_warmup_steps may cut them
 
@@ -94,6 +96,8 @@ OBJECTIVES.register("seq2seq")(Objective(seq2seq_batches, seq2seq_loss, ("encode
                                          specials=(PAD,), report=transduction.report))
 OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("encoder", "classifier"),
                                           prepare=classify.prepare_passages, report=classify_figures.report))
+
+OBJECTIVES.register("sft")(Objective(sft.batches, sft.loss, ("decoder", "none"), prepare=sft.prepare))
 
 
 def for_run(cfg) -> Objective:
