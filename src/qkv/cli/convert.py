@@ -4,11 +4,15 @@ qkv.formats loading when the command runs.
     qkv convert --from-hf DIR --out RUN      a run dir that qkv generate / eval / train --resume read
     qkv convert --from-gguf F.gguf --out RUN a run dir from a GGUF file (its tokenizer and chat template kept)
     qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN: any format qkv reads)
-    qkv convert RUN --to-gguf F.gguf [--dtype f32|f16|bf16|q8_0|q4_0]   a file llama.cpp and Ollama run"""
+    qkv convert RUN --to-gguf F.gguf [--dtype f32|f16|bf16|q8_0|q4_0]   a file llama.cpp and Ollama run
+    qkv convert RUN --merge-lora --out RUN2  a LoRA run (or RUN with --adapter DIR) with its adapters folded in
+--adapter DIR (a PEFT LoRA adapter) is merged into the model before any of these writes it."""
 from __future__ import annotations
 
 import json
+import sys
 
+from qkv.cli.options import merge_adapter
 from qkv.errors import QkvError
 
 
@@ -28,6 +32,10 @@ def add_parsers(subparsers) -> None:
                               "or 4 bits per group of 32; a Q4_1 file's own weights), loaded later as saved")
     convert.add_argument("--out", metavar="RUN", help="the qkv run directory to create (with --from-hf or "
                                                       "--from-gguf)")
+    convert.add_argument("--merge-lora", action="store_true", help="with RUN and --out: write RUN (a LoRA run, or "
+                         "any model with --adapter) as a plain run dir, W + s B A in each adapted layer")
+    convert.add_argument("--adapter", metavar="DIR", help="a LoRA adapter in PEFT's format to merge into the model "
+                                                         "before it is written")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
@@ -41,20 +49,31 @@ def cmd_convert(args) -> int:
         raise QkvError("--dtype applies to --to-gguf")
     if args.quant and not sources:
         raise QkvError("--quant applies to --from-hf / --from-gguf (a run dir with quantized weights)")
-    if len(sources) == 1 and not targets and not args.run:
+    if args.merge_lora:
+        if sources or targets or not args.run or not args.out:
+            raise QkvError("--merge-lora takes RUN --out RUN2 (then export RUN2 with --to-hf or --to-gguf)")
+        source, out = args.run, merge_into(args.run, args.out, args.adapter)
+    elif len(sources) == 1 and not targets and not args.run:
         flag = "--" + sources[0].replace("_", "-")
         if not args.out:
             raise QkvError(f"convert {flag} needs --out RUN")
         source = getattr(args, sources[0])
         if args.from_hf:
+            if args.adapter:
+                raise QkvError("--adapter with --from-hf: convert the dir first, then merge into the run with "
+                               "RUN --merge-lora --adapter DIR --out RUN2")
             out = hf.convert_from_hf(source, args.out, args.quant or "none")
         else:
             run = gguf.load(source)
+            if args.adapter:
+                print(merge_adapter(run, args.adapter), file=sys.stderr)
             if args.quant:
                 quantize_model(run.model, args.quant)
             out = run_dir.save(run, args.out)
     elif len(targets) == 1 and args.run and not sources and not args.out:
         run = load(args.run)
+        if args.adapter:
+            print(merge_adapter(run, args.adapter), file=sys.stderr)
         held = quantization_of(run.model)
         if held != "none":
             raise QkvError(f"{args.run}: holds {held} weights (qkv convert --quant); export the model it was "
@@ -69,6 +88,24 @@ def cmd_convert(args) -> int:
     else:
         print(f"qkv: wrote {out}")
     return 0
+
+
+def merge_into(source: str, out: str, adapter: str | None):
+    """A LoRA run (merged when it loads) or any model plus a PEFT adapter, written as a plain run dir."""
+    from pathlib import Path
+
+    from qkv.config import RunConfig
+    from qkv.files import CONFIG_FILE
+    from qkv.formats import load, run_dir
+
+    path = Path(source)
+    lora_run = path.is_dir() and (path / CONFIG_FILE).is_file() and bool(RunConfig.load(path / CONFIG_FILE).train.lora)
+    if not lora_run and not adapter:
+        raise QkvError(f"{source}: has no LoRA adapters (not a run trained with --lora); give --adapter DIR")
+    run = load(source)
+    if adapter:
+        print(merge_adapter(run, adapter), file=sys.stderr)
+    return run_dir.save(run, out)
 
 
 COMMANDS = {"convert": cmd_convert}

@@ -115,9 +115,9 @@ def steering(spec: str, model):
 
 
 def require_objective(run, command: str, supported: tuple[str, ...]) -> str:
-    from qkv.models.build import objective_of
+    from qkv.models.build import use_of
 
-    objective = objective_of(run.config)
+    objective = use_of(run.config)
     if objective not in supported:
         raise QkvError(f"qkv {command} supports {' and '.join(supported)} runs; {run.path} is a "
                        f"model.arch={run.config.model.arch!r} run (objective {objective!r})")

@@ -80,6 +80,8 @@ def add_precision(parser) -> None:
     parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
                         help="the linear layers' weights: int8 per row, or 4 bits per group of 32 (GGUF's Q4_1; "
                              "the head in int8); CPU only (default none)")
+    parser.add_argument("--adapter", metavar="DIR", help="a LoRA adapter in PEFT's format (adapter_config.json + "
+                                                         "adapter_model.safetensors), merged into the model first")
 
 
 def apply_precision(run, args, log=None) -> str | None:
@@ -90,6 +92,8 @@ def apply_precision(run, args, log=None) -> str | None:
     from qkv.generate import weights
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    if getattr(args, "adapter", None):
+        log(merge_adapter(run, args.adapter))
     device = next(run.model.parameters()).device
     for warning in weights.check(args.dtype, args.quant, device):
         log(warning)
@@ -98,3 +102,13 @@ def apply_precision(run, args, log=None) -> str | None:
         return None
     log(f"qkv: running at {description}")
     return description
+
+
+def merge_adapter(run, path: str) -> str:
+    """Load the PEFT adapter dir `path` over run.model and fold it into the weights; what was done, in a line."""
+    from qkv.formats import peft
+    from qkv.nn.lora import merge_lora
+
+    spec = peft.load_adapter(run.model, run.config.model, path)
+    merged = merge_lora(run.model)
+    return f"qkv: LoRA adapter {path} merged into {merged} layers (r={spec.r}, alpha={spec.alpha:g})"

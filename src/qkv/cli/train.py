@@ -18,6 +18,9 @@ def add_parsers(sub) -> None:
     train.add_argument("--task", help="a job for the preset (docs/tasks.md): " + "; ".join(
         f"{name}: {TASKS.get(name).summary}" for name in TASKS.names()))
     train.add_argument("--init", metavar="RUN", help="start from this run's weights (all but the head): fine-tuning")
+    train.add_argument("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --init model, e.g. "
+                       "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down (or targets=all-linear); saved in "
+                       "PEFT's format in the run dir (train.lora)")
     train.add_argument("--config", help="JSON file with sections model, train, data, parallel")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override one field, e.g. --set model.n_layers=6 (repeatable)")
@@ -46,8 +49,8 @@ def cmd_train(args) -> int:
     if args.resume:
         if not args.out:
             raise QkvError("--resume needs --out RUN_DIR")
-        if args.task or args.init:
-            raise QkvError("--resume continues a run with its own config; --task and --init start a new one")
+        if args.task or args.init or args.lora:
+            raise QkvError("--resume continues a run with its own config; --task, --init and --lora start a new one")
         reference.check_engine(args.engine, resume=True, max_time=0.0)
         out = Path(args.out)
         with job.claim(out, resume=True):  # one writer per run dir, from before its config is read
@@ -56,8 +59,12 @@ def cmd_train(args) -> int:
             return train_into(args, out, cfg, log)
     preset = args.preset or (tasks.TASKS.get(args.task).preset if args.task else "shakespeare")
     cfg = job.resolve_config(preset=preset, config_file=args.config, overrides=args.set, data=args.data,
-                             max_steps=args.max_steps, max_time=args.max_time, task=args.task, init=args.init)
+                             max_steps=args.max_steps, max_time=args.max_time, task=args.task, init=args.init,
+                             lora=args.lora)
     reference.check_engine(args.engine, resume=False, max_time=cfg.train.max_time)
+    if args.engine == "ref" and (cfg.train.lora or cfg.train.objective == "sft"):
+        raise QkvError("--engine ref trains a model from scratch on a token stream; LoRA and SFT run on the torch "
+                       "engine (--engine torch)")
     out = Path(args.out) if args.out else job.default_out(f"{preset}-{args.task}" if args.task else preset)
     with job.claim(out, resume=False):
         return train_into(args, out, cfg, log)
@@ -65,11 +72,14 @@ def cmd_train(args) -> int:
 
 def train_into(args, out: Path, cfg, log) -> int:
     from qkv.models.build import objective_of
+    from qkv.nn.lora import trainable_count
     from qkv.train import job, reference
 
     trainer, cfg = job.start(out, cfg, resume=args.resume, log=log, progress=not args.quiet, confirmed=args.yes)
-    log(f"qkv: training {sum(p.numel() for p in trainer.model.parameters()):,} parameters into {out} "
-        f"(vocab {cfg.model.vocab_size}, {training_data(trainer.data.train)})")
+    trainable, total = trainable_count(trainer.model)
+    what = f"{total:,} parameters" if trainable == total else \
+        f"{trainable:,} of {total:,} parameters ({trainable / total:.2%}: LoRA {cfg.train.lora})"
+    log(f"qkv: training {what} into {out} (vocab {cfg.model.vocab_size}, {training_data(trainer.data.train)})")
     try:
         summary = reference.run_reference(trainer) if args.engine == "ref" else trainer.run()
     except KeyboardInterrupt:
@@ -81,6 +91,8 @@ def train_into(args, out: Path, cfg, log) -> int:
     if not trainer.layout.is_main:
         return 0
     summary["run"] = str(out)
+    if cfg.train.lora:  # the adapters in PEFT's format, beside the run's own checkpoint
+        log(job.write_adapter(trainer, out))
     summary["val_bits_per_char"] = job.bits_per_char(trainer)
     if trainer.objective.report is not None:  # e.g. a classifier's held-out accuracy and its baselines
         summary.update(trainer.objective.report(trainer))

@@ -24,7 +24,7 @@ from qkv.errors import QkvError
 from qkv.registry import Registry
 from qkv.evaluate.classify import check_data, score_model
 from qkv.formats.base import Run
-from qkv.models.build import objective_of
+from qkv.models.build import use_of
 from qkv.evaluate.scoring import score_run
 from qkv.evaluate.transduction import evaluate_run
 
@@ -33,7 +33,7 @@ MLM_EVAL_SEED = 0  # the masks of `qkv eval` on an MLM run: the same at every ca
 
 
 def evaluate(run: Run, data_paths: list[str], stride: int | None = None) -> dict:
-    return EVALUATORS.get(objective_of(run.config))(run, data_paths, stride)
+    return EVALUATORS.get(use_of(run.config))(run, data_paths, stride)
 
 
 @EVALUATORS.register("lm")

@@ -5,6 +5,7 @@ and `save` writes one from any loaded Run (`qkv convert ... --out RUN`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from qkv.formats.base import Chat, Run, check_vocabulary
 from qkv.formats import chat as model_dir_chat
 from qkv.models import build_model
 from qkv.models.build import check_model
+from qkv.nn.lora import apply_lora, merge_lora, parse_spec
 from qkv.nn.quant import GROUP, QuantLinear, head_of, quantization_of, quantize_model
 
 CHAT_FILE = "chat.json"  # how a converted model chats (qkv.formats.base.Chat)
@@ -54,7 +56,11 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         kind, group, head = quant
         quantize_model(model, kind, group, empty=True, head=head)
         load_quantized(model, tensors, str(model_file))
+    if config.train.lora:  # a LoRA run's checkpoint holds the frozen layers and their adapters: merged here
+        apply_lora(model, parse_spec(config.train.lora))
     files.load_model_tensors(model, tensors, str(model_file))
+    if merge_lora(model):
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))  # what it now is
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer,
                chat=read_chat(path, tokenizer.vocab_size))
 

@@ -84,6 +84,13 @@ def objective_of(cfg) -> str:
     return ARCHITECTURES.get(cfg.model.arch).objective if cfg.train.objective == "auto" else cfg.train.objective
 
 
+def use_of(cfg) -> str:
+    """What a run's model is for once trained (qkv generate, eval, serve): its objective, except that a model
+    fine-tuned by SFT or DPO (qkv.train.sft) is a language model like any other: "lm"."""
+    objective = objective_of(cfg)
+    return "lm" if objective in ("sft", "dpo") else objective
+
+
 def norm(cfg: ModelConfig) -> nn.Module:
     return NORMS.get(cfg.norm)(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 

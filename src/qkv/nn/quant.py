@@ -154,19 +154,36 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         compute = self.compute_dtype or x.dtype
         flat = flat.to(compute) if flat.dtype != compute else flat.contiguous()
-        operands = self.kernel_operands(compute)
-        if self.kind == "int8":
-            y = torch._weight_int8pack_mm(flat, *operands)
-        else:
-            packed, scales_and_zeros = operands
-            y = torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
+        y = QuantProduct.apply(flat, self) if flat.requires_grad and torch.is_grad_enabled() else self.product(flat)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def product(self, flat: Tensor) -> Tensor:
+        """flat (M, in) W^T by the weight-only kernel, in flat's dtype."""
+        operands = self.kernel_operands(flat.dtype)
+        if self.kind == "int8":
+            return torch._weight_int8pack_mm(flat, *operands)
+        packed, scales_and_zeros = operands
+        return torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
+
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind == "int4" else ""
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
+
+
+class QuantProduct(torch.autograd.Function):
+    """y = x W^T through the kernel, with the input's gradient dL/dx = g W (W dequantized for the backward, not
+    kept): what QLoRA needs to train adapters on layers below a quantized one. W itself is frozen."""
+
+    @staticmethod
+    def forward(ctx, flat: Tensor, layer: "QuantLinear") -> Tensor:
+        ctx.layer = layer
+        return layer.product(flat)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad @ ctx.layer.weight.to(grad.dtype), None
 
 
 class Bf16Linear(nn.Module):

@@ -17,6 +17,7 @@ from qkv.data.seq2seq import SEQ2SEQ_TASKS
 from qkv.data.sources import SPLITS
 from qkv.models.build import check_model
 from qkv.errors import QkvError
+from qkv.nn.lora import parse_spec
 from qkv.analysis import calc, memory
 from qkv.parallel import layout as parallel
 from qkv.registry import Registry
@@ -64,7 +65,21 @@ def preflight(cfg: RunConfig, world: int) -> Objective:
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    check_lora(cfg)
     return objective
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """train.lora: a valid spec, on a layout that keeps whole layers and an --init to adapt."""
+    if not cfg.train.lora:
+        return
+    parse_spec(cfg.train.lora)
+    if not cfg.train.init:
+        raise QkvError("train.lora: LoRA adapts a trained model; give --init RUN_OR_GGUF (a fresh model has nothing "
+                       "to keep frozen)")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise QkvError("train.lora runs on data-parallel layouts (parallel.dp, parallel.zero); tensor and pipeline "
+                       "parallel split the layers it wraps")
 
 
 def check_fits(cfg: RunConfig) -> None:

@@ -34,6 +34,9 @@ def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> tuple[int
     tensors = dict(source.named_parameters())
     copied = fresh = 0
     for name, param in model.named_parameters():
+        if ".lora_" in name:  # LoRA's adapters (qkv.nn.lora) start at B = 0: the model itself
+            continue
+        name = name.replace(".base_layer.", ".")  # the frozen layer under an adapter has the plain layer's name
         found = tensors.get(name)
         if found is None:
             if name.startswith(FRESH):

@@ -22,12 +22,13 @@ from qkv.parallel import precision
 from qkv.train.loop import Trainer
 from qkv.train.plan import check_plan
 from qkv.evaluate.tokens import score_tokens
-from qkv.formats import run_dir
+from qkv.formats import peft, run_dir
+from qkv.nn.lora import parse_spec
 
 
 def resolve_config(*, preset: str, config_file: str | None, overrides: list[str], data: list[str],
                    max_steps: int | None, max_time: float | None, task: str | None = None,
-                   init: str | None = None) -> RunConfig:
+                   init: str | None = None, lora: str | None = None) -> RunConfig:
     """preset, then the JSON file's sections, then the --task, then --set, then the dedicated flags. With
     --init, the model's sizes and variants are the init run's (its weights must fit), the head this run's."""
     cfg = presets.get(preset)
@@ -41,6 +42,8 @@ def resolve_config(*, preset: str, config_file: str | None, overrides: list[str]
         cfg = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, init=os.path.abspath(init),
                                                                               seq_len=seq_len))
     cfg = cfg.override(overrides)
+    if lora:  # the spec as qkv writes it (checked here: a bad spec fails before anything is read)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lora=parse_spec(lora).to_text()))
     if data:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=tuple(data)))
     # absolute, so that a resume or `qkv eval` from another working directory reads the same text
@@ -219,3 +222,13 @@ def bits_per_char(trainer: Trainer) -> float | None:
     result = score_tokens(trainer.model, trainer.data.val, characters=trainer.data.val_chars,
                           seq_len=context, stride=max(1, context // 2), device=trainer.device)
     return round(result["bits_per_char"], 4)
+
+
+def write_adapter(trainer: Trainer, out: Path) -> str:
+    """The run's LoRA adapters as a PEFT adapter dir (the run dir itself: adapter_config.json and
+    adapter_model.safetensors); what was written, or why not, in one line."""
+    try:
+        peft.save_adapter(trainer.model, trainer.cfg.model, parse_spec(trainer.cfg.train.lora), out)
+    except QkvError as error:
+        return f"qkv: no PEFT adapter files: {error}"
+    return f"qkv: LoRA adapters in PEFT's format: {out / peft.CONFIG}, {out / peft.WEIGHTS}"

@@ -32,6 +32,7 @@ from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import vocab_parallel_loss
+from qkv.nn.lora import apply_lora, parse_spec
 from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives
 from qkv.parallel import layout as parallel
@@ -42,6 +43,15 @@ from qkv.train.optim import OPTIMIZERS
 from qkv.parallel import precision
 from qkv.parallel.precision import autocast
 from qkv.train.steps import runner_for
+
+
+def trainable_model(cfg: RunConfig) -> torch.nn.Module:
+    """The model a run trains: its config's model, with LoRA adapters over the frozen layers when train.lora is
+    set (qkv.nn.lora; the init run's weights are then copied under them, qkv.train.finetune)."""
+    model = build_model(cfg.model)
+    if cfg.train.lora:
+        apply_lora(model, parse_spec(cfg.train.lora))
+    return model
 
 
 class StepResult(NamedTuple):
@@ -67,7 +77,7 @@ class Trainer:
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
-        self.model = build_model(cfg.model).to(self.device)  # fp32 weights in every precision (master weights)
+        self.model = trainable_model(cfg).to(self.device)  # fp32 weights in every precision (master weights)
         self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
         self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
                                                  if self.device.type == "cuda" else None)
@@ -108,7 +118,7 @@ class Trainer:
             return
         weights = self.runner.full_weights()
         if self.layout.is_main:
-            self.model = build_model(self.cfg.model).to(self.device)
+            self.model = trainable_model(self.cfg).to(self.device)
             files.load_model_tensors(self.model, weights, "the gathered weights")
         parallel.shutdown()
 

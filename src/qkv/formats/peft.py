@@ -1,0 +1,128 @@
+"""LoRA adapters in PEFT's format: a dir with adapter_config.json and adapter_model.safetensors, which
+`peft.PeftModel.from_pretrained(transformers_model, dir)` loads onto the Hugging Face model qkv exports
+(qkv.formats.hf), and which qkv loads onto its own model (`--adapter DIR`, qkv.nn.lora).
+
+Names: qkv's `blocks.3.attn.q_proj` is the HF module `model.layers.3.self_attn.q_proj`, found through the
+family's own export rules (a module whose weight is renamed, not transposed or joined: LLaMA, Qwen2); its
+adapter tensors are `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (r, K) and `...lora_B.weight`
+(N, r), as PEFT writes them. adapter_config.json holds PEFT's LoraConfig fields; qkv reads r, lora_alpha,
+lora_dropout, target_modules and use_rslora, and refuses the options it does not implement (DoRA, biases,
+modules_to_save, per-layer ranks) rather than ignore them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from qkv import files
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+from qkv.formats.hf import exporter
+from qkv.models import build_model
+from qkv.nn.lora import ALL_LINEAR, TARGETS, LoraSpec, adapters, apply_lora, check_spec
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "layers_to_transform": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "target_parameters": None}
+
+
+def module_names(cfg: ModelConfig) -> dict[str, str]:
+    """qkv module name -> HF module name, for every linear layer the family exports by a plain rename."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    tensors = dict(model.named_parameters())
+    hf = exporter(cfg).to_hf(tensors, cfg)
+    by_id = {id(tensor): name for name, tensor in hf.items()}
+    return {name.removesuffix(".weight"): by_id[id(tensor)].removesuffix(".weight")
+            for name, tensor in tensors.items() if name.endswith(".weight") and id(tensor) in by_id}
+
+
+def save_adapter(model: nn.Module, cfg: ModelConfig, spec: LoraSpec, out: str | Path) -> Path:
+    """Write the adapters of `model` into `out` (created if needed; these two files replaced atomically)."""
+    out = Path(out)
+    names = module_names(cfg)
+    tensors = {}
+    for name, layer in adapters(model).items():
+        hf = names.get(name)
+        if hf is None:
+            raise QkvError(f"{name}: this model's Hugging Face layout has no module of its own for it (PEFT adapters "
+                           "are written for the LLaMA and Qwen2 families)")
+        tensors[f"{PREFIX}{hf}.lora_A.weight"] = layer.lora_A.weight.detach().float().cpu().contiguous()
+        tensors[f"{PREFIX}{hf}.lora_B.weight"] = layer.lora_B.weight.detach().float().cpu().contiguous()
+    if not tensors:
+        raise QkvError("the model has no LoRA adapters to save")
+    targets = sorted({key[len(PREFIX):].rsplit(".", 2)[0].rpartition(".")[2] for key in tensors})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
+              "lora_dropout": spec.dropout, "target_modules": targets, "use_rslora": spec.rslora,
+              "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": None, "revision": None,
+              **UNSUPPORTED}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
+    (out / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    os.replace(out / (CONFIG + ".tmp"), out / CONFIG)
+    return out
+
+
+def read_spec(path: Path) -> LoraSpec:
+    file = path / CONFIG
+    if not file.is_file():
+        raise QkvError(f"{path}: not a PEFT adapter (no {CONFIG})")
+    raw = files.read_json(file)
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        raise QkvError(f"{file}: peft_type must be \"LORA\" (qkv reads LoRA adapters)")
+    for key, plain in UNSUPPORTED.items():
+        if raw.get(key, plain) not in (plain, None, {}, False, "none"):
+            raise QkvError(f"{file}: {key}={json.dumps(raw[key])[:60]} is not supported by qkv (only {plain!r})")
+    targets = raw.get("target_modules")
+    if targets == ALL_LINEAR:
+        targets = [ALL_LINEAR]
+    short = {hf: short for short, hf in TARGETS.items()}
+    if not isinstance(targets, list) or not all(t in short or t == ALL_LINEAR for t in targets):
+        raise QkvError(f"{file}: target_modules={json.dumps(targets)[:80]}; qkv reads a list of "
+                       f"{', '.join(TARGETS.values())} or \"all-linear\"")
+    r, alpha, dropout = raw.get("r"), raw.get("lora_alpha"), raw.get("lora_dropout", 0.0)
+    if not isinstance(r, int) or not isinstance(alpha, (int, float)) or not isinstance(dropout, (int, float)):
+        raise QkvError(f"{file}: r must be an integer, lora_alpha and lora_dropout numbers")
+    spec = LoraSpec(r=r, alpha=float(alpha), dropout=float(dropout), rslora=bool(raw.get("use_rslora", False)),
+                    targets=tuple(short.get(t, t) for t in targets))
+    check_spec(spec)
+    return spec
+
+
+def load_adapter(model: nn.Module, cfg: ModelConfig, path: str | Path) -> LoraSpec:
+    """Put the adapters of the PEFT dir `path` over `model`'s layers (qkv.nn.lora.apply_lora) and load them;
+    every adapter tensor must land on a layer, with its shape."""
+    path = Path(path)
+    spec = read_spec(path)
+    if not (path / WEIGHTS).is_file():
+        raise QkvError(f"{path}: no {WEIGHTS}")
+    tensors = files.read_tensors(path / WEIGHTS)
+    names = module_names(cfg)
+    apply_lora(model, spec)
+    found = set()
+    for name, layer in adapters(model).items():
+        hf = names.get(name, name)
+        for part in ("lora_A", "lora_B"):
+            key = f"{PREFIX}{hf}.{part}.weight"
+            param = getattr(layer, part).weight
+            value = tensors.get(key)
+            if value is None:
+                raise QkvError(f"{path / WEIGHTS}: no tensor {key!r} for the target layer {name}")
+            if tuple(value.shape) != tuple(param.shape):
+                raise QkvError(f"{path / WEIGHTS}: {key} has shape {tuple(value.shape)}, the layer needs "
+                               f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+            found.add(key)
+    extra = sorted(set(tensors) - found)
+    if extra:
+        raise QkvError(f"{path / WEIGHTS}: tensors for no layer of this model: {', '.join(extra[:3])}")
+    return spec

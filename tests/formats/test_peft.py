@@ -1,0 +1,122 @@
+"""LoRA adapters in PEFT's format (qkv.formats.peft): peft itself is the oracle both ways."""
+import json
+
+import pytest
+import torch
+
+import qkv
+from qkv.formats import peft as qkv_peft
+from tests.cli.test_main import cli
+from tests.formats.gguf import write_llama
+
+peft = pytest.importorskip("peft", reason="peft is a test dependency (pip install -e .[dev])")
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A tiny llama GGUF, and a LoRA SFT run of it (lr high enough that every B has moved)."""
+    root = tmp_path_factory.mktemp("peft")
+    gguf_file = write_llama(root / "tiny.gguf", kv_heads=2)
+    rows = [{"messages": [{"role": "user", "content": f"n {i}"}, {"role": "assistant", "content": "the moon"}]}
+            for i in range(12)]
+    data = root / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from qkv.cli import main
+
+    rc = main(["train", "--task", "sft", "--init", str(gguf_file), "--data", str(data), "--out", str(root / "run"),
+               "--max-steps", "6", "--lora", "r=4,alpha=8,dropout=0,targets=all-linear", "--set", "train.lr=1e-2",
+               "--set", "train.seq_len=64", "--set", "train.batch_size=4", "--set", "train.precision=fp32",
+               "--set", "train.threads=1", "--quiet", "--no-sample"])
+    assert rc == 0
+    return gguf_file, root / "run"
+
+
+IDS = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def test_peft_loads_qkvs_adapter_with_equal_logits(lora_run):
+    gguf_file, run = lora_run
+    ours = qkv.load(run).model  # the run's adapters, merged at load
+    theirs = peft.PeftModel.from_pretrained(hf_model(gguf_file), str(run)).eval()
+    with torch.no_grad():
+        expected = theirs(IDS).logits
+        torch.testing.assert_close(ours(IDS), expected, rtol=1e-4, atol=1e-4)
+        with theirs.disable_adapter():
+            assert (theirs(IDS).logits - expected).abs().max() > 1e-3  # the adapters changed the function
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_qkv_loads_an_adapter_made_by_peft(tmp_path, rslora):
+    gguf_file = write_llama(tmp_path / "tiny.gguf", kv_heads=2, seed=3)
+    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                             use_rslora=rslora, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(hf_model(gguf_file), config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    run = qkv.load(gguf_file)
+    spec = qkv_peft.load_adapter(run.model, run.config.model, tmp_path / "adapter")
+    assert spec.rslora == rslora and sorted(spec.targets) == ["down", "q", "v"]
+    with torch.no_grad():
+        torch.testing.assert_close(run.model(IDS), model.eval()(IDS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_merge_lora_then_export_keeps_the_logits(lora_run, tmp_path, capsys):
+    gguf_file, run = lora_run
+    expected = qkv.load(run).model(IDS).detach()
+    rc, _, err = cli(capsys, "convert", str(run), "--merge-lora", "--out", str(tmp_path / "merged"))
+    assert rc == 0, err
+    merged = qkv.load(tmp_path / "merged")
+    assert merged.config.train.lora == "" and merged.chat == qkv.load(gguf_file).chat
+    torch.testing.assert_close(merged.model(IDS).detach(), expected, rtol=1e-5, atol=1e-5)
+    assert cli(capsys, "convert", str(tmp_path / "merged"), "--to-hf", str(tmp_path / "hf"))[0] == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    torch.testing.assert_close(hf(IDS).logits.detach(), expected, rtol=1e-4, atol=1e-4)
+    assert cli(capsys, "convert", str(tmp_path / "merged"), "--to-gguf", str(tmp_path / "m.gguf"))[0] == 0
+    torch.testing.assert_close(qkv.load(tmp_path / "m.gguf").model(IDS).detach(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_adapter_equals_the_merged_run(lora_run, capsys):
+    gguf_file, run = lora_run
+    args = ["--prompt", "n 3", "--max-new-tokens", "8", "--strategy", "greedy"]
+    rc, with_adapter, err = cli(capsys, "generate", str(gguf_file), "--adapter", str(run), *args)
+    assert rc == 0 and "LoRA adapter" in err and "merged into 14 layers" in err, err
+    assert with_adapter == cli(capsys, "generate", str(run), *args)[1]
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"use_dora": True}, "use_dora=true is not supported"),
+    ({"peft_type": "IA3"}, "peft_type must be \"LORA\""),
+    ({"target_modules": ["c_attn"]}, "target_modules="),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save="),
+])
+def test_adapter_options_qkv_does_not_implement_are_refused(lora_run, tmp_path, capsys, edit, message):
+    gguf_file, run = lora_run
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = json.loads((run / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    (adapter / "adapter_model.safetensors").write_bytes((run / "adapter_model.safetensors").read_bytes())
+    rc, _, err = cli(capsys, "generate", str(gguf_file), "--adapter", str(adapter), "--prompt", "x")
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_lora_needs_an_init_and_the_torch_engine(tmp_path, capsys):
+    rc, _, err = cli(capsys, "train", "--preset", "tiny", "--lora", "r=4", "--out", str(tmp_path / "a"),
+                     "--max-steps", "1")
+    assert rc == 2 and "give --init" in err, err
+    rc, _, err = cli(capsys, "train", "--preset", "tiny", "--lora", "r=4", "--engine", "ref", "--out",
+                     str(tmp_path / "b"), "--max-steps", "1")
+    assert rc == 2 and "--engine ref" in err, err
+    rc, _, err = cli(capsys, "train", "--preset", "tiny", "--lora", "r=4,targets=lm_head", "--out",
+                     str(tmp_path / "c"), "--max-steps", "1")
+    assert rc == 2 and "target 'lm_head'" in err, err
