@@ -120,3 +120,30 @@ def test_lora_needs_an_init_and_the_torch_engine(tmp_path, capsys):
     rc, _, err = cli(capsys, "train", "--preset", "tiny", "--lora", "r=4,targets=lm_head", "--out",
                      str(tmp_path / "c"), "--max-steps", "1")
     assert rc == 2 and "target 'lm_head'" in err, err
+
+
+@pytest.mark.parametrize("base", ["int8", "int4"])
+def test_qlora_trains_over_a_quantized_base_and_resumes(lora_run, tmp_path, capsys, base):
+    """The run's model is the init's blocks quantized (round trip through the codes) plus the trained adapters."""
+    from qkv.nn.quant import QuantLinear
+
+    gguf_file, _ = lora_run
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"n {i}", "completion": " the moon"}) + "\n" for i in range(12)))
+    out = tmp_path / "run"
+    common = ["--set", "train.seq_len=64", "--set", "train.batch_size=4", "--set", "train.precision=fp32",
+              "--set", "train.threads=1", "--set", "train.lr=1e-2", "--quiet", "--no-sample"]
+    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(gguf_file), "--data", str(data), "--out", str(out),
+                     "--max-steps", "4", "--lora", f"r=4,alpha=8,dropout=0,base={base}", "--set",
+                     "train.checkpoint_every=2", *common)
+    assert rc == 0 and f"base={base}" in err, err
+    expected = qkv.load(gguf_file)
+    with torch.no_grad():
+        for module_name, module in list(expected.model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear) and module_name.startswith("blocks."):
+                    child.weight.copy_(QuantLinear.from_linear(child, base).weight)  # the frozen base it trained on
+    qkv_peft.load_adapter(expected.model, expected.config.model, out)
+    torch.testing.assert_close(qkv.load(out).model(IDS).detach(), expected.model(IDS).detach(), rtol=1e-4, atol=1e-4)
+    rc, _, err = cli(capsys, "train", "--out", str(out), "--resume", "--max-steps", "5", "--quiet", "--no-sample")
+    assert rc == 0 and "resuming from the checkpoint at step 4" in err, err

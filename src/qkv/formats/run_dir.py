@@ -24,7 +24,7 @@ from qkv.formats.base import Chat, Run, check_vocabulary
 from qkv.formats import chat as model_dir_chat
 from qkv.models import build_model
 from qkv.models.build import check_model
-from qkv.nn.lora import apply_lora, merge_lora, parse_spec
+from qkv.nn.lora import lora_model, merge_lora, parse_spec
 from qkv.nn.quant import GROUP, QuantLinear, head_of, quantization_of, quantize_model
 
 CHAT_FILE = "chat.json"  # how a converted model chats (qkv.formats.base.Chat)
@@ -57,7 +57,8 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         quantize_model(model, kind, group, empty=True, head=head)
         load_quantized(model, tensors, str(model_file))
     if config.train.lora:  # a LoRA run's checkpoint holds the frozen layers and their adapters: merged here
-        apply_lora(model, parse_spec(config.train.lora))
+        lora_model(model, parse_spec(config.train.lora), empty=True)
+        load_quantized(model, tensors, str(model_file))  # QLoRA's frozen codes
     files.load_model_tensors(model, tensors, str(model_file))
     if merge_lora(model):
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))  # what it now is

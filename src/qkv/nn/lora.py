@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.nn.quant import QuantLinear
+from qkv.nn.quant import QUANTS, QuantLinear
 from qkv.nn.swap import swap
 
 # the spec's short names -> the last part of qkv's module names (also PEFT's / HF's names for LLaMA and Qwen2)
@@ -43,6 +43,7 @@ class LoraSpec:
     dropout: float = 0.05
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")  # or (ALL_LINEAR,)
     rslora: bool = False
+    base: str = "none"  # QLoRA: the frozen blocks' linear layers held int8 or int4 (qkv.nn.quant)
 
     @property
     def scaling(self) -> float:
@@ -50,7 +51,7 @@ class LoraSpec:
 
     def to_text(self) -> str:
         text = f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
-        return text + (",rslora=true" if self.rslora else "")
+        return text + (",rslora=true" if self.rslora else "") + (f",base={self.base}" if self.base != "none" else "")
 
 
 def parse_spec(text: str) -> LoraSpec:
@@ -63,14 +64,14 @@ def parse_spec(text: str) -> LoraSpec:
         if "=" not in part:
             if key != "targets":
                 raise QkvError(f"--lora {text!r}: {part!r} is not NAME=VALUE (names: r, alpha, dropout, targets, "
-                               "rslora)")
+                               "rslora, base)")
             fields["targets"] += (part,)
             continue
         key, value = (s.strip() for s in part.split("=", 1))
         fields[key] = (value,) if key == "targets" else value
-    unknown = sorted(set(fields) - {"r", "alpha", "dropout", "targets", "rslora"})
+    unknown = sorted(set(fields) - {"r", "alpha", "dropout", "targets", "rslora", "base"})
     if unknown:
-        raise QkvError(f"--lora: unknown field {unknown[0]!r}; choose from r, alpha, dropout, targets, rslora")
+        raise QkvError(f"--lora: unknown field {unknown[0]!r}; choose from r, alpha, dropout, targets, rslora, base")
     try:
         r = int(fields.get("r", 16))
         alpha = float(fields.get("alpha", 2 * r))
@@ -81,7 +82,8 @@ def parse_spec(text: str) -> LoraSpec:
     if rslora not in ("true", "false"):
         raise QkvError(f"--lora: rslora={rslora!r}; true or false")
     targets = tuple(fields.get("targets", LoraSpec.targets))
-    spec = LoraSpec(r=r, alpha=alpha, dropout=dropout, targets=targets, rslora=rslora == "true")
+    spec = LoraSpec(r=r, alpha=alpha, dropout=dropout, targets=targets, rslora=rslora == "true",
+                    base=str(fields.get("base", "none")))
     check_spec(spec)
     return spec
 
@@ -93,6 +95,8 @@ def check_spec(spec: LoraSpec) -> None:
         raise QkvError(f"--lora: alpha={spec.alpha} must be a positive number")
     if not 0.0 <= spec.dropout < 1.0:
         raise QkvError(f"--lora: dropout={spec.dropout} must be in [0, 1)")
+    if spec.base not in QUANTS:
+        raise QkvError(f"--lora: base={spec.base!r}; choose from {', '.join(QUANTS)} (QLoRA: int8 or int4)")
     if spec.targets != (ALL_LINEAR,):
         wrong = [t for t in spec.targets if t not in TARGETS]
         if wrong or not spec.targets:
@@ -144,6 +148,20 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     if not replaced:
         raise QkvError(f"--lora targets={','.join(spec.targets)}: no such linear layer in this model's blocks")
     return [name for name, _ in replaced]
+
+
+def lora_model(model: nn.Module, spec: LoraSpec, *, empty: bool = False) -> list[str]:
+    """`model` made ready for LoRA training or loading: with QLoRA its blocks' linear layers quantized first
+    (`empty`: zero codes of the right shapes, to load saved ones into), then the adapters over the targets."""
+    if spec.base != "none":
+        def quantized(linear: nn.Linear) -> nn.Module:
+            if empty:
+                return QuantLinear.empty(spec.base, linear.in_features, linear.out_features, linear.bias is not None)
+            return QuantLinear.from_linear(linear, spec.base)
+
+        with torch.no_grad():
+            swap(model, lambda name, module: type(module) is nn.Linear and name.startswith("blocks."), quantized)
+    return apply_lora(model, spec)
 
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:

@@ -118,6 +118,19 @@ class QuantLinear(nn.Module):
             codes = pack_nibbles(codes)  # two codes a byte: 0.5 bytes a weight (+ the scale and minimum)
         return cls(kind, w.shape[1], w.shape[0], codes, scale, low, linear.bias)
 
+    @torch.no_grad()
+    def set_weight(self, weight: Tensor) -> None:
+        """Quantize `weight` (N, K) into this layer's codes, scales (and minima): a frozen base taking its values."""
+        if self.kind == "int8":
+            codes, scale = quantize_int8(weight)
+        else:
+            codes, scale, low = quantize_int4(weight, self.group)
+            codes = pack_nibbles(codes)
+            self.low.copy_(low)
+        self.codes.copy_(codes)
+        self.scale.copy_(scale)
+        self._state_changed()
+
     @property
     def group(self) -> int:
         return self.in_features // self.scale.shape[1] if self.kind == "int4" else self.in_features

@@ -29,6 +29,7 @@ from torch import nn
 from qkv.errors import QkvError
 from qkv.files import (CHECKPOINT_FILES, MODEL_FILE, RECORD_FILE, SET_FILES, STATE_JSON, STATE_TENSORS,
                        load_model_tensors, model_tensors, read_json, read_tensors)
+from qkv.formats.run_dir import load_quantized
 
 
 @dataclass
@@ -67,7 +68,9 @@ class Checkpoints:
         if kind == "none":
             return None
         weights = run_dir / MODEL_FILE
-        load_model_tensors(self.model, read_tensors(weights), str(weights))
+        tensors = read_tensors(weights)
+        load_quantized(self.model, tensors, str(weights))  # QLoRA's frozen codes (nothing for other runs)
+        load_model_tensors(self.model, tensors, str(weights))
         if kind == "weights":  # a run with weights only (imported, converted)
             self.log(f"{run_dir}: weights without training state; fine-tuning them from step 0")
             return None

@@ -73,7 +73,10 @@ def check_lora(cfg: RunConfig) -> None:
     """train.lora: a valid spec, on a layout that keeps whole layers and an --init to adapt."""
     if not cfg.train.lora:
         return
-    parse_spec(cfg.train.lora)
+    spec = parse_spec(cfg.train.lora)
+    if spec.base != "none" and cfg.parallel.zero:
+        raise QkvError(f"train.lora base={spec.base} (QLoRA) holds integer codes that ZeRO / FSDP do not shard; use "
+                       "parallel.zero=0 (data parallel keeps a whole copy on each rank)")
     if not cfg.train.init:
         raise QkvError("train.lora: LoRA adapts a trained model; give --init RUN_OR_GGUF (a fresh model has nothing "
                        "to keep frozen)")

@@ -10,6 +10,7 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.formats import load
+from qkv.nn.quant import QuantLinear
 
 FRESH = "head."  # parameters the init run need not have: the new task's head
 
@@ -49,4 +50,12 @@ def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> tuple[int
         with torch.no_grad():
             param.copy_(found)
         copied += 1
+    for name, module in model.named_modules():  # QLoRA: a frozen quantized layer takes the init's weight
+        if isinstance(module, QuantLinear):
+            weight = tensors.get(name.replace(".base_layer", "") + ".weight")
+            if weight is None or tuple(weight.shape) != (module.out_features, module.in_features):
+                raise QkvError(f"--init {origin}: has no weight for {name} of shape "
+                               f"{(module.out_features, module.in_features)}")
+            module.set_weight(weight)
+            copied += 1
     return copied, fresh

@@ -32,7 +32,7 @@ from qkv.config import RunConfig, TrainConfig
 from qkv.data.dataset import Prepared
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import vocab_parallel_loss
-from qkv.nn.lora import apply_lora, parse_spec
+from qkv.nn.lora import lora_model, parse_spec
 from qkv.nn.moe import MoE, aux_loss
 from qkv.train import checkpoint, objectives
 from qkv.parallel import layout as parallel
@@ -50,7 +50,7 @@ def trainable_model(cfg: RunConfig) -> torch.nn.Module:
     set (qkv.nn.lora; the init run's weights are then copied under them, qkv.train.finetune)."""
     model = build_model(cfg.model)
     if cfg.train.lora:
-        apply_lora(model, parse_spec(cfg.train.lora))
+        lora_model(model, parse_spec(cfg.train.lora))
     return model
 
 
