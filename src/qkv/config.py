@@ -175,6 +175,7 @@ class TrainConfig:
     objective: str = "auto"  # auto (from model.arch) | lm | mlm | seq2seq (qkv.train.objectives)
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
     init: str = ""  # a run (qkv or HF dir) whose weights, all but the head, start this one (qkv.train.finetune)
+    dpo_beta: float = 0.1  # objective dpo: beta of r = beta (log pi - log pi_ref) (qkv.train.dpo)
     lora: str = ""  # LoRA adapters over a frozen model (qkv.nn.lora): "r=16,alpha=32,dropout=0.05,targets=q,k,v"; "" off
     # batch size (note 000 LLM §10.2; qkv.schedules): rows ramp linearly from batch_warmup_start to
     # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
@@ -202,7 +203,7 @@ class TrainConfig:
                      "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "seq_warmup_steps", "base_batch",
                      "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
-        for name in ("lr", "eps", "muon_lr"):
+        for name in ("lr", "eps", "muon_lr", "dpo_beta"):
             _positive(f"train.{name}", getattr(self, name))
         if not 0.0 < self.decay_fraction <= 1.0:
             raise QkvError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")

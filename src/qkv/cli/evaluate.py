@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from qkv.cli.generate import require_objective
+from qkv.errors import QkvError
 from qkv.cli.options import add_precision, apply_precision, positive_int, strict_json
 
 
@@ -13,6 +14,9 @@ def add_parsers(sub) -> None:
     evaluate.add_argument("run", help="run directory")
     evaluate.add_argument("--data", action="append", default=[], metavar="PATH",
                           help="score this text instead of the run's validation split")
+    evaluate.add_argument("--task", metavar="FILE.jsonl", help="multiple choice by log-likelihood: rows of "
+                          "{\"context\", \"choices\", \"gold\"}; accuracy, length-normalised accuracy, standard "
+                          "errors (as lm-evaluation-harness scores them)")
     evaluate.add_argument("--stride", type=positive_int, help="sliding-window stride (default: context / 2)")
     evaluate.add_argument("--json", action="store_true")
     add_precision(evaluate)
@@ -27,9 +31,17 @@ def cmd_eval(args) -> int:
     from qkv.formats import load
     from qkv.evaluate import runs as evaluators
 
+    if args.task and (args.data or args.stride):
+        raise QkvError("--task scores its own rows; --data and --stride apply to scoring a text")
     run = load(args.run)
     precision = apply_precision(run, args)
-    result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
+    if args.task:
+        from qkv.evaluate.choice import evaluate_task
+
+        require_objective(run, "eval --task", ("lm",))
+        result = evaluate_task(run, args.task)
+    else:
+        result = evaluators.evaluate(run, args.data, args.stride)  # by the run's objective
     result["precision"] = precision or "fp32 weights"
     print(strict_json(result) if args.json else evaluators.describe(result))
     return 0

@@ -108,6 +108,8 @@ def train_into(args, out: Path, cfg, log) -> int:
 def training_data(train) -> str:
     """What the run trains on, in words: a token stream's tokens, or examples and their tokens."""
     tokens = getattr(train, "tokens", None)
+    if hasattr(train, "chosen"):  # qkv.train.dpo.Pairs
+        return f"{len(train):,} training pairs, {tokens:,} tokens"
     if isinstance(tokens, int):  # qkv.data.sft.Examples
         return f"{len(train):,} training examples, {tokens:,} tokens"
     return f"{len(train):,} training tokens"

@@ -1,6 +1,8 @@
 """`qkv eval`: score a run on its own validation split or on other text, with a sliding window."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from qkv.data.corpus import join, read_documents
@@ -27,5 +29,9 @@ def score_run(run: Run, data_paths: list[str], stride: int | None = None) -> dic
     if stride > context:
         raise QkvError(f"--stride={stride} exceeds the model's context of {context} tokens")
     device = next(run.model.parameters()).device
-    return score_tokens(run.model, text_tokens(run, text), characters=len(text), seq_len=context,
-                        stride=stride, device=device)
+    result = score_tokens(run.model, text_tokens(run, text), characters=len(text), seq_len=context,
+                          stride=stride, device=device)
+    size = len(text.encode("utf-8"))  # bits per byte: comparable across tokenizers and scripts (lm-eval's figure)
+    result["bits_per_byte"] = result["loss"] * result["tokens"] / (math.log(2) * size)
+    result["bytes"] = size
+    return result

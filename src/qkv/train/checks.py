@@ -70,7 +70,11 @@ def preflight(cfg: RunConfig, world: int) -> Objective:
 
 
 def check_lora(cfg: RunConfig) -> None:
-    """train.lora: a valid spec, on a layout that keeps whole layers and an --init to adapt."""
+    """train.lora: a valid spec, on a layout that keeps whole layers and an --init to adapt; SFT and DPO on
+    data-parallel layouts."""
+    if cfg.train.objective in ("sft", "dpo") and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise QkvError(f"train.objective={cfg.train.objective!r} runs on data-parallel layouts (parallel.dp, "
+                       "parallel.zero); its packed or paired rows do not go through tensor or pipeline stages")
     if not cfg.train.lora:
         return
     spec = parse_spec(cfg.train.lora)

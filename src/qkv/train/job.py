@@ -152,6 +152,8 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         prepared.tokenizer.save(out / TOKENIZER_FILE)
         if chat is not None:  # a fine-tuned chat model chats as its init did (qkv chat RUN, qkv serve RUN)
             run_dir.save_chat(out, chat)
+    if objective.setup is not None:  # e.g. DPO's reference log-probabilities, by the init model as it starts
+        objective.setup(trainer, resume)
     if resume and not trainer.resume():
         if not (out / "model.safetensors").is_file():
             log(f"{out}: no complete checkpoint yet; starting from step 0")

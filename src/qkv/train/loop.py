@@ -59,6 +59,7 @@ class StepResult(NamedTuple):
     grad_norm: float  # global L2 norm before clipping
     skipped: bool  # not finite: no update
     aux_loss: float = math.nan  # mean MoE balance loss (nan without MoE)
+    extras: dict | None = None  # what the objective recorded (DPO's rewards), batch means
 
 
 class Trainer:
@@ -81,6 +82,7 @@ class Trainer:
         self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
         self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
                                                  if self.device.type == "cuda" else None)
+        self.autocast = lambda: autocast(self.device, self.tc.precision)  # the training forward's precision
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.tc.precision == "fp16",
                                            growth_interval=self.tc.loss_scale_window)
         # wraps the model (or its stage) from outside; a pipeline stage keeps only its own parameters
@@ -134,8 +136,13 @@ class Trainer:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         # under data parallel `batch` is this rank's b / dp rows; DDP / FSDP2 average the gradients over
         # the ranks (note 000 LLM §7.1), which makes g the gradient of the global batch
+        recorder = self.objective.recorder
+        if recorder is not None:
+            recorder.take()  # drop what an evaluation recorded
         total, aux_total = self.runner.forward_backward(batch, self.backward)
         total, aux_total = self.layout.dp_mean(total), self.layout.dp_mean(aux_total)  # global batch means
+        extras = {} if recorder is None else {name: self.layout.dp_mean(value).item()
+                                               for name, value in recorder.take().items()}
         self.scaler.unscale_(self.optimizer)  # fp16: g / S, recording whether any is inf or NaN
         norm = self.runner.clip(self.tc.grad_clip if self.tc.grad_clip > 0 else math.inf)  # over every shard
         loss_value, norm_value = total.item(), norm.item()
@@ -146,7 +153,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.guards.count_skip(self.state, skipped, loss_value, norm_value,
                                self.scaler.get_scale() if self.scaler.is_enabled() else None)
-        return StepResult(loss_value, norm_value, skipped, aux_total.item() if self.has_moe else math.nan)
+        return StepResult(loss_value, norm_value, skipped, aux_total.item() if self.has_moe else math.nan, extras)
 
     def backward(self, module: torch.nn.Module, micro: tuple[torch.Tensor, ...],
                  share: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +236,7 @@ class Trainer:
             rate = clock.rate()
             self.write(logs, step=state.step, loss=result.loss, val_loss=val, lr=lr, grad_norm=result.grad_norm,
                        tokens_per_s=rate, elapsed_s=state.elapsed, batch_size=rows, seq_len=cols,
-                       aux_loss=result.aux_loss, **self.utilisation(rate))
+                       aux_loss=result.aux_loss, **self.utilisation(rate), **(result.extras or {}))
             bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         self.guards.check_bad_steps(state, self.saved_step)
         bar.total = schedules.known_horizon(tc, state.horizon)

@@ -3,7 +3,8 @@ same scalars as TensorBoard event files (train.tensorboard, when the tensorboard
 
 Columns past elapsed_s: batch_size and seq_len (rows and columns used: the batch-size and sequence-length
 warmups), skipped and spikes (running counts of skipped non-finite steps and of loss spikes), loss_scale
-(fp16 only), aux_loss (MoE only).
+(fp16 only), aux_loss (MoE only), and DPO's reward_chosen, reward_rejected, reward_margin and reward_accuracy
+(qkv.train.dpo; empty for other objectives).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "batch_size", "seq_len",
-           "skipped", "spikes", "loss_scale", "aux_loss", "flops_per_s", "mfu")
+           "skipped", "spikes", "loss_scale", "aux_loss", "flops_per_s", "mfu", "reward_chosen", "reward_rejected",
+           "reward_margin", "reward_accuracy")
 TENSORBOARD_DIR = "tensorboard"
 
 

@@ -10,6 +10,7 @@ Every objective has one signature:
 - seq2seq: teacher forcing on (source, target) line pairs (qkv.data.seq2seq): CE(model(src, tgt_in), labels)
 - classify: labelled passages (qkv.data.genres, qkv.train.classify): CE(model(x), label), one label per row
 - sft:     conversations packed with document masks (qkv.train.sft): CE over the assistant's tokens only
+- dpo:     preference pairs (qkv.train.dpo): -log sigma(beta (log-ratio of chosen - log-ratio of rejected))
 
 `train.objective = auto` takes the architecture's own: decoder -> lm, encoder -> mlm, encoder-decoder -> seq2seq.
 """
@@ -32,7 +33,7 @@ from qkv.nn.fastpath import has_hooks
 from qkv.nn.linear_cross_entropy import cross_entropy, head_cross_entropy, target_rows
 from qkv.registry import Registry
 from qkv.evaluate import classify as classify_figures, transduction
-from qkv.train import classify, sft
+from qkv.train import classify, dpo, sft
 from qkv.parallel.layout import unwrapped
 from qkv.data.sources import prepare_data
 
@@ -51,6 +52,8 @@ class Objective:
     prepare: Callable[..., object] = token_streams
     report: Callable[..., dict] | None = None  # (Trainer) -> held-out figures for the train summary
     cuts_columns: bool = False  # batches of position-wise (B, T) arrays: train.seq_warmup_steps may cut them
+    setup: Callable[..., None] | None = None  # (Trainer, resume) before the first step (DPO's reference)
+    recorder: object | None = None  # take() -> {name: tensor}: statistics the loss records, logged each step
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -98,6 +101,8 @@ OBJECTIVES.register("classify")(Objective(classify.batches, classify.loss, ("enc
                                           prepare=classify.prepare_passages, report=classify_figures.report))
 
 OBJECTIVES.register("sft")(Objective(sft.batches, sft.loss, ("decoder", "none"), prepare=sft.prepare))
+OBJECTIVES.register("dpo")(Objective(dpo.batches, dpo.loss, ("decoder", "none"), prepare=dpo.prepare, setup=dpo.setup,
+                                     recorder=dpo.RECORDER, report=dpo.report))
 
 
 def for_run(cfg) -> Objective:

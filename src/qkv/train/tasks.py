@@ -51,3 +51,17 @@ def supervised_fine_tuning(cfg: RunConfig) -> RunConfig:
 
 TASKS.register("sft")(Task("shakespeare", supervised_fine_tuning,
                            "chat SFT of --init RUN_OR_GGUF on --data FILE.jsonl (messages or prompt/completion rows)"))
+
+
+def preference_tuning(cfg: RunConfig) -> RunConfig:
+    """DPO of an --init model on --data PAIRS.jsonl ({"prompt", "chosen", "rejected"}; qkv.train.dpo): beta 0.1,
+    a small learning rate (the reference is the init itself), pairs of up to 256 tokens a side."""
+    train = dataclasses.replace(cfg.train, objective="dpo", batch_size=8, seq_len=256, max_steps=100, max_time=600.0,
+                                optimizer="adamw", lr=5e-6, min_lr=5e-7, schedule="cosine", warmup_steps=5,
+                                weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
+                                seq_warmup_steps=0, batch_warmup_steps=0, dpo_beta=0.1)
+    return dataclasses.replace(cfg, train=train)
+
+
+TASKS.register("dpo")(Task("shakespeare", preference_tuning,
+                           "DPO of --init RUN_OR_GGUF on --data PAIRS.jsonl (prompt, chosen, rejected rows)"))
