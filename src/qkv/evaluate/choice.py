@@ -59,19 +59,26 @@ def continuation_logprob(model, context_ids: list[int], continuation_ids: list[i
     return -F.cross_entropy(logits, targets, reduction="sum").item()
 
 
-def evaluate_task(run: Run, path: str) -> dict:
-    rows = read_task(path)
+def choice_scores(run: Run, rows) -> list[np.ndarray]:
+    """Each row's ll_i (nats), one per choice."""
     model, tokenizer = run.model.eval(), run.tokenizer
     device = next(model.parameters()).device
     window = run.config.model.max_seq_len
-    hits, hits_norm = [], []
-    for _, context, choices, gold in rows:
+    out = []
+    for _, context, choices, _ in rows:
         scores = []
         for choice in choices:
             context_ids, continuation_ids = encode_pair(tokenizer, context, choice)
             context_ids = context_ids or [tokenizer.eos_id]  # an empty context: the start-of-text token
             scores.append(continuation_logprob(model, context_ids, continuation_ids, window, device))
-        scores = np.array(scores)
+        out.append(np.array(scores))
+    return out
+
+
+def evaluate_task(run: Run, path: str) -> dict:
+    rows = read_task(path)
+    hits, hits_norm = [], []
+    for (_, _, choices, gold), scores in zip(rows, choice_scores(run, rows)):
         hits.append(float(np.argmax(scores) == gold))
         hits_norm.append(float(np.argmax(scores / np.array([len(c) for c in choices])) == gold))
     return {"task": path, "rows": len(rows), "acc": float(np.mean(hits)), "acc_stderr": stderr(hits),
