@@ -88,7 +88,8 @@ def test_packed_losses_equal_each_conversation_alone(tiny, family):
         examples.add(*sft.encode_conversation(template, messages, f"row {i}"), f"row {i}")
     longest = max(len(ids) for ids in examples.ids)
     batches = PackedBatches(examples, longest + 20, 2, seed=0, pad_id=run.tokenizer.eos_id)
-    inputs, targets, documents = (torch.from_numpy(a) for a in batches.next())
+    inputs, targets, documents, scale = (torch.from_numpy(a) for a in batches.next())
+    assert scale[0] == pytest.approx(inputs.shape[0] / int((targets != IGNORE).sum()))
     assert documents.max() >= 1  # a row holds more than one conversation
     with torch.no_grad():
         logits = model(inputs, documents=documents)
@@ -104,8 +105,8 @@ def test_packed_losses_equal_each_conversation_alone(tiny, family):
                     alone.append(losses[wanted != IGNORE])
         alone = torch.cat(alone)
         torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(sft.loss(model, (inputs, targets, documents), 0.0), alone.mean(), rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(sft.loss(model, (inputs, targets, documents, scale), 0.0), alone.mean(),
+                                   rtol=1e-5, atol=1e-6)  # the whole batch: the mean over its trained tokens
 
 
 def test_every_example_once_per_epoch_and_the_state_resumes():
@@ -116,7 +117,7 @@ def test_every_example_once_per_epoch_and_the_state_resumes():
     seen = []
     while batches.epoch == 0:
         state = batches.state()
-        inputs, _, documents = batches.next()
+        inputs, _, documents, _ = batches.next()
         for row, docs in zip(inputs, documents):
             seen += [int(row[docs == d][0]) for d in np.unique(docs) if row[docs == d][0] != 99]
     assert sorted(seen[:7]) == list(range(7))  # the first epoch: each example once, never cut

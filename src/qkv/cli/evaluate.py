@@ -15,8 +15,9 @@ def add_parsers(sub) -> None:
     evaluate.add_argument("--data", action="append", default=[], metavar="PATH",
                           help="score this text instead of the run's validation split")
     evaluate.add_argument("--task", metavar="FILE.jsonl", help="multiple choice by log-likelihood: rows of "
-                          "{\"context\", \"choices\", \"gold\"}; accuracy, length-normalised accuracy, standard "
-                          "errors (as lm-evaluation-harness scores them)")
+                          "{\"context\", \"choices\", \"gold\"}, or shakespeare-cloze (which of four lines comes "
+                          "next in a held-out play); accuracy, length-normalised accuracy, standard errors (as "
+                          "lm-evaluation-harness scores them)")
     evaluate.add_argument("--stride", type=positive_int, help="sliding-window stride (default: context / 2)")
     evaluate.add_argument("--json", action="store_true")
     add_precision(evaluate)

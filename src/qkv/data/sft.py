@@ -100,10 +100,15 @@ class PackedBatches:
         documents[used:] = doc  # the padding: a document of its own, never seen by the examples
         return inputs, targets, documents
 
-    def next(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def next(self) -> tuple[np.ndarray, ...]:
+        """inputs, targets, documents (B, T) int64 and scale (B,) float32 = B / (trained tokens of the batch): the
+        loss of a micro-batch of b rows is sum(losses) * scale / b, so that the step's loss and gradient are the
+        mean over all the batch's trained tokens however the rows are split (accumulation, data parallel)."""
         rows = [self._row() for _ in range(self.batch_size)]
         self.drawn += 1
-        return tuple(np.stack(parts) for parts in zip(*rows))
+        inputs, targets, documents = (np.stack(parts) for parts in zip(*rows))
+        scale = np.full(self.batch_size, self.batch_size / max(1, int((targets != IGNORE).sum())), dtype=np.float32)
+        return inputs, targets, documents, scale
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "batches": self.drawn, "seq_len": self.seq_len,

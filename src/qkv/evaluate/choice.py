@@ -18,14 +18,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qkv.data.cloze import cloze_rows
 from qkv.data.corpus import read_json_rows
 from qkv.errors import QkvError
 from qkv.formats.base import Run
 
 
+BUILT_IN = {"shakespeare-cloze": cloze_rows}  # tasks qkv ships, built from the bundled corpus (qkv.data.cloze)
+
+
 def read_task(path: str) -> list[tuple[str, str, list[str], int]]:
+    """A task's rows: a .jsonl(.gz) file, or the name of a task qkv ships (BUILT_IN)."""
+    if path in BUILT_IN:
+        records = [(f"{path}:{k + 1}", row) for k, row in enumerate(BUILT_IN[path]())]
+    else:
+        records = read_json_rows(path)
     rows = []
-    for origin, record in read_json_rows(path):
+    for origin, record in records:
         context, choices, gold = record.get("context"), record.get("choices"), record.get("gold")
         if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
                 or not all(isinstance(c, str) and c for c in choices):

@@ -75,6 +75,9 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.train.objective in ("sft", "dpo") and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         raise QkvError(f"train.objective={cfg.train.objective!r} runs on data-parallel layouts (parallel.dp, "
                        "parallel.zero); its packed or paired rows do not go through tensor or pipeline stages")
+    if cfg.train.objective in ("sft", "dpo") and cfg.train.batch_warmup_steps:
+        raise QkvError(f"train.batch_warmup_steps: train.objective={cfg.train.objective!r} weighs each batch's "
+                       "tokens whole; set it to 0")
     if not cfg.train.lora:
         return
     spec = parse_spec(cfg.train.lora)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from qkv.errors import QkvError
+from qkv.files import shard_like
 from qkv.formats import load
 from qkv.nn.quant import QuantLinear
 
@@ -48,7 +49,7 @@ def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> tuple[int
             raise QkvError(f"--init {origin}: {name} has shape {tuple(found.shape)}, this model needs "
                            f"{tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(found)
+            param.copy_(shard_like(found, param))  # FSDP2 / tensor parallel: this rank's shard
         copied += 1
     for name, module in model.named_modules():  # QLoRA: a frozen quantized layer takes the init's weight
         if isinstance(module, QuantLinear):

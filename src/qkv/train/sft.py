@@ -139,8 +139,12 @@ def batches(examples, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed
 
 
 def loss(model: nn.Module, batch: tuple[Tensor, ...], label_smoothing: float) -> Tensor:
-    """The mean cross-entropy over the batch's trained tokens: L = -sum m log p / sum m (qkv.data.sft)."""
-    inputs, targets, documents = batch  # (B, T) each
-    hidden = model(inputs, head=False, documents=documents)  # (B, T, D)
+    """The cross-entropy of the micro-batch's trained tokens, summed and scaled so that the step's loss is
+    L = -sum m log p / sum m over the whole batch (qkv.data.sft: PackedBatches' scale)."""
+    inputs, targets, documents, scale = batch  # (b, T) x 3, (b,)
+    hidden = model(inputs, head=False, documents=documents)  # (b, T, D)
     hidden, targets = target_rows(hidden, targets)  # (n, D), (n,): the head on the trained positions only
-    return head_cross_entropy(unwrapped(model).lm_head, hidden, targets, label_smoothing)
+    if len(targets) == 0:  # rows without a trained token (possible only in a tiny batch): nothing to learn
+        return hidden.sum() * 0.0
+    mean = head_cross_entropy(unwrapped(model).lm_head, hidden, targets, label_smoothing)
+    return mean * (len(targets) * scale[0] / inputs.shape[0])
