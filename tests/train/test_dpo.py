@@ -129,3 +129,16 @@ def test_a_bad_pair_is_named(pairs_file, tmp_path, capsys, row, message):
     rc, _, err = cli(capsys, "train", "--task", "dpo", "--init", str(init), "--data", str(data), "--out",
                      str(tmp_path / "run"), "--max-steps", "1", "--quiet")
     assert rc == 2 and "pairs.jsonl:1: " in err and message in err, err
+
+
+def test_options_that_do_not_apply_are_refused(pairs_file, tmp_path, capsys):
+    init, data = pairs_file
+    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(init), "--data", str(data), "--set",
+                     "train.dpo_beta=0.5", "--out", str(tmp_path / "a"), "--max-steps", "1")
+    assert rc == 2 and "train.dpo_beta=0.5 applies to train.objective='dpo'" in err, err
+    rc, _, err = cli(capsys, "train", "--task", "dpo", "--init", str(init), "--data", str(data), "--set",
+                     "train.label_smoothing=0.1", "--out", str(tmp_path / "b"), "--max-steps", "1")
+    assert rc == 2 and "train.label_smoothing=0.1" in err, err
+    rc, _, err = cli(capsys, "train", "--task", "dpo", "--init", str(init), "--data", str(data), "--set",
+                     "parallel.tp=2", "--out", str(tmp_path / "c"), "--max-steps", "1")
+    assert rc == 2 and "data-parallel layouts" in err, err

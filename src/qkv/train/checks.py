@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from qkv.config import RunConfig, choice
+from qkv.config import RunConfig, TrainConfig, choice
 from qkv.data.corpus import BUNDLED_CORPORA, SPELLINGS
 from qkv.data.seq2seq import SEQ2SEQ_TASKS
 from qkv.data.sources import SPLITS
@@ -60,12 +60,12 @@ def preflight(cfg: RunConfig, world: int) -> Objective:
     launch's `world` processes, the memory one step needs, the objective against the model, the lengths.
     Returns the objective it will train."""
     check_run(cfg)
+    check_lora(cfg)  # before the layout: an adaptation the layout cannot run is refused for that reason
     parallel.check_layout(cfg, world)  # a mis-sized layout fails before the data is read
     check_fits(cfg)
     objective = objectives.for_run(cfg)  # before the tokenization: a model the objective cannot train fails fast
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise QkvError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    check_lora(cfg)
     return objective
 
 
@@ -75,6 +75,9 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.train.objective in ("sft", "dpo") and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         raise QkvError(f"train.objective={cfg.train.objective!r} runs on data-parallel layouts (parallel.dp, "
                        "parallel.zero); its packed or paired rows do not go through tensor or pipeline stages")
+    if cfg.train.dpo_beta != TrainConfig.dpo_beta and cfg.train.objective != "dpo":
+        raise QkvError(f"train.dpo_beta={cfg.train.dpo_beta} applies to train.objective='dpo' (this run: "
+                       f"{cfg.train.objective!r})")
     if cfg.train.objective in ("sft", "dpo") and cfg.train.batch_warmup_steps:
         raise QkvError(f"train.batch_warmup_steps: train.objective={cfg.train.objective!r} weighs each batch's "
                        "tokens whole; set it to 0")

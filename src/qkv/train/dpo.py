@@ -124,8 +124,9 @@ class PairBatches:
         self.pairs, self.seq_len, self.batch_size, self.seed = pairs, seq_len, batch_size, seed
         self.pad_id, self.beta = pad_id, beta
         self.epoch, self.cursor, self.drawn = 0, 0, 0
+        self._order = self._permutation()
 
-    def _order(self) -> np.ndarray:
+    def _permutation(self) -> np.ndarray:
         return np.random.Generator(np.random.PCG64(self.seed + self.epoch)).permutation(len(self.pairs))
 
     def next(self) -> tuple[np.ndarray, ...]:
@@ -133,7 +134,8 @@ class PairBatches:
         while len(index) < self.batch_size:
             if self.cursor == len(self.pairs):
                 self.epoch, self.cursor = self.epoch + 1, 0
-            index.append(int(self._order()[self.cursor]))
+                self._order = self._permutation()
+            index.append(int(self._order[self.cursor]))
             self.cursor += 1
         self.drawn += 1
         return rows(self.pairs, index, self.seq_len, self.pad_id, self.beta)
@@ -147,6 +149,7 @@ class PairBatches:
         if {key: state.get(key) for key in mine} != mine:
             raise QkvError(f"data state is for {({key: state.get(key) for key in mine})}; this run has {mine}")
         self.epoch, self.cursor, self.drawn = int(state["epoch"]), int(state["cursor"]), int(state["batches"])
+        self._order = self._permutation()
 
 
 def batches(pairs, tokenizer: Tokenizer | None, cfg, *, batch_size: int, seed: int) -> PairBatches:
