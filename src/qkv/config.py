@@ -176,7 +176,7 @@ class TrainConfig:
     mask_prob: float = 0.15  # objective mlm: share of tokens predicted (BERT: 80% [MASK], 10% random, 10% kept)
     init: str = ""  # a run (qkv or HF dir) whose weights, all but the head, start this one (qkv.train.finetune)
     dpo_beta: float = 0.1  # objective dpo: beta of r = beta (log pi - log pi_ref) (qkv.train.dpo)
-    lora: str = ""  # LoRA adapters over a frozen model (qkv.nn.lora): "r=16,alpha=32,dropout=0.05,targets=q,k,v"; "" off
+    lora: str = ""  # LoRA over the frozen model (qkv.nn.lora): "r=16,alpha=32,dropout=0.05,targets=q,k,v"; "" off
     # batch size (note 000 LLM §10.2; qkv.schedules): rows ramp linearly from batch_warmup_start to
     # batch_size over batch_warmup_steps (0: off); lr_scaling multiplies the LR by rows / base_batch (linear)
     batch_warmup_steps: int = 0

@@ -70,4 +70,5 @@ def test_positions_restart_and_the_mask_is_block_causal():
 def test_documents_refuse_a_cache(tiny_cfg):
     model = build_model(tiny_cfg).eval()
     with pytest.raises(ValueError, match="KV cache"):
-        model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 8), documents=torch.zeros(1, 4, dtype=torch.long))
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        model(ids, cache=model.new_cache(1, 8), documents=torch.zeros_like(ids))

@@ -175,7 +175,8 @@ def test_sft_trains_resumes_and_chats_as_its_init(tiny, tmp_path, capsys):
     summary = json.loads(stdout)
     metrics = (out / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
-    losses = [float(line.split(",")[header.index("loss")]) for line in metrics[1:] if line.split(",")[header.index("loss")]]
+    column = header.index("loss")
+    losses = [float(line.split(",")[column]) for line in metrics[1:] if line.split(",")[column]]
     assert losses[-1] < 0.5 * losses[0] and summary["val_loss"] < 0.5 * losses[0], losses  # the reply is learnt
     trained = qkv.load(out)
     assert trained.chat == run.chat  # chat.json: it chats with its init's template and stops

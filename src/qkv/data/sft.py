@@ -70,7 +70,8 @@ class PackedBatches:
         if len(examples) == 0:
             raise QkvError("no examples to train on")
         examples.check_fits(seq_len)
-        self.examples, self.seq_len, self.batch_size, self.seed, self.pad_id = examples, seq_len, batch_size, seed, pad_id
+        self.examples, self.seq_len, self.batch_size = examples, seq_len, batch_size
+        self.seed, self.pad_id = seed, pad_id
         self.epoch, self.cursor, self.drawn = 0, 0, 0
         self._order = self._permutation(0)
 

@@ -69,7 +69,8 @@ def read_pairs(paths, tokenizer: Tokenizer, chat: Chat) -> Pairs:
     for path in paths:
         for origin, record in read_json_rows(path):
             if not all(key in record for key in ("prompt", "chosen", "rejected")):
-                raise QkvError(f"{origin}: expected {{\"prompt\", \"chosen\", \"rejected\"}} (text, or lists of messages)")
+                raise QkvError(f"{origin}: expected {{\"prompt\", \"chosen\", \"rejected\"}} (text, or lists of "
+                               "messages)")
             if record["chosen"] == record["rejected"]:
                 raise QkvError(f"{origin}: chosen and rejected are the same; the pair prefers nothing")
             for part, key in ((pairs.chosen, "chosen"), (pairs.rejected, "rejected")):
@@ -85,7 +86,8 @@ def prepare(cfg, tokenizer: Tokenizer | None, chat: Chat | None = None) -> Prepa
     if not cfg.train.init:
         raise QkvError("train.objective='dpo' tunes a model against itself: give --init RUN_OR_GGUF")
     if not cfg.data.paths:
-        raise QkvError("train.objective='dpo' needs --data PAIRS.jsonl (rows of {\"prompt\", \"chosen\", \"rejected\"})")
+        raise QkvError("train.objective='dpo' needs --data PAIRS.jsonl (rows of {\"prompt\", \"chosen\", "
+                       "\"rejected\"})")
     if cfg.train.label_smoothing:
         raise QkvError(f"train.label_smoothing={cfg.train.label_smoothing}: DPO's loss is the pair's logistic loss "
                        "(set it to 0)")
@@ -111,7 +113,8 @@ def rows(pairs: Pairs, index, seq_len: int, pad_id: int, beta: float) -> tuple[n
         for side, part in enumerate((pairs.chosen, pairs.rejected)):
             n = len(part.ids[i])
             inputs[row, side, :n], targets[row, side, :n], documents[row, side, :n] = part.ids[i], part.targets(i), 0
-    reference = np.zeros((B, 2), dtype=np.float32) if pairs.reference is None else pairs.reference[index].astype(np.float32)
+    reference = np.zeros((B, 2)) if pairs.reference is None else pairs.reference[index]
+    reference = reference.astype(np.float32)
     return inputs, targets, documents, reference, np.full(B, beta, dtype=np.float32)
 
 
@@ -215,7 +218,8 @@ def reference_logps(model: nn.Module, pairs: Pairs, seq_len: int, pad_id: int, d
     out = np.zeros((len(pairs), 2), dtype=np.float64)
     for start in range(0, len(pairs), batch_size):
         index = list(range(start, min(start + batch_size, len(pairs))))
-        inputs, targets, documents, _, _ = (torch.from_numpy(a).to(device) for a in rows(pairs, index, seq_len, pad_id, 0.0))
+        arrays = rows(pairs, index, seq_len, pad_id, 0.0)
+        inputs, targets, documents = (torch.from_numpy(a).to(device) for a in arrays[:3])
         with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
             logps = sequence_logps(model, inputs.flatten(0, 1), targets.flatten(0, 1), documents.flatten(0, 1))
         out[start:start + len(index)] = logps.view(-1, 2).double().cpu().numpy()

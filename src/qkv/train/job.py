@@ -133,7 +133,8 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
         prepared = objective.prepare(cfg, None)
         prepared.tokenizer.add_specials(objective.specials)  # MASK / PAD after the trained ids; V counts them
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
-    if isinstance(prepared.val, np.ndarray) and len(prepared.val) <= cfg.train.seq_len + 1:  # else the final evaluation fails after all the training
+    short = isinstance(prepared.val, np.ndarray) and len(prepared.val) <= cfg.train.seq_len + 1  # a token stream
+    if short:  # else the final evaluation fails after all the training
         raise QkvError(f"validation split too short: {len(prepared.val)} tokens, but train.seq_len="
                        f"{cfg.train.seq_len} needs more than {cfg.train.seq_len + 1}; give more text "
                        f"or raise data.val_fraction (now {cfg.data.val_fraction})")
