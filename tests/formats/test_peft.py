@@ -147,3 +147,20 @@ def test_qlora_trains_over_a_quantized_base_and_resumes(lora_run, tmp_path, caps
     torch.testing.assert_close(qkv.load(out).model(IDS).detach(), expected.model(IDS).detach(), rtol=1e-4, atol=1e-4)
     rc, _, err = cli(capsys, "train", "--out", str(out), "--resume", "--max-steps", "5", "--quiet", "--no-sample")
     assert rc == 0 and "resuming from the checkpoint at step 4" in err, err
+
+
+def test_a_qwen2_hf_dir_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
+    """--init from a Hugging Face dir (a Qwen2: Q/K/V biases, which LoRA leaves frozen) to peft's own reading."""
+    gguf_file = write_llama(tmp_path / "qwen.gguf", arch="qwen2", seed=5)
+    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(tmp_path / "hf"))[0] == 0
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"n {i}", "completion": " the moon"}) + "\n" for i in range(8)))
+    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(tmp_path / "hf"), "--data", str(data), "--out",
+                     str(tmp_path / "run"), "--max-steps", "4", "--lora", "r=4,alpha=8,dropout=0,targets=q,k,v,o",
+                     "--set", "train.lr=1e-2", "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set",
+                     "train.precision=fp32", "--quiet", "--no-sample")
+    assert rc == 0, err
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.load(tmp_path / "run").model(IDS), theirs(IDS).logits, rtol=1e-4, atol=1e-4)
