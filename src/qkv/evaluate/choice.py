@@ -68,18 +68,31 @@ def continuation_logprob(model, context_ids: list[int], continuation_ids: list[i
     return -F.cross_entropy(logits, targets, reduction="sum").item()
 
 
+@torch.no_grad()
 def choice_scores(run: Run, rows) -> list[np.ndarray]:
-    """Each row's ll_i (nats), one per choice."""
+    """Each row's ll_i (nats), one per choice: a row's choices in one forward, right-padded (a causal model's
+    outputs at a position never see the positions after it, so the padding changes nothing)."""
     model, tokenizer = run.model.eval(), run.tokenizer
     device = next(model.parameters()).device
     window = run.config.model.max_seq_len
     out = []
     for _, context, choices, _ in rows:
-        scores = []
+        sequences, counts = [], []
         for choice in choices:
             context_ids, continuation_ids = encode_pair(tokenizer, context, choice)
+            if not continuation_ids:
+                raise QkvError("a choice encodes to no tokens")
             context_ids = context_ids or [tokenizer.eos_id]  # an empty context: the start-of-text token
-            scores.append(continuation_logprob(model, context_ids, continuation_ids, window, device))
+            sequences.append((context_ids + continuation_ids)[-(window + 1):])
+            counts.append(len(continuation_ids))
+        width = max(len(ids) for ids in sequences) - 1
+        x = torch.tensor([ids[:-1] + [tokenizer.eos_id] * (width + 1 - len(ids)) for ids in sequences], device=device)
+        logprobs = model(x).float().log_softmax(-1)  # (choices, width, V)
+        scores = []
+        for i, (ids, n) in enumerate(zip(sequences, counts)):
+            end = len(ids) - 1  # positions 0 .. end - 1 predict ids[1:]
+            targets = torch.tensor(ids[-n:], device=device)
+            scores.append(logprobs[i, end - n:end].gather(-1, targets[:, None]).sum().item())
         out.append(np.array(scores))
     return out
 
