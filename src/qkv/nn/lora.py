@@ -40,7 +40,7 @@ ALL_LINEAR = "all-linear"
 class LoraSpec:
     r: int = 16
     alpha: float = 32.0
-    dropout: float = 0.05
+    dropout: float = 0.0  # PEFT's default; each adapter's drop(x) is its own saved copy of x (memory)
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")  # or (ALL_LINEAR,)
     rslora: bool = False
     base: str = "none"  # QLoRA: the frozen blocks' linear layers held int8 or int4 (qkv.nn.quant)
@@ -75,7 +75,7 @@ def parse_spec(text: str) -> LoraSpec:
     try:
         r = int(fields.get("r", 16))
         alpha = float(fields.get("alpha", 2 * r))
-        dropout = float(fields.get("dropout", 0.05))
+        dropout = float(fields.get("dropout", LoraSpec.dropout))
     except ValueError as error:
         raise QkvError(f"--lora {text!r}: {error}") from None
     rslora = str(fields.get("rslora", "false")).lower()

@@ -170,7 +170,10 @@ class QuantLinear(nn.Module):
         y = QuantProduct.apply(flat, self) if flat.requires_grad and torch.is_grad_enabled() else self.product(flat)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out_dtype = x.dtype  # under autocast, what nn.Linear would give (bf16): no fp32 copy of each output
+        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        return y.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def product(self, flat: Tensor) -> Tensor:
         """flat (M, in) W^T by the weight-only kernel, in flat's dtype."""

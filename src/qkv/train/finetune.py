@@ -11,6 +11,7 @@ from torch import nn
 from qkv.errors import QkvError
 from qkv.files import shard_like
 from qkv.formats import load
+from qkv.models import build_model
 from qkv.nn.quant import QuantLinear
 
 FRESH = "head."  # parameters the init run need not have: the new task's head
@@ -28,6 +29,21 @@ def model_from_init(model_cfg, init_model_cfg, path: str):
                        f"model.arch={model_cfg.arch!r}")
     own = {name: getattr(model_cfg, name) for name in ("head", "n_classes", "pooling", "labels", "dropout")}
     return dataclasses.replace(init_model_cfg, **own)
+
+
+def same_model(model: nn.Module, cfg) -> bool:
+    """Whether `model` is exactly what build_model(cfg) builds (every parameter and buffer by name, shape and
+    fp32): then training can start from it as it is, with no copy."""
+    with torch.device("meta"):
+        built = build_model(cfg)
+    fp32 = all(t.dtype == torch.float32 for t in model.parameters())
+    return type(model) is type(built) and layout(model) == layout(built) and fp32
+
+
+def layout(module: nn.Module) -> dict[str, tuple]:
+    """{name: (shape, dtype)} of every parameter and buffer."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors}
 
 
 def load_backbone(model: nn.Module, source: nn.Module, origin: str) -> tuple[int, int]:

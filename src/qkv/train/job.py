@@ -141,10 +141,15 @@ def start(out: Path, cfg: RunConfig, *, resume: bool, log: Callable[[str], None]
     if prepared.tokenizer.vocab_size > cfg.model.vocab_size:
         raise QkvError(f"{own_tokenizer}: {prepared.tokenizer.vocab_size} tokens, more than the model's "
                        f"vocab_size={cfg.model.vocab_size}")
-    trainer = Trainer(out, cfg, prepared, progress=progress, log=log)  # may fail: before anything is written
-    if init is not None:
+    whole = init is not None and finetune.same_model(init.model, cfg.model)  # train the init model itself
+    trainer = Trainer(out, cfg, prepared, progress=progress, log=log,
+                      model=init.model if whole else None)  # may fail: before anything is written
+    if whole:
+        log(f"qkv: starting from {cfg.train.init}, all {len(list(init.model.parameters()))} tensors")
+    elif init is not None:
         copied, fresh = finetune.load_backbone(trainer.model, init.model, cfg.train.init)
         log(f"qkv: {copied} tensors from {cfg.train.init}" + ("; the head starts fresh" if fresh else ""))
+    init = None  # nothing else holds the init run: its memory is the trainer's or free
     if not resume:
         check_plan(trainer, log, confirmed)  # before anything is written
     if not resume and trainer.layout.is_main:  # under torchrun rank 0 alone writes the run dir

@@ -45,10 +45,13 @@ from qkv.parallel.precision import autocast
 from qkv.train.steps import runner_for
 
 
-def trainable_model(cfg: RunConfig) -> torch.nn.Module:
-    """The model a run trains: its config's model, with LoRA adapters over the frozen layers when train.lora is
-    set (qkv.nn.lora; the init run's weights are then copied under them, qkv.train.finetune)."""
-    model = build_model(cfg.model)
+def trainable_model(cfg: RunConfig, base: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The model a run trains: `base` (the --init model itself, when it is exactly this config's model: no second
+    copy is built) or its config's model, with LoRA adapters over the frozen layers when train.lora is set
+    (qkv.nn.lora; QLoRA quantizes the layers it is given)."""
+    model = base if base is not None else build_model(cfg.model)
+    for param in model.parameters():
+        param.requires_grad_(True)
     if cfg.train.lora:
         lora_model(model, parse_spec(cfg.train.lora))
     return model
@@ -64,7 +67,8 @@ class StepResult(NamedTuple):
 
 class Trainer:
     def __init__(self, run_dir: Path, cfg: RunConfig, data: Prepared, *, progress: bool = True,
-                 log: Callable[[str], None] = print, layout: parallel.Layout | None = None):
+                 log: Callable[[str], None] = print, layout: parallel.Layout | None = None,
+                 model: torch.nn.Module | None = None):
         self.run_dir, self.cfg, self.data = Path(run_dir), cfg, data
         self.tc: TrainConfig = cfg.train
         # under torchrun: this rank's place (rank 0 alone logs, shows progress and writes the run dir)
@@ -78,7 +82,8 @@ class Trainer:
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         seed_everything(self.tc.seed)
-        self.model = trainable_model(cfg).to(self.device)  # fp32 weights in every precision (master weights)
+        # fp32 weights in every precision (master weights); `model`: the --init model, taken as it is
+        self.model = trainable_model(cfg, model).to(self.device)
         self.flops_per_token = flops.train_flops_per_token(cfg.model, self.tc.seq_len)  # for MFU (qkv calc)
         self.peak_flops = self.tc.peak_flops or (flops.peak_flops_for(torch.cuda.get_device_name(self.device))
                                                  if self.device.type == "cuda" else None)
