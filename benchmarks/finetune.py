@@ -2,7 +2,8 @@
 
     python benchmarks/finetune.py speller [--minutes 8] [--pairs 200]   LoRA SFT: modern -> First Folio spelling
     python benchmarks/finetune.py dpo [--minutes 5]                     DPO: the true next line over another play's
-    python benchmarks/finetune.py memory [--steps 8]                    full fine-tune vs LoRA vs QLoRA
+    python benchmarks/finetune.py memory [--steps 8]                    full fine-tune vs LoRA vs QLoRA (int8, int4),
+                                                                        without and with activation checkpointing
     python benchmarks/finetune.py cloze [--run RUN ...]                 the shipped next-line task for each model
 
 Common options: --smollm2 PATH (default $QKV_SMOLLM2 or ~/.cache/qkv-models/), --out DIR (default runs/finetune),
@@ -148,15 +149,17 @@ def memory(args) -> dict:
     if not data.is_file():
         write_rows(data, [{"prompt": PROMPT.format(m), "completion": f" {f}\n"} for m, f in folio_pairs(False)])
     rows = {}
-    for name, extra in (("full", ["--set", "train.lr=2e-5"]), ("lora", ["--lora", "r=16,alpha=32"]),
-                        ("qlora int8", ["--lora", "r=16,alpha=32,base=int8"]),
-                        ("qlora int4", ["--lora", "r=16,alpha=32,base=int4"])):
-        run_dir = out / f"memory-{name.replace(' ', '-')}"
+    runs = (("full", ["--set", "train.lr=2e-5"]), ("lora", ["--lora", "r=16,alpha=32"]),
+            ("qlora int8", ["--lora", "r=16,alpha=32,base=int8"]), ("qlora int4", ["--lora", "r=16,alpha=32,base=int4"]))
+    for (name, extra), checkpointing in [(run, c) for c in (False, True) for run in runs]:
+        if checkpointing:  # activations recomputed in the backward: what is left is weights and optimizer
+            name, extra = f"{name}, checkpointing", [*extra, "--set", "train.activation_checkpointing=true"]
+        run_dir = out / f"memory-{name.replace(' ', '-').replace(',', '')}"
         result = run_child(["train", "--task", "sft", "--init", str(args.smollm2), "--data", str(data), "--out",
                             str(run_dir), "--max-steps", str(args.steps), "--set", "train.seq_len=256", "--set",
                             "train.batch_size=8", "--set", f"train.threads={args.threads}", "--set",
                             "train.eval_batches=2", *extra, "--quiet", "--no-sample", "--json"],
-                           out / f"memory-{name.replace(' ', '-')}.log")
+                           run_dir.with_suffix(".log"))
         summary = result["summary"]
         rows[name] = {"peak_rss_mb": result["peak_rss_mb"], "tokens_per_s": summary["tokens_per_s"],
                       "final_val_loss": round(summary["val_loss"], 4), "steps": summary["steps"]}
