@@ -51,9 +51,13 @@ def test_mlm_eval_counts_bert_masks_and_training_reaches_the_unigram_baseline(ca
 
 
 def test_every_objective_has_an_evaluator_and_lm_is_unchanged(capsys, tmp_path_factory):
+    from qkv.config import RunConfig, TrainConfig
+    from qkv.models.build import use_of
     from qkv.train.objectives import OBJECTIVES
 
-    assert set(OBJECTIVES.names()) - {"seq2seq"} <= set(evaluators.EVALUATORS.names())
+    assert set(OBJECTIVES.names()) - {"seq2seq", "sft", "dpo"} <= set(evaluators.EVALUATORS.names())
+    for name in ("sft", "dpo"):  # a fine-tuned language model is evaluated as one
+        assert use_of(RunConfig(train=TrainConfig(objective=name))) == "lm"
     run_dir, summary = trained_run(tmp_path_factory)
     result = evaluators.evaluate(load(run_dir), [])
     assert round(result["bits_per_char"], 4) == summary["val_bits_per_char"]

@@ -71,7 +71,7 @@ def test_every_named_field_of_train_data_parallel_lists_its_registry(key):
 
 @pytest.mark.parametrize("cfg, expected", [
     (RunConfig(train=TrainConfig(objective="clm")),
-     "train.objective='clm' is not allowed; choose from: auto, classify, lm, mlm, seq2seq, sft"),
+     "train.objective='clm' is not allowed; choose from: auto, classify, dpo, lm, mlm, seq2seq, sft"),
     (RunConfig(data=DataConfig(spelling="old")), "data.spelling='old' is not allowed; choose from: modern, first-folio"),
     (RunConfig(data=DataConfig(corpus="wiki")), "data.corpus='wiki' is not allowed; choose from: shakespeare"),
     (RunConfig(parallel=ParallelConfig(schedule="zb")),

@@ -59,7 +59,7 @@ def test_an_objective_the_model_cannot_train_is_an_error(model, objective, messa
 
 
 def test_train_objective_and_mask_prob_are_validated():
-    with pytest.raises(QkvError, match="train.objective='clm' is not allowed; choose from: auto, classify, lm, mlm, seq2seq"):
+    with pytest.raises(QkvError, match="train.objective='clm' is not allowed; choose from: auto, classify, dpo, lm, mlm, seq2seq, sft"):
         check_run(RunConfig(train=TrainConfig(objective="clm")))
     with pytest.raises(QkvError, match=r"train.mask_prob=1.0 must be in \(0, 1\)"):
         TrainConfig(mask_prob=1.0).validate()
