@@ -109,19 +109,24 @@ def test_serve_speaks_chatml_and_stops_at_im_end(smol):
     assert abs(first.logprob - expected.max().item()) < 1e-4 and len(first.top_logprobs) == 2
 
 
-def test_lora_sft_of_the_real_file_end_to_end(tmp_path, capsys):
+def test_lora_sft_of_the_real_file_end_to_end(smol, tmp_path):
     """A few LoRA SFT steps on SmolLM2 itself (ChatML rows): the loss falls, the adapters load in peft onto
-    transformers' reading of the same file with qkv's logits, and the run chats."""
+    transformers' reading of the same file with qkv's logits."""
+    import copy
+
+    import peft
+
     from qkv.cli import main
 
     path = require_smollm2()
+    ours, theirs, _ = smol
     rows = [{"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
                           {"role": "assistant", "content": "Hamlet was written by William Shakespeare."}]}] * 8
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "run"
     rc = main(["train", "--task", "sft", "--init", str(path), "--data", str(data), "--out", str(out), "--max-steps",
-               "4", "--lora", "r=8,alpha=16,dropout=0,targets=q,v", "--set", "train.seq_len=128", "--set",
+               "3", "--lora", "r=8,alpha=16,targets=q,v", "--set", "train.seq_len=64", "--set",
                "train.batch_size=2", "--set", "train.lr=2e-3", "--set", "train.warmup_steps=0", "--set",
                "train.log_every=1", "--set", "train.precision=fp32", "--set", "train.eval_batches=1", "--quiet",
                "--no-sample"])
@@ -129,12 +134,7 @@ def test_lora_sft_of_the_real_file_end_to_end(tmp_path, capsys):
     losses = [float(line.split(",")[1]) for line in (out / "metrics.csv").read_text().splitlines()[1:]
               if line.split(",")[1]]
     assert losses[-1] < losses[0], losses
-    import peft
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
-    theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()
-    ids = torch.tensor([qkv.load(path).tokenizer.encode("Who wrote Hamlet? It was")])
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(out)).eval()
+    ids = torch.tensor([ours.tokenizer.encode("Who wrote Hamlet? It was")])
     with torch.no_grad():
-        torch.testing.assert_close(qkv.load(out).model(ids), theirs(ids).logits, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
