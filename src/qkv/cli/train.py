@@ -19,8 +19,8 @@ def add_parsers(sub) -> None:
         f"{name}: {TASKS.get(name).summary}" for name in TASKS.names()))
     train.add_argument("--init", metavar="RUN", help="start from this run's weights (all but the head): fine-tuning")
     train.add_argument("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --init model, e.g. "
-                       "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down (or targets=all-linear); saved in "
-                       "PEFT's format in the run dir (train.lora)")
+                       "r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down (or targets=all-linear; QLoRA: "
+                       "base=int8|int4); saved in PEFT's format in the run dir (train.lora)")
     train.add_argument("--config", help="JSON file with sections model, train, data, parallel")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override one field, e.g. --set model.n_layers=6 (repeatable)")
