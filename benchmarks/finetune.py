@@ -1,6 +1,6 @@
 """Adapting SmolLM2-135M-Instruct on a CPU: the demonstrations of docs/finetune.md, each one command.
 
-    python benchmarks/finetune.py speller [--minutes 8] [--pairs 200] [--lr 3e-4]   LoRA SFT: modern -> Folio
+    python benchmarks/finetune.py speller [--minutes 9] [--pairs 200] [--lr 1e-3]   LoRA SFT: modern -> Folio
     python benchmarks/finetune.py dpo [--minutes 5]                     DPO: the true next line over another play's
     python benchmarks/finetune.py memory [--steps 8]                    full fine-tune vs LoRA vs QLoRA (int8, int4),
                                                                         without and with activation checkpointing
@@ -180,9 +180,9 @@ def main() -> None:
     parser.add_argument("--smollm2", type=Path, default=SMOLLM2)
     parser.add_argument("--out", default="runs/finetune")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--minutes", type=float, default=8.0, help="training time of speller / dpo")
+    parser.add_argument("--minutes", type=float, default=9.0, help="training time of speller / dpo")
     parser.add_argument("--pairs", type=int, default=200, help="speller: held-out lines scored")
-    parser.add_argument("--lr", type=float, default=3e-4, help="speller: the adapters' learning rate")
+    parser.add_argument("--lr", type=float, default=1e-3, help="speller: the adapters' learning rate")
     parser.add_argument("--train-pairs", type=int, default=600, help="dpo: training pairs")
     parser.add_argument("--steps", type=int, default=8, help="memory: steps of each run")
     parser.add_argument("--run", action="append", default=[], help="cloze: more models to score")
