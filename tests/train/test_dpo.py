@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import qkv
 from qkv.config import ModelConfig
 from qkv.data.sft import IGNORE
-from qkv.evaluate.choice import continuation_logprob
 from qkv.models import build_model
 from qkv.train import dpo
 from tests.cli.test_main import cli
@@ -71,7 +70,15 @@ def test_loss_and_gradient_equal_trls():
     torch.testing.assert_close(stats["reward_margin"], margin)
 
 
-def test_the_log_probability_sums_equal_qkv_evals(tmp_path):
+@torch.no_grad()
+def continuation_logprob(model, context: list[int], continuation: list[int]) -> float:
+    """sum log p(continuation | context) from the whole logits of one plain forward (qkv eval's sum)."""
+    ids = torch.tensor([context + continuation])
+    logits = model(ids[:, :-1])[0, -len(continuation):]
+    return -F.cross_entropy(logits, torch.tensor(continuation), reduction="sum").item()
+
+
+def test_the_log_probability_sums_equal_a_plain_forwards(tmp_path):
     path = write_llama(tmp_path / "tiny.gguf")
     run = qkv.load(path)
     rows = tmp_path / "pairs.jsonl"
@@ -80,8 +87,7 @@ def test_the_log_probability_sums_equal_qkv_evals(tmp_path):
     ours = dpo.reference_logps(run.model, pairs, 64, run.tokenizer.eos_id, "cpu")[0]
     for side, completion in enumerate((" moon", " silver sea")):
         context = run.tokenizer.encode("sing of the")
-        expected = continuation_logprob(run.model, context, run.tokenizer.encode(completion) + [run.tokenizer.eos_id],
-                                        128, "cpu")
+        expected = continuation_logprob(run.model, context, run.tokenizer.encode(completion) + [run.tokenizer.eos_id])
         assert ours[side] == pytest.approx(expected, rel=1e-5)
 
 

@@ -16,7 +16,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from qkv.data.cloze import cloze_rows
 from qkv.data.corpus import read_json_rows
@@ -54,18 +53,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, start = tokenizer.encode(context + continuation), tokenizer.encode(context)
     return start, whole[len(start):]
-
-
-@torch.no_grad()
-def continuation_logprob(model, context_ids: list[int], continuation_ids: list[int], window: int, device) -> float:
-    """sum log p(continuation | context) (nats), the context cut to the window's last tokens."""
-    if not continuation_ids:
-        raise QkvError("a choice encodes to no tokens")
-    ids = (context_ids + continuation_ids)[-(window + 1):]
-    x = torch.tensor([ids[:-1]], device=device)
-    targets = torch.tensor(ids[1:], device=device)[-len(continuation_ids):]
-    logits = model(x)[0, -len(continuation_ids):].float()
-    return -F.cross_entropy(logits, targets, reduction="sum").item()
 
 
 @torch.no_grad()
