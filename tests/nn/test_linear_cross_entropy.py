@@ -104,18 +104,55 @@ def test_decoder_loss_with_targets_equals_its_logits_loss_and_tied_gradients():
                                    lambda: model(ids), targets, 0.1)
 
 
-def test_autocast_and_bf16_weights_take_the_logits_path(monkeypatch):
+def test_bf16_weights_take_the_logits_path_and_autocast_the_chunks(monkeypatch):
     calls = []
     monkeypatch.setattr(lce, "linear_cross_entropy", lambda *a, **k: calls.append(1))
     head = torch.nn.Linear(8, 5, bias=False)
     hidden, targets = torch.randn(2, 3, 8), torch.randint(0, 5, (2, 3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = head_cross_entropy(head, hidden, targets)
-    assert calls == [] and loss.dtype == torch.float32
     loss = head_cross_entropy(head.to(torch.bfloat16), hidden.to(torch.bfloat16), targets)  # bf16 weights
     assert calls == [] and loss.dtype == torch.float32
     head_cross_entropy(head.float(), hidden, targets)
-    assert calls == [1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head_cross_entropy(head, hidden, targets)
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_per_chunk", [5, None])  # many chunks (W's gradient: 256 rows a chunk), the default
+def test_under_autocast_equals_autocast_linear_then_fp32_cross_entropy(monkeypatch, bias, rows_per_chunk):
+    """Under bf16 autocast the chunks take bf16 products as F.linear would: the loss equals autocast's head +
+    fp32 cross-entropy to fp32 rounding (same bf16 logits), the gradients to bf16 rounding of the products
+    (each dloss/dL row rounded to bf16 once in both: 2^-8 relative, at most a few units in the sums)."""
+    if rows_per_chunk:
+        monkeypatch.setattr(lce, "chunk_rows", lambda vocab: rows_per_chunk)
+        monkeypatch.setattr(lce, "LOW_PRECISION_WEIGHT_GRAD_ROWS", 7)
+    torch.manual_seed(2)
+    V, D, N = 300, 32, 61
+    hidden, weight = torch.randn(N, D), torch.randn(V, D) * 0.2
+    b = torch.randn(V) if bias else None
+    targets = torch.randint(0, V, (N,))
+    targets[:6] = -100
+    tensors = (hidden, weight) + ((b,) if bias else ())
+
+    def autocast(fn):
+        def run(h, w, *bb):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(h, w, bb[0] if bb else None)
+        return run
+
+    ours, our_grads = grads(autocast(lambda h, w, bb: linear_cross_entropy(h, w, bb, targets, 0.1)),
+                            *[t.requires_grad_() for t in tensors])
+    theirs, their_grads = grads(autocast(lambda h, w, bb: F.cross_entropy(
+        F.linear(h, w, bb).float(), targets, ignore_index=-100, label_smoothing=0.1)), *tensors)
+    exact, exact_grads = grads(lambda h, w, *bb: reference(h, w, bb[0] if bb else None, targets, 0.1),
+                               *[t.double() for t in tensors])
+    assert ours.dtype == torch.float32 and all(g.dtype == torch.float32 for g in our_grads)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for mine, want, true in zip(our_grads, their_grads, exact_grads):
+        scale = true.abs().max().item()
+        torch.testing.assert_close(mine, want, rtol=0, atol=2 ** -6 * scale)
+        # and as close to fp64's gradient as autocast's own is, give or take bf16's rounding
+        assert (mine.double() - true).abs().max() <= (want.double() - true).abs().max() + 2 ** -7 * scale
 
 
 @pytest.mark.parametrize("hooked", [False, True])

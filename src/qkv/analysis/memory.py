@@ -27,9 +27,10 @@ are 2 bytes, and each multiplied matrix has a 2-byte copy kept for the backward)
                       kernel's own: out and logsumexp (fused sdpa) or A = softmax(QK^T) (B H T S, naive)
     FFN block         x, LN(x), act input and output (mlp: 2 B T F; glu: gate, act(gate), up, product 4 B T F)
     dropout masks     1 byte per element where dropout > 0
-The LM head keeps LN(x); in fp32 qkv's training step runs the head and its loss in row chunks, which keep
-dloss/dH (B T D) and dloss/dW (V D) only; otherwise (autocast, or chunked_head=False) the loss keeps its
-fp32 log-probabilities (B T V) and their gradient. The peak comes in the last layer's backward, so its
+The LM head keeps LN(x); qkv's training step runs the head and its loss in row chunks (under autocast too,
+the products in low precision, the head's matrix copied for the step only), which keep dloss/dH (B T D) and
+dloss/dW (V D) only; otherwise (chunked_head=False, tensor parallel, a pipeline) the loss keeps its fp32
+log-probabilities (B T V) and their gradient. The peak comes in the last layer's backward, so its
 score gradients count too (dA, dS for a kernel that keeps A; one tile's for flash).
 A score bias adds what its positional's hooks keep (`hook_saves`: indices, q-dependent rows) and, for a
 kernel that keeps no A, the dense (B, H, T, S) bias; a learned one its gradient at the peak (`hook_backward`).
@@ -252,18 +253,22 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = 
     return a * (1 + 1 / t) * B * T * D + 2 * FP32 * B * T * V + logits
 
 
-def chunks_head(cfg: ModelConfig, setup: Setup, autocast: bool) -> bool:
+def chunks_head(cfg: ModelConfig, setup: Setup) -> bool:
     """Whether the training step takes the head and its loss in row chunks (qkv.nn.head_cross_entropy): a
-    decoder's plain fp32 head, outside autocast; not tensor parallel's DTensor head nor the pipeline's
-    loss on whole logits."""
-    return (setup.chunked_head and cfg.arch == "decoder" and not autocast and setup.tp == 1
-            and setup.pp == 1)
+    decoder's plain fp32 head, in fp32 or under autocast; not tensor parallel's DTensor head nor the
+    pipeline's loss on whole logits."""
+    return setup.chunked_head and cfg.arch == "decoder" and setup.tp == 1 and setup.pp == 1
 
 
-def head_chunk(cfg: ModelConfig, B: int, T: int, chunked: bool) -> float:
+def head_chunk(cfg: ModelConfig, B: int, T: int, chunked: bool, autocast: bool = False, a: int = FP32) -> float:
     """The chunked head-and-loss's one chunk of fp32 logits (C x V, C = chunk_rows(V)), alive in the forward
-    beside everything saved; none when the head is not chunked."""
-    return FP32 * min(B * T, chunk_rows(cfg.vocab_size)) * cfg.vocab_size if chunked else 0
+    beside everything saved; under autocast also the chunk's low-precision product and the head's matrix
+    in low precision (a bytes); none when the head is not chunked."""
+    if not chunked:
+        return 0
+    rows = min(B * T, chunk_rows(cfg.vocab_size))
+    low = a * (rows * cfg.vocab_size + cfg.vocab_size * cfg.d_model) if autocast else 0
+    return FP32 * rows * cfg.vocab_size + low
 
 
 def attention_backward(cfg: ModelConfig, B: int, T: int, a: int) -> float:
@@ -290,12 +295,13 @@ def layer_backward(cfg: ModelConfig, B: int, T: int, a: int, t: int = 1) -> floa
     return a * B * T * (hidden + cfg.d_model)
 
 
-def weight_copies(cfg: ModelConfig, a: int) -> float:
+def weight_copies(cfg: ModelConfig, a: int, chunked: bool = False) -> float:
     """Autocast's low-precision copies of the matrices the forward multiplies, kept for the backward's
-    dx = dy W^T: the blocks' projections and the head (W_E when tied)."""
+    dx = dy W^T: the blocks' projections and the head (W_E when tied), whose copy the chunked head-and-loss
+    holds only while it runs (head_chunk)."""
     parts = params.breakdown(cfg)
     matrices = sum(n for name, n in parts.items() if name.endswith(("attention", "ffn")))
-    return a * (matrices + cfg.vocab_size * cfg.d_model)
+    return a * (matrices + (0 if chunked else cfg.vocab_size * cfg.d_model))
 
 
 def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
@@ -309,12 +315,12 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     stream = FP32 if autocast else a
     decoder = cfg.arch == "decoder"
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
-    chunked = chunks_head(cfg, setup, autocast)
+    chunked = chunks_head(cfg, setup)
     per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
     split = t if p == 1 and setup.split_logits else 1  # a pipeline's last stage and label smoothing: whole logits
     head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=split)
-    copies = weight_copies(cfg, a) / t if autocast else 0
-    transient = max(head_chunk(cfg, B, T, chunked), attention_backward(cfg, B, T, a) / t,
+    copies = weight_copies(cfg, a, chunked) / t if autocast else 0
+    transient = max(head_chunk(cfg, B, T, chunked, autocast, a), attention_backward(cfg, B, T, a) / t,
                     layer_backward(cfg, B, T, a, t))
     if setup.checkpointing:
         # layer inputs kept; the head's backward finishes before the first layer is rebuilt (with the

@@ -21,6 +21,11 @@ On a GPT-2 training step on 2 CPU cores: +2-3.5% tokens/s against head + F.cross
 process; README "Performance"). The decoder LM uses it on every row; the MLM and seq2seq models on the rows
 that have a target only (qkv.models.heads.EncoderMLM, qkv.models.encoder_decoder).
 It matches F.linear + F.cross_entropy to float rounding (tests/nn/test_linear_cross_entropy.py).
+Under bf16 autocast the products W h^T, P W and P^T h take bf16 operands (W cast once a step, each chunk's
+rows as it comes), as F.linear would under autocast, while the softmax, the loss and the sums of the
+chunks' gradients stay fp32: the same logits as autocast's head, without its (N, V) bf16 logits, their
+fp32 copy, the fp32 log-probabilities and their gradient (on SmolLM2's 49,152-word vocabulary and 2,048
+rows, 1.4 GB at once).
 
 Logit soft-capping (`SoftCapHead`, model.logit_softcap = c > 0; Gemma 2, Team et al. 2024; modded-nanogpt):
 the logits are L = c tanh(Z / c) of the head's Z = H W_out^T, bounded in (-c, c) and ~Z where |Z| << c, and
@@ -38,6 +43,7 @@ from qkv.nn.fastpath import has_hooks, is_dtensor
 
 IGNORE = -100
 CHUNK_ELEMENTS = 2 ** 21  # logits per chunk: 8 MiB of fp32
+LOW_PRECISION_WEIGHT_GRAD_ROWS = 256  # under autocast with W trained: fewer (V, D) chunk products to add
 
 
 def wide(x: Tensor) -> Tensor:
@@ -69,7 +75,8 @@ def soft_cap(logits: Tensor, cap: float) -> Tensor:
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                label_smoothing: float, grad_enabled: bool, cap: float = 0.0) -> Tensor:
+                label_smoothing: float, grad_enabled: bool, cap: float = 0.0,
+                compute: torch.dtype | None = None) -> Tensor:
         N, V = hidden.shape[0], weight.shape[0]
         keep = targets != IGNORE  # (N,)
         count = keep.sum()
@@ -79,37 +86,53 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None and wants[2] else None
         total = hidden.new_zeros((), dtype=wide(hidden).dtype)
         eps = label_smoothing
-        for start in range(0, N, chunk_rows(V)):
-            rows = slice(start, start + chunk_rows(V))
-            h, y, kept = hidden[rows], targets[rows].clamp(min=0)[None, :], keep[rows][None, :]  # y, kept (1, C)
-            # the chunk's logits transposed, L^T = W h^T (V, C): W on the left reads it faster on CPU
-            logits = wide(torch.mm(weight, h.t()) if bias is None else torch.addmm(bias[:, None], weight, h.t()))
-            if cap:  # L = c tanh(Z / c); keep tanh for the backward's 1 - tanh^2
-                squashed = torch.tanh(logits.div_(cap))
-                logits = squashed * cap
-            loss = -(1 - eps) * logits.gather(0, y)  # (1, C)
-            if eps:
-                loss -= eps * logits.mean(dim=0, keepdim=True)
-            top = logits.amax(dim=0, keepdim=True)
-            exps = logits.sub_(top).exp_()  # exp(L - max), in place of the logits: one pass, one exp
-            sums = exps.sum(dim=0, keepdim=True)
-            loss += top + sums.log()  # + logsumexp
-            total += loss.masked_fill(~kept, 0.0).sum()
-            if not any(wants[:3]):
-                continue
-            probs = exps.div_(sums)  # P^T
-            probs.scatter_add_(0, y, probs.new_full(y.shape, -(1 - eps)))  # P^T - (1 - eps) onehot^T
-            if eps:
-                probs.sub_(eps / V)
-            if cap:
-                probs.mul_(1 - squashed.square_())  # dloss/dZ = dloss/dL (1 - tanh^2(Z / c))
-            probs = probs.mul_(kept).to(hidden.dtype)  # padding rows: no gradient
-            if grad_hidden is not None:
-                torch.mm(probs.t(), weight, out=grad_hidden[rows])  # (C, D)
-            if grad_weight is not None:
-                grad_weight.addmm_(probs, h)  # (V, D)
-            if grad_bias is not None:
-                grad_bias += probs.sum(1)
+        # autocast's products: W and each chunk's rows cast to `compute` (bf16), as F.linear under autocast
+        # would; the softmax, the loss and the gradients' chunk sums stay fp32
+        low = compute is not None and hidden.dtype == torch.float32  # autocast leaves fp64 alone
+        w = weight.to(compute) if low else weight
+        b = bias.to(compute) if low and bias is not None else bias
+        rows_per_chunk = chunk_rows(V)
+        if low and grad_weight is not None:  # each chunk's dloss/dW is a (V, D) low-precision product to add
+            rows_per_chunk = max(rows_per_chunk, LOW_PRECISION_WEIGHT_GRAD_ROWS)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, N, rows_per_chunk):
+                rows = slice(start, start + rows_per_chunk)
+                h, y, kept = hidden[rows], targets[rows].clamp(min=0)[None, :], keep[rows][None, :]  # y (1, C)
+                h = h.to(compute) if low else h
+                # the chunk's logits transposed, L^T = W h^T (V, C): W on the left reads it faster on CPU
+                logits = wide(torch.mm(w, h.t()) if b is None else torch.addmm(b[:, None], w, h.t()))
+                if cap:  # L = c tanh(Z / c); keep tanh for the backward's 1 - tanh^2
+                    squashed = torch.tanh(logits.div_(cap))
+                    logits = squashed * cap
+                loss = -(1 - eps) * logits.gather(0, y)  # (1, C)
+                if eps:
+                    loss -= eps * logits.mean(dim=0, keepdim=True)
+                top = logits.amax(dim=0, keepdim=True)
+                exps = logits.sub_(top).exp_()  # exp(L - max), in place of the logits: one pass, one exp
+                sums = exps.sum(dim=0, keepdim=True)
+                loss += top + sums.log()  # + logsumexp
+                total += loss.masked_fill(~kept, 0.0).sum()
+                if not any(wants[:3]):
+                    continue
+                probs = exps.div_(sums)  # P^T
+                probs.scatter_add_(0, y, probs.new_full(y.shape, -(1 - eps)))  # P^T - (1 - eps) onehot^T
+                if eps:
+                    probs.sub_(eps / V)
+                if cap:
+                    probs.mul_(1 - squashed.square_())  # dloss/dZ = dloss/dL (1 - tanh^2(Z / c))
+                probs = probs.mul_(kept).to(w.dtype)  # padding rows: no gradient
+                if grad_hidden is not None:
+                    if low:
+                        grad_hidden[rows] = torch.mm(probs.t(), w)  # (C, D), into hidden's precision
+                    else:
+                        torch.mm(probs.t(), w, out=grad_hidden[rows])
+                if grad_weight is not None:
+                    if low:
+                        grad_weight += torch.mm(probs, h)  # (V, D), summed over chunks in fp32
+                    else:
+                        grad_weight.addmm_(probs, h)
+                if grad_bias is not None:
+                    grad_bias += probs.sum(1)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
         return total / count  # at least fp32, as cross_entropy; no kept row: nan, as F.cross_entropy
 
@@ -118,15 +141,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
         scale = grad_loss / count
         return tuple(None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)) \
-            + (None, None, None, None)
+            + (None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                          label_smoothing: float = 0.0, cap: float = 0.0) -> Tensor:
     """Mean cross-entropy of (hidden (..., D) W^T + b), soft-capped at `cap` when > 0, against targets (...),
-    -100 ignored; a scalar."""
+    -100 ignored; a scalar. Under autocast the products take autocast's dtype, the rest stays fp32."""
+    device = hidden.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                    float(label_smoothing), torch.is_grad_enabled(), float(cap))
+                                    float(label_smoothing), torch.is_grad_enabled(), float(cap), compute)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
@@ -146,13 +171,12 @@ def target_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
-    with plain fp32/fp64 weights and no hooks, outside autocast; vocabulary-parallel (`vocab_parallel_loss`)
-    for tensor parallel's head, whose logits stay split over V; otherwise the head's logits, then
-    F.cross_entropy in fp32 (autocast's or bf16 weights' low-precision products, a hooked head)."""
+    with plain fp32/fp64 weights and no hooks, under autocast too (its products in autocast's dtype);
+    vocabulary-parallel (`vocab_parallel_loss`) for tensor parallel's head, whose logits stay split over V;
+    otherwise the head's logits, then F.cross_entropy in fp32 (bf16 weights, a hooked head)."""
     weight = getattr(head, "weight", None)
     if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight)
-            and not is_dtensor(hidden)
-            and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == weight.dtype
+            and not is_dtensor(hidden) and hidden.dtype == weight.dtype
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing, getattr(head, "cap", 0.0))
     logits = head(hidden)
