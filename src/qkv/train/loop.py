@@ -208,7 +208,13 @@ class Trainer:
                 "tokens_per_s": round(state.tokens / max(1e-9, state.elapsed)),
                 "val_loss": finite_or_none(final_val), "best_val_loss": finite_or_none(state.best_val),
                 "skipped_steps": state.skipped, "spikes": state.spikes,
-                **self.utilisation(state.tokens / max(1e-9, state.elapsed))}
+                **self.utilisation(state.tokens / max(1e-9, state.elapsed)), **self.device_memory()}
+
+    def device_memory(self) -> dict:
+        """On a GPU, the most memory torch's allocator held for tensors at once in this process (MB)."""
+        if self.device.type != "cuda":
+            return {}
+        return {"peak_gpu_memory_mb": round(torch.cuda.max_memory_allocated(self.device) / 2 ** 20)}
 
     def utilisation(self, tokens_per_s: float) -> dict:
         """Achieved model FLOP/s (forward + backward, attention included) and MFU when the peak is known;
