@@ -164,3 +164,15 @@ def test_a_qwen2_hf_dir_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
     theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()
     with torch.no_grad():
         torch.testing.assert_close(qkv.load(tmp_path / "run").model(IDS), theirs(IDS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_config_alone_is_what_loading_gives_for_every_format(lora_run, tmp_path, capsys):
+    """formats.load_config reads metadata only (the init's config of `qkv train --init`): equal to load's config
+    for a GGUF file, the HF dir exported from it, and a LoRA run dir (whose config says lora="", merged)."""
+    from qkv.formats import load_config
+
+    gguf_file, run = lora_run
+    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(tmp_path / "hf"))[0] == 0
+    for path in (gguf_file, tmp_path / "hf", run):
+        assert load_config(path) == qkv.load(path).config, path
+    assert qkv.load(run).config.train.lora == "" and json.loads((run / "config.json").read_text())["train"]["lora"]

@@ -1,6 +1,7 @@
 """File formats: every kind of file a model comes in or goes out as, behind one `load(path)`.
 
     run = qkv.formats.load(path)         # (qkv.load) a qkv run dir, a Hugging Face model dir or a GGUF file -> Run
+    cfg = qkv.formats.load_config(path)  # its RunConfig alone, weights unread
     qkv.formats.save(run, out, "gguf")   # write it in a format: "run" (a qkv run dir), "hf" or "gguf"
 
 Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
@@ -14,17 +15,18 @@ from pathlib import Path
 
 import torch
 
+from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.formats import gguf, hf, run_dir
 from qkv.formats.base import FORMATS, Format, Run
 
-__all__ = ["FORMATS", "Format", "Run", "load", "save"]
+__all__ = ["FORMATS", "Format", "Run", "load", "load_config", "save"]
 
-FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save,
+FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save, config=gguf.config,
                                 describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
-FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save,
+FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save, config=hf.config,
                               describe="a Hugging Face model dir (config.json with model_type or architectures)"))
-FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=run_dir.save,
+FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=run_dir.save, config=run_dir.config,
                                describe="a qkv run dir (config.json, tokenizer.json, model.safetensors)"))
 ORDER = ("gguf", "hf", "run")  # the first whose detect says yes reads the path
 
@@ -41,6 +43,16 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         return run_dir.load(path, device)  # names what a run dir lacks
     kinds = "; ".join(FORMATS.get(name).describe for name in ORDER)
     raise QkvError(f"{path}: not a model qkv can read; it reads {kinds}")
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """What `load(path).config` is, from the format's metadata alone where it can (no weights read)."""
+    path = Path(path)
+    for name in ORDER:
+        entry = FORMATS.get(name)
+        if path.exists() and entry.detect(path) and entry.config is not None:
+            return entry.config(path)
+    return load(path).config  # names what is wrong with the path
 
 
 def save(run: Run, out: str | Path, format: str) -> Path:

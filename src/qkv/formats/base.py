@@ -49,8 +49,11 @@ class Run:
 class Format:
     detect: Callable[[Path], bool]
     load: Callable[..., Run]  # (path, device="cpu") -> Run
-    save: Callable[..., Path] | None  # (run, out) -> out; None: qkv reads this format only
     describe: str  # what it reads, for the error that lists the formats
+    # (run, out) -> out; None: qkv reads this format only. Given a default explicitly: a dataclass field
+    # without one would take any `object.save` as its default (nnsight adds one) and fail to be defined
+    save: Callable[..., Path] | None = None
+    config: Callable[..., object] | None = None  # (path) -> its Run's RunConfig without reading weights
 
 
 FORMATS: Registry[Format] = Registry("file format")

@@ -66,6 +66,18 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
                chat=read_chat(path, tokenizer.vocab_size))
 
 
+def config(path: str | Path) -> RunConfig:
+    """The Run's config alone, as `load` gives it (a LoRA run's says lora="", as it loads merged)."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise QkvError(f"{path}: not a qkv run (no {CONFIG_FILE})")
+    config = RunConfig.load(path / CONFIG_FILE).validate()
+    check_model(config.model)
+    if config.train.lora:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))
+    return config
+
+
 def read_quant(path: Path) -> tuple[str, int, str] | None:
     """(quant, group, head kind) of a run saved quantized, None for one that is not."""
     file = path / QUANT_FILE

@@ -10,7 +10,7 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.files import shard_like
-from qkv.formats import load
+from qkv.formats import load, load_config
 from qkv.models import build_model
 from qkv.nn.quant import QuantLinear
 
@@ -18,8 +18,13 @@ FRESH = "head."  # parameters the init run need not have: the new task's head
 
 
 def init_run(path: str):
-    """The init run (a qkv run dir or a Hugging Face model dir), with a one-line error otherwise."""
+    """The init run (a qkv run dir, a Hugging Face model dir or a GGUF file), with a one-line error otherwise."""
     return load(path)
+
+
+def init_config(path: str):
+    """The init run's config, its weights unread (the run's model section is built from it)."""
+    return load_config(path)
 
 
 def model_from_init(model_cfg, init_model_cfg, path: str):

@@ -37,7 +37,7 @@ def resolve_config(*, preset: str, config_file: str | None, overrides: list[str]
     if task:
         cfg = tasks.TASKS.get(task).apply(cfg)
     if init:
-        model = finetune.model_from_init(cfg.model, finetune.init_run(init).config.model, init)
+        model = finetune.model_from_init(cfg.model, finetune.init_config(init).model, init)
         seq_len = min(cfg.train.seq_len, model.max_seq_len)  # the preset's rows, within the init model's context
         cfg = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, init=os.path.abspath(init),
                                                                               seq_len=seq_len))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.files import assign_model_tensors, load_model_tensors
 from qkv.formats.base import Chat, Run, check_vocabulary
@@ -29,7 +30,7 @@ from qkv.formats.hf.common import HF_FAMILIES
 from qkv.models import build_model
 from qkv.models.build import check_model
 
-__all__ = ["detect", "is_gguf", "load", "save"]
+__all__ = ["config", "detect", "is_gguf", "load", "save"]
 
 
 def detect(path: Path) -> bool:
@@ -41,19 +42,8 @@ def detect(path: Path) -> bool:
 def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     """A GGUF file as a Run: the model in eval mode (fp32 weights), its tokenizer and chat."""
     path = Path(path)
-    file = GgufFile.open(path)
-    name = file.get("general.architecture")
-    if name not in GGUF_ARCHS:
-        raise QkvError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
-                       f"{', '.join(GGUF_ARCHS.names())}")
-    arch = GGUF_ARCHS.get(name)
-    shapes = {tensor: tuple(int(n) for n in reversed(t.shape.tolist())) for tensor, t in file.tensors.items()}
-    if "token_embd.weight" not in shapes:
-        raise QkvError(f"{path}: has no token_embd.weight tensor")
+    file, arch, hf, family, cfg = read_model_config(path)
     try:
-        hf = arch.hf_config(file.metadata, shapes)
-        family = HF_FAMILIES.get(hf["model_type"])
-        cfg = check_model(family.config(hf, hf["architectures"][0]))
         tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
     except QkvError as exc:
         raise QkvError(f"{path}: {exc}") from None
@@ -69,6 +59,35 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     check_vocabulary(tokenizer, cfg.vocab_size, path)
     return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
+
+
+def config(path: str | Path) -> RunConfig:
+    """The Run's config alone, from the file's metadata and tensor shapes: no weight is read."""
+    path = Path(path)
+    file, _, _, _, cfg = read_model_config(path)
+    tokenizer = gguf_tokenizer(file.metadata, str(path))
+    check_vocabulary(tokenizer, cfg.vocab_size, path)
+    return run_config(cfg, tokenizer.vocab_size)
+
+
+def read_model_config(path: Path):
+    """(the open file, its architecture's entry, the HF config it stands for, the HF family, qkv's config)."""
+    file = GgufFile.open(path)
+    name = file.get("general.architecture")
+    if name not in GGUF_ARCHS:
+        raise QkvError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
+                       f"{', '.join(GGUF_ARCHS.names())}")
+    arch = GGUF_ARCHS.get(name)
+    shapes = {tensor: tuple(int(n) for n in reversed(t.shape.tolist())) for tensor, t in file.tensors.items()}
+    if "token_embd.weight" not in shapes:
+        raise QkvError(f"{path}: has no token_embd.weight tensor")
+    try:
+        hf = arch.hf_config(file.metadata, shapes)
+        family = HF_FAMILIES.get(hf["model_type"])
+        cfg = check_model(family.config(hf, hf["architectures"][0]))
+    except QkvError as exc:
+        raise QkvError(f"{path}: {exc}") from None
+    return file, arch, hf, family, cfg
 
 
 def hf_tensors(file: GgufFile, arch, hf: dict) -> dict[str, torch.Tensor]:

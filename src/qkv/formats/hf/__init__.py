@@ -60,13 +60,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     path = Path(path)
     if not path.is_dir():
         raise QkvError(f"{path}: no such directory")
-    hf = read_config(path)  # file errors name the file
-    try:
-        family, architecture = detect(hf)
-        cfg = family.config(hf, architecture)
-        check_model(cfg)
-    except QkvError as exc:
-        raise QkvError(f"{path / CONFIG}: {exc}") from None
+    hf, family, cfg = read_model_config(path)
     weights = read_weights(path)
     try:
         tensors = family.to_qkv(weights, cfg)
@@ -79,6 +73,29 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     return Run(path=path, config=run_config(cfg, vocab), model=model.to(device).eval(), tokenizer=tokenizer,
                chat=read_chat(path, hf, vocab))
+
+
+def config(path: str | Path) -> RunConfig:
+    """The Run's config alone (config.json and the tokenizer's size): no weight is read."""
+    path = Path(path)
+    if not path.is_dir():
+        raise QkvError(f"{path}: no such directory")
+    hf, _, cfg = read_model_config(path)
+    tokenizer, _ = read_tokenizer(path, hf)
+    check_vocabulary(tokenizer, cfg.vocab_size, path / "tokenizer.json")
+    return run_config(cfg, tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size)
+
+
+def read_model_config(path: Path) -> tuple[dict, HfFamily, ModelConfig]:
+    """(config.json's dict, its family, qkv's config of it), errors naming the file."""
+    hf = read_config(path)  # file errors name the file
+    try:
+        family, architecture = detect(hf)
+        cfg = family.config(hf, architecture)
+        check_model(cfg)
+    except QkvError as exc:
+        raise QkvError(f"{path / CONFIG}: {exc}") from None
+    return hf, family, cfg
 
 
 def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
