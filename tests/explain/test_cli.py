@@ -84,10 +84,13 @@ def test_the_default_jobs_shape_at_64_tokens_fits_the_budget(tmp_path):
     (["{bare}", "--text", "the"], "model.head=none"),
     (["{classifier}", "--text", "the", "--target", "romance"], "not one of the classifier's labels"),
     (["{run}", "--text", "the", "--compare", "{missing}"], "no such run directory"),
+    (["{run}", "--text", "the dog sat", "--corrupt", "the"], "patching needs prompts of one length"),
+    (["{run}", "--text", "the dog", "--corrupt", "the dog"], "no logit difference to give back"),
+    (["{mlm}", "--text", "the dog", "--corrupt", "the cat"], "reads a decoder's next-token logits"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_old_page_stays(tmp_path, args, message):
     dirs = {"run": write_run(tmp_path / "run"), "linear": write_run(tmp_path / "linear", attention="linear"),
-            "bare": write_run(tmp_path / "bare", arch="encoder"),
+            "bare": write_run(tmp_path / "bare", arch="encoder"), "mlm": write_run(tmp_path / "mlm", arch="encoder", head="mlm"),
             "classifier": write_run(tmp_path / "cls", arch="encoder", head="classifier", n_classes=2,
                                     labels=("comedy", "tragedy")),
             "missing": tmp_path / "nope", "tmp": tmp_path}

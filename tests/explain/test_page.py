@@ -120,3 +120,20 @@ def test_compare_shows_both_runs_side_by_side(browser, page_file):
     assert len(page.query_selector_all(".run canvas")) >= 2
     assert errors == []
     page.close()
+
+
+def test_the_inside_steps_draw_the_lens_table_and_the_patching_maps(browser, tmp_path):
+    from qkv.explain import explain_page
+    from tests.explain.test_inside import corrupted_text
+
+    run = make_run(tmp_path / "rope", **VARIANTS["decoder-rope"])
+    explain_page([run.path], PROMPT, out=tmp_path / "p.html", corrupt=corrupted_text(run, PROMPT))
+    page, errors = open_page(browser, tmp_path / "p.html", "#step=inside.lens")
+    assert status(page).startswith("step=inside.lens")
+    assert page.eval_on_selector_all("table.lens tr", "rows => rows.length") == 1 + 3  # header, embedding, 2 layers
+    for step, canvases in (("inside.heads", 3), ("inside.dla", 2), ("inside.patching", 2)):
+        page.click(f"nav a[data-step='{step}']")
+        assert status(page).startswith(f"step={step} ")
+        assert page.eval_on_selector_all("#content canvas", "c => c.length") == canvases, step
+    assert "corrupted" in page.inner_text("#content") and errors == []
+    page.close()

@@ -54,6 +54,8 @@ def add_parsers(sub) -> None:
                          "choice; a classifier: a label)")
     explain.add_argument("--out", default="explain.html", help="the page to write (default explain.html)")
     explain.add_argument("--compare", metavar="RUN2", help="a second run, shown side by side on the same text")
+    explain.add_argument("--corrupt", metavar="TEXT", help="a decoder: activation patching against this text (as "
+                         "many tokens as --text), shown in the page's inside steps")
     add_precision(explain)
 
     verify = sub.add_parser("verify", help="compute every SPEC claim: holds, corrected or fails")
@@ -96,7 +98,8 @@ def cmd_explain(args) -> int:
     from qkv.explain import explain_page
 
     runs = [args.run] + ([args.compare] if args.compare else [])
-    path, size = explain_page(runs, args.text, target=args.target, out=args.out, dtype=args.dtype, quant=args.quant)
+    path, size = explain_page(runs, args.text, target=args.target, out=args.out, dtype=args.dtype, quant=args.quant,
+                              corrupt=args.corrupt)
     print(f"{path} ({size / 2 ** 20:.2f} MB)")
     return 0
 

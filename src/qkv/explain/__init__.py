@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qkv.errors import QkvError
 from qkv import files
+from qkv.explain.inside import look_inside
 from qkv.explain.page import build_page
 from qkv.explain.trace import trace
 from qkv.formats import load
@@ -18,10 +19,11 @@ DOCS = Path(__file__).resolve().parents[3] / "docs" / "derivations"  # a checkou
 
 
 def explain_page(runs: list[str | Path], text: str, *, target: str | None = None, out: str | Path = "explain.html",
-                 dtype: str = "fp32", quant: str = "none") -> tuple[Path, int]:
+                 dtype: str = "fp32", quant: str = "none", corrupt: str | None = None) -> tuple[Path, int]:
     """Trace each run on `text` and write the page; returns (path, size in bytes). `out` is written whole
     or not at all. `dtype` / `quant`: the weights as they are at that precision (qkv.generate.weights.round_weights),
-    which the page's summary states."""
+    which the page's summary states. A decoder's page also shows what it does inside (qkv.explain.inside), with
+    activation patching against `corrupt`."""
     out = Path(out)
     if out.is_dir():
         raise QkvError(f"--out {out}: is a directory")
@@ -32,6 +34,7 @@ def explain_page(runs: list[str | Path], text: str, *, target: str | None = None
         run = load(path)
         precision = round_weights(run.model, dtype=dtype, quant=quant)
         explanation = trace(run, text, target)
+        look_inside(run, explanation, corrupt)
         explanation.meta["precision"] = precision or "fp32 weights"
         if precision:
             explanation.meta["summary"] += f"; {precision}"

@@ -4,7 +4,11 @@ reader picks, `head` panels are sliced at the picked head).
 
 A panel: (label, array, axes) with axes "rows x cols" named from: q (the layer's query tokens), k (its key
 tokens: the source for cross-attention), tokens (the stack's tokens), d (feature index), f (FFN unit),
-k (a top-k slot), v (vocabulary). Panels whose array a model does not have are left out of its page.
+k (a top-k slot), v (vocabulary), layers, heads, points (the patched streams). Panels whose array a model
+does not have are left out of its page.
+
+The "inside" steps (a decoder's, qkv.explain.inside) come after the backward: what the model does with these
+tensors, measured with the hook points on the torch model at the page's precision.
 """
 from __future__ import annotations
 
@@ -192,5 +196,43 @@ def norm_backward(part: str, name: str) -> list[dict]:
                   panel("dL/dstream before", f"{p}.d_stream_in", "tokens x d")], scope="layer", part=part)]
 
 
+def inside_steps() -> list[dict]:
+    return [
+        step("inside.lens", "inside", "Logit lens: the answer layer by layer", "lens_l = softmax(LN_f(H^l) W_out)"
+             " at the explained position, H^0 = the embedding, H^l = block l's output", "note 000 §6 (the residual "
+             "stream); nostalgebraist 2020", "residual.md", "Each layer's residual stream read as if it were the "
+             "last: through the final norm and the output layer. The rank of the target (0 = the top token) says "
+             "in which layer the answer appears; the last row is the model's own output.", special="lens"),
+        step("inside.heads", "inside", "What each head attends to", "previous-token: mean_t A[t, t-1];  first-token:"
+             " mean_t A[t, 0];  induction: mean over the second copy of A[t, t - n + 1] on n random tokens repeated",
+             "note 000 §2.1.3; Olsson et al. 2022; Xiao et al. 2023", "attention.md", "Scores from the attention "
+             "weights A of every layer (rows) and head (columns): a previous-token head copies from the token just "
+             "before, a first-token head parks its weight on position 0 (an attention sink), an induction head "
+             "finds the token that followed the current one last time.",
+             [panel("previous-token score (on the text)", "inside.heads.previous", "layers x heads"),
+              panel("first-token (sink) score (on the text)", "inside.heads.first", "layers x heads"),
+              panel("induction score (25 random tokens, repeated)", "inside.heads.induction", "layers x heads")]),
+        step("inside.dla", "inside", "Direct logit attribution: who writes the target's logit",
+             "logit_y = (e + sum_l sum_h z_h^l W_O,h^l + sum_l FFN_l) * s * g . W_out[y] + c   (s: the final "
+             "norm's scale, frozen)", "note 000 §6 (Pre-LN), §2.1.4 (Concat W_O); Elhage et al. 2021",
+             "residual.md", "A Pre-LN stream is a sum: the embedding, every head's output through its rows of W_O "
+             "and every FFN's output. With the final norm's scale fixed at its value here the target's logit splits "
+             "into their terms (red adds to it, blue takes away); they add up to the logit exactly.",
+             [panel("each head's term (layers x heads)", "inside.dla.heads", "layers x heads"),
+              panel("each FFN's term (per layer)", "inside.dla.ffn", "layers")], special="dla"),
+        step("inside.patching", "inside", "Activation patching: where the answer is carried",
+             "recovered = (diff(corrupted with one vector from the clean run) - diff(corrupted)) / (diff(clean) - "
+             "diff(corrupted)),  diff = logit(answer) - logit(wrong) at the last position",
+             "Meng et al. 2022; Wang et al. 2022", "residual.md", "The corrupted text runs with one vector of the "
+             "residual stream (a layer's input at one position) or one head's output taken from the clean run; "
+             "the share of the logit difference that comes back says where the information that separates the two "
+             "answers travels. Needs qkv explain --corrupt TEXT (as many tokens as the text).",
+             [panel("residual stream: layer inputs (and the last output) x positions", "inside.patching",
+                    "points x tokens"),
+              panel("each head's output (layers x heads)", "inside.patching.heads", "layers x heads")],
+             special="patching"),
+    ]
+
+
 def steps_for(family: str) -> list[dict]:
-    return forward_steps(family) + backward_steps(family)
+    return forward_steps(family) + backward_steps(family) + (inside_steps() if family == "decoder" else [])
