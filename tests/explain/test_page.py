@@ -122,7 +122,7 @@ def test_compare_shows_both_runs_side_by_side(browser, page_file):
     page.close()
 
 
-def test_the_inside_steps_draw_the_lens_table_and_the_patching_maps(browser, tmp_path):
+def test_the_inside_steps_draw_the_lens_table_the_attribution_bars_and_the_patching_maps(browser, tmp_path):
     from qkv.explain import explain_page
     from tests.explain.test_inside import corrupted_text
 
@@ -135,5 +135,9 @@ def test_the_inside_steps_draw_the_lens_table_and_the_patching_maps(browser, tmp
         page.click(f"nav a[data-step='{step}']")
         assert status(page).startswith(f"step={step} ")
         assert page.eval_on_selector_all("#content canvas", "c => c.length") == canvases, step
+    page.click("nav a[data-step='inside.dla']")
+    assert status(page).startswith("step=inside.dla ")
+    assert page.eval_on_selector_all("table.attribution tr", "rows => rows.length") == 2 * 4 + 2  # heads, FFNs
+    page.click("nav a[data-step='inside.patching']")
     assert "corrupted" in page.inner_text("#content") and errors == []
     page.close()

@@ -20,10 +20,17 @@ MORE = {"encoder-decoder-sandwich": dict(arch="encoder-decoder", norm_placement=
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """Every array name the variants' traces put on their pages, with {L} for each layer index."""
+    """Every array name the variants' traces put on their pages, with {L} for each layer index (the inside steps'
+    too: patching against a corrupted text for the rotary decoder)."""
+    from qkv.explain.inside import look_inside
+    from tests.explain.test_inside import corrupted_text
+
     names = set()
     for variant, model in {**VARIANTS, **MORE}.items():
-        data = read_data(build_page([trace(make_run(tmp_path_factory.mktemp(variant) / "run", **model), PROMPT)]))
+        run = make_run(tmp_path_factory.mktemp(variant) / "run", **model)
+        explanation = trace(run, PROMPT)
+        look_inside(run, explanation, corrupted_text(run, PROMPT) if variant == "decoder-rope" else None)
+        data = read_data(build_page([explanation]))
         names |= {re.sub(r"^\d+\.", "{L}.", key) for key in data["runs"][0]["arrays"]}
     return names
 
@@ -40,7 +47,7 @@ def test_steps_are_unique_ordered_cited_and_documented(family):
     ids = [s["id"] for s in steps]
     assert len(ids) == len(set(ids))
     phases = [s["phase"] for s in steps]
-    assert phases == sorted(phases, key=("forward", "backward").index)  # all forward steps first
+    assert phases == sorted(phases, key=("forward", "backward", "inside").index)  # forward, backward, then inside
     for s in steps:
         assert re.search(r"note 00[023]", s["cite"]), s["id"]
         assert (DERIVATIONS / s["doc"]).is_file(), (s["id"], s["doc"])

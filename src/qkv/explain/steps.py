@@ -223,7 +223,7 @@ def inside_steps() -> list[dict]:
         step("inside.patching", "inside", "Activation patching: where the answer is carried",
              "recovered = (diff(corrupted with one vector from the clean run) - diff(corrupted)) / (diff(clean) - "
              "diff(corrupted)),  diff = logit(answer) - logit(wrong) at the last position",
-             "Meng et al. 2022; Wang et al. 2022", "residual.md", "The corrupted text runs with one vector of the "
+             "note 000 §6 (the residual stream); Meng et al. 2022; Wang et al. 2022", "residual.md", "The corrupted text runs with one vector of the "
              "residual stream (a layer's input at one position) or one head's output taken from the clean run; "
              "the share of the logit difference that comes back says where the information that separates the two "
              "answers travels. Needs qkv explain --corrupt TEXT (as many tokens as the text).",
