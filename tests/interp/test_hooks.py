@@ -257,3 +257,43 @@ def test_mean_ablation_keeps_the_heads_average():
     run_with_hooks(model, ids, [("blocks.1.attn.z", mean_head(mean, 3)),
                                 ("blocks.1.attn.z", lambda z, name: seen.setdefault("z", z))])
     assert torch.allclose(seen["z"][0, 3], mean.expand(9, -1)) and torch.equal(seen["z"][0, 2], cache["blocks.1.attn.z"][0, 2])
+
+
+def test_an_encoder_decoders_points_equal_transformers_bart(tmp_path):
+    """A BART (Post-LN encoder-decoder) imported from transformers: every encoder block's input equals its
+    encoder_hidden_states, the decoder's self-attention and cross-attention patterns (keys: the source) equal
+    decoder_attentions and cross_attentions, and identity hooks at all 61 of its points change nothing."""
+    from qkv.formats import load
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="eager")
+    hf = transformers.BartForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path / "bart")
+    model = load(tmp_path / "bart").model
+    src, tgt = torch.randint(3, 97, (2, 9)), torch.randint(3, 97, (2, 6))
+    names = (["encoder.embed", "encoder.final_norm", "embed"] + [f"encoder.blocks.{i}.resid_pre" for i in range(2)]
+             + [f"blocks.{i}.{kind}.pattern" for i in range(2) for kind in ("attn", "cross_attn")])
+    logits, cache = run_with_cache(model, src, names, tgt_ids=tgt)
+    with torch.no_grad():
+        out = hf(input_ids=src, decoder_input_ids=tgt, output_hidden_states=True, output_attentions=True)
+    assert torch.allclose(logits, out.logits, atol=1e-4)
+    assert torch.equal(cache["encoder.embed"], cache["encoder.blocks.0.resid_pre"])
+    assert torch.allclose(cache["encoder.final_norm"], out.encoder_last_hidden_state, atol=1e-5)
+    assert torch.allclose(cache["embed"], out.decoder_hidden_states[0], atol=1e-5)
+    for i in range(2):
+        assert torch.allclose(cache[f"encoder.blocks.{i}.resid_pre"], out.encoder_hidden_states[i], atol=1e-5), i
+        assert torch.allclose(cache[f"blocks.{i}.attn.pattern"], out.decoder_attentions[i], atol=1e-5), i
+        assert cache[f"blocks.{i}.cross_attn.pattern"].shape == (2, 4, 6, 9)
+        assert torch.allclose(cache[f"blocks.{i}.cross_attn.pattern"], out.cross_attentions[i], atol=1e-5), i
+    names = hook_names(model)
+    assert len(names) == 61 and "encoder.final_norm" in names and "logits" in names and "encoder.blocks.1.attn.pattern" in names and "blocks.1.cross_attn.v" in names
+    seen = []
+    with torch.no_grad():
+        plain = model(src, tgt_ids=tgt)
+        hooked_logits = run_with_hooks(model, src, [(n, lambda x, name: seen.append(name)) for n in names
+                                                    if not n.endswith("pattern")], tgt_ids=tgt)
+        with_pattern = run_with_hooks(model, src, [(n, lambda x, name: x) for n in names], tgt_ids=tgt)
+    assert torch.equal(plain, hooked_logits) and sorted(seen) == sorted(n for n in names if not n.endswith("pattern"))
+    assert torch.allclose(plain, with_pattern, atol=1e-5)  # the patterns formed explicitly: rounding only

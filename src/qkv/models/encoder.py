@@ -15,10 +15,13 @@ from torch import Tensor, nn
 from qkv.models.context import self_context
 from qkv.nn.block import Block
 from qkv.nn.embedding import Embeddings
+from qkv.nn.hookpoints import point
 from qkv.nn.positional import Positional
 
 
 class Encoder(Embeddings):
+    hook_points = ("embed", "final_norm")  # qkv.nn.hookpoints (the blocks add theirs)
+
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, dropout: float, type_emb: nn.Embedding | None = None,
                  embed_norm: nn.Module | None = None, embed_scale: bool = False):
@@ -33,7 +36,7 @@ class Encoder(Embeddings):
         """(B, T) ids -> (B, T, D) hidden states. `attention_mask` (B, T): 1 for tokens, 0 for padding;
         `token_type_ids` (B, T) default to type 0 when the model has token types."""
         ctx = self_context(self.positional, input_ids, attention_mask, None, causal=False)
-        x = self.embed(input_ids, ctx.positions, token_type_ids)  # (B, T, D)
+        x = point(self, "embed", self.embed(input_ids, ctx.positions, token_type_ids))  # H0 (B, T, D)
         for block in self.blocks:
             x = block(x, ctx)
-        return self.final_norm(x)  # (B, T, D)
+        return point(self, "final_norm", self.final_norm(x))  # (B, T, D)

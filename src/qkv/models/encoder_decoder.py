@@ -24,6 +24,7 @@ from qkv.nn.attention import AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
 from qkv.nn.embedding import Embeddings
+from qkv.nn.hookpoints import point
 from qkv.nn.positional import Positional
 
 
@@ -65,6 +66,8 @@ class Seq2SeqCache(KVCache):
 
 
 class EncoderDecoder(Embeddings):
+    hook_points = ("embed", "final_norm", "logits")  # the decoder's (qkv.nn.hookpoints; encoder.* the encoder's)
+
     def __init__(self, *, tok_emb: nn.Embedding, encoder: Encoder, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int,
                  embed_norm: nn.Module | None = None, embed_scale: bool = False):
@@ -89,7 +92,7 @@ class EncoderDecoder(Embeddings):
         if memory is None and (cache is None or not cache.memory_len):
             memory = self.encode(src_ids, src_mask)
         hidden = self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache)  # (B, T, D)
-        return self.lm_head(hidden) if head else hidden  # (B, T, V) or (B, T, D)
+        return point(self, "logits", self.lm_head(hidden)) if head else hidden  # (B, T, V) or (B, T, D)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """(B, S) source ids -> H_enc (B, S, D)."""
@@ -98,19 +101,19 @@ class EncoderDecoder(Embeddings):
     def decode(self, tgt_ids: Tensor, memory: Tensor | None, src_mask: Tensor | None = None,
                tgt_mask: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
         """(B, T) target ids attending to `memory` (B, S, D) -> (B, T, V) logits."""
-        return self.lm_head(self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache))
+        return point(self, "logits", self.lm_head(self.decode_hidden(tgt_ids, memory, src_mask, tgt_mask, cache)))
 
     def decode_hidden(self, tgt_ids: Tensor, memory: Tensor | None, src_mask: Tensor | None = None,
                       tgt_mask: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
         """The decoder stack's final hidden states (B, T, D), before the head."""
         ctx = self_context(self.positional, tgt_ids, tgt_mask, cache, causal=True)
-        x = self.embed(tgt_ids, ctx.positions)  # Y0 (B, T, D)
+        x = point(self, "embed", self.embed(tgt_ids, ctx.positions))  # Y0 (B, T, D)
         memory, memory_ctx = self.memory_context(memory, src_mask, ctx.positions, cache)
         n = len(self.blocks)
         self_caches, cross_caches = (cache.layers, cache.cross) if cache is not None else ([None] * n, [None] * n)
         for block, self_cache, cross_cache in zip(self.blocks, self_caches, cross_caches):
             x = block(x, ctx, self_cache, memory, memory_ctx, cross_cache)
-        return self.final_norm(x)  # (B, T, D)
+        return point(self, "final_norm", self.final_norm(x))  # (B, T, D)
 
     def memory_context(self, memory: Tensor | None, src_mask: Tensor | None, positions: Tensor,
                        cache: Seq2SeqCache | None) -> tuple[Tensor, AttentionContext]:
