@@ -20,6 +20,16 @@ def _seed_torch():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _unwritten_cache_columns_are_nan(monkeypatch):
+    """The KV cache allocates its columns without zeroing them (qkv.nn.cache.unwritten) and must never read one
+    before writing it: in every test they start as NaN, which any such read would carry into the outputs."""
+    import qkv.nn.cache
+
+    monkeypatch.setattr(qkv.nn.cache, "unwritten",
+                        lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
 @pytest.fixture
 def tiny_cfg() -> ModelConfig:
     """A model small enough that building, a forward and a backward take milliseconds."""

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from qkv.errors import QkvError
 
@@ -100,18 +100,23 @@ def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], o
             param.copy_(shard_like(tensors[name], param))
 
 
-def assign_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], origin: str) -> None:
+def assign_model_tensors(model: "nn.Module", tensors: Mapping[str, "torch.Tensor"], origin: str, *,
+                         within: Callable[[str], bool] = lambda module_name: True) -> None:
     """Make `tensors` the parameters of `model` (built on the meta device: no memory, no initialisation),
     without copying them: each name checked as load_model_tensors checks it, tied parameters tied again.
-    The model must have no buffers (they would stay on the meta device)."""
+    The model must have no buffers (they would stay on the meta device). `within(module name)`: only the
+    parameters of the modules it accepts (a loader filling the model a block at a time; the others' parameters
+    and buffers are left as they are)."""
     import torch
     from torch import nn
 
-    if any(True for _ in model.buffers()):
+    if any(True for name, _ in model.named_buffers() if within(name.rpartition(".")[0])):
         raise ValueError("assign_model_tensors: the model has buffers; build it on a device and load_model_tensors")
     places: dict[int, list[tuple[nn.Module, str]]] = {}  # one parameter -> every (module, attribute) holding it
     first: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
+        if not within(module_name):
+            continue
         for attribute, param in module.named_parameters(recurse=False):
             places.setdefault(id(param), []).append((module, attribute))
             first.setdefault(id(param), f"{module_name}.{attribute}" if module_name else attribute)

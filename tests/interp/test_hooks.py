@@ -34,10 +34,10 @@ def test_identity_hooks_everywhere_leave_the_logits_bitwise_equal(cfg):
     with torch.no_grad():
         plain = model(ids)
         hooked_logits = run_with_hooks(model, ids, [(n, lambda x, name: seen.append(name)) for n in names
-                                                    if not n.endswith("pattern")])
+                                                    if not n.endswith(("scores", "pattern"))])
     assert torch.equal(plain, hooked_logits)
-    assert len(seen) == len(names) - 3  # every point but the patterns ran once
-    with torch.no_grad():  # forming the pattern explicitly: the same logits up to the kernels' rounding
+    assert len(seen) == len(names) - 6  # every point but the scores and patterns ran once
+    with torch.no_grad():  # forming S and A explicitly: the same logits up to the kernels' rounding
         with_pattern = run_with_hooks(model, ids, [(n, lambda x, name: x) for n in names])
     assert torch.allclose(plain, with_pattern, atol=1e-5)
 
@@ -262,7 +262,7 @@ def test_mean_ablation_keeps_the_heads_average():
 def test_an_encoder_decoders_points_equal_transformers_bart(tmp_path):
     """A BART (Post-LN encoder-decoder) imported from transformers: every encoder block's input equals its
     encoder_hidden_states, the decoder's self-attention and cross-attention patterns (keys: the source) equal
-    decoder_attentions and cross_attentions, and identity hooks at all 61 of its points change nothing."""
+    decoder_attentions and cross_attentions, and identity hooks at all 67 of its points change nothing."""
     from qkv.formats import load
 
     torch.manual_seed(0)
@@ -288,12 +288,49 @@ def test_an_encoder_decoders_points_equal_transformers_bart(tmp_path):
         assert cache[f"blocks.{i}.cross_attn.pattern"].shape == (2, 4, 6, 9)
         assert torch.allclose(cache[f"blocks.{i}.cross_attn.pattern"], out.cross_attentions[i], atol=1e-5), i
     names = hook_names(model)
-    assert len(names) == 61 and "encoder.final_norm" in names and "logits" in names and "encoder.blocks.1.attn.pattern" in names and "blocks.1.cross_attn.v" in names
+    assert len(names) == 67
+    assert {"encoder.final_norm", "logits", "encoder.blocks.1.attn.scores", "blocks.1.cross_attn.v"} <= set(names)
+    cheap = [n for n in names if not n.endswith(("scores", "pattern"))]
     seen = []
     with torch.no_grad():
         plain = model(src, tgt_ids=tgt)
-        hooked_logits = run_with_hooks(model, src, [(n, lambda x, name: seen.append(name)) for n in names
-                                                    if not n.endswith("pattern")], tgt_ids=tgt)
+        hooked_logits = run_with_hooks(model, src, [(n, lambda x, name: seen.append(name)) for n in cheap],
+                                       tgt_ids=tgt)
         with_pattern = run_with_hooks(model, src, [(n, lambda x, name: x) for n in names], tgt_ids=tgt)
-    assert torch.equal(plain, hooked_logits) and sorted(seen) == sorted(n for n in names if not n.endswith("pattern"))
-    assert torch.allclose(plain, with_pattern, atol=1e-5)  # the patterns formed explicitly: rounding only
+    assert torch.equal(plain, hooked_logits) and sorted(seen) == sorted(cheap)
+    assert torch.allclose(plain, with_pattern, atol=1e-5)  # S and A formed explicitly: rounding only
+
+
+def test_the_scores_are_q_k_over_sqrt_dh_masked_and_the_pattern_is_their_softmax():
+    """blocks.i.attn.scores against Q K^T / sqrt(Dh) from the cached q and k (grouped K/V repeated, -inf above
+    the diagonal), and the cached pattern against its softmax (note 000 §2.1.3)."""
+    model = model_of(LLAMA)
+    ids = torch.randint(0, 97, (2, 7))
+    _, cache = run_with_cache(model, ids, ["blocks.1.attn.q", "blocks.1.attn.k", "blocks.1.attn.scores",
+                                           "blocks.1.attn.pattern"])
+    q, k = cache["blocks.1.attn.q"], cache["blocks.1.attn.k"].repeat_interleave(2, dim=1)  # 4 heads, 2 K/V heads
+    expected = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    expected = expected.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(cache["blocks.1.attn.scores"], expected, atol=1e-5)
+    assert torch.allclose(cache["blocks.1.attn.scores"].softmax(-1), cache["blocks.1.attn.pattern"], atol=1e-6)
+
+
+def test_knocking_out_a_key_renormalises_the_querys_row_and_changes_nothing_before_it():
+    """knock_out(query, [key]): the query's pattern row is the old row without the key, divided by 1 - a_key
+    (the softmax over the remaining keys); earlier positions' logits are bitwise unchanged; a query left with
+    no key is refused."""
+    from qkv.interp import knock_out
+
+    model = model_of(LLAMA)
+    ids = torch.randint(0, 97, (1, 8))
+    plain, before = run_with_cache(model, ids, ["blocks.2.attn.pattern"])
+    with hooked(model, [("blocks.2.attn.scores", knock_out(7, [0, 3], heads=[1]))]):  # caches what it made
+        logits, after = run_with_cache(model, ids, ["blocks.2.attn.pattern"])
+    a, b = before["blocks.2.attn.pattern"][0], after["blocks.2.attn.pattern"][0]  # (H, T, T)
+    expected = a[1, 7].clone()
+    expected[[0, 3]] = 0
+    assert torch.allclose(b[1, 7], expected / (1 - a[1, 7, 0] - a[1, 7, 3]), atol=1e-6)
+    assert torch.allclose(b[0], a[0], atol=1e-6) and torch.allclose(b[1, :7], a[1, :7], atol=1e-6)
+    assert torch.allclose(logits[0, :7], plain[0, :7], atol=1e-5) and not torch.allclose(logits[0, 7], plain[0, 7])
+    with pytest.raises(QkvError, match="read no key"):
+        run_with_hooks(model, ids[:, :3], [("blocks.0.attn.scores", knock_out(2, [0, 1, 2]))])

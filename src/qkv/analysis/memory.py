@@ -255,9 +255,10 @@ def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = 
 
 def chunks_head(cfg: ModelConfig, setup: Setup) -> bool:
     """Whether the training step takes the head and its loss in row chunks (qkv.nn.head_cross_entropy): a
-    decoder's plain fp32 head, in fp32 or under autocast; not tensor parallel's DTensor head nor the
-    pipeline's loss on whole logits."""
-    return setup.chunked_head and cfg.arch == "decoder" and setup.tp == 1 and setup.pp == 1
+    decoder's plain fp32 head, in fp32 or under bf16 autocast; not under fp16, not tensor parallel's DTensor
+    head nor the pipeline's loss on whole logits."""
+    return (setup.chunked_head and cfg.arch == "decoder" and setup.tp == 1 and setup.pp == 1
+            and setup.precision != "fp16")
 
 
 def head_chunk(cfg: ModelConfig, B: int, T: int, chunked: bool, autocast: bool = False, a: int = FP32) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from qkv.cli.generate import GENERATE_DEFAULTS, generation_settings
-from qkv.cli.options import add_precision, apply_precision, positive_int
+from qkv.cli.options import add_precision, apply_precision, load_for_inference, positive_int
 from qkv.errors import QkvError
 
 
@@ -29,14 +29,13 @@ def add_parsers(sub) -> None:
 
 
 def cmd_chat(args) -> int:
-    from qkv.formats import load
     from qkv.generate.chat import ChatSession
     from qkv.generate.sampling import SamplingParams
     from qkv.models.build import architecture_of
     from qkv.serve.chat import template_for
 
     strategy, settings = generation_settings(args, args.strategy, warn=False)
-    run = load(args.run)
+    run = load_for_inference(args)
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv chat needs a decoder-only language model with a tokenizer")
     apply_precision(run, args)

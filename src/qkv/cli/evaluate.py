@@ -5,7 +5,7 @@ import json
 
 from qkv.cli.generate import require_objective
 from qkv.errors import QkvError
-from qkv.cli.options import add_precision, apply_precision, positive_int, strict_json
+from qkv.cli.options import add_precision, apply_precision, load_for_inference, positive_int, strict_json
 
 
 def add_parsers(sub) -> None:
@@ -29,12 +29,11 @@ def add_parsers(sub) -> None:
 
 
 def cmd_eval(args) -> int:
-    from qkv.formats import load
     from qkv.evaluate import runs as evaluators
 
     if args.task and (args.data or args.stride):
         raise QkvError("--task scores its own rows; --data and --stride apply to scoring a text")
-    run = load(args.run)
+    run = load_for_inference(args)
     precision = apply_precision(run, args)
     if args.task:
         from qkv.evaluate.choice import evaluate_task

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from qkv.cli.options import add_precision, apply_precision, positive_int
+from qkv.cli.options import add_precision, apply_precision, load_for_inference, positive_int
 from qkv.errors import QkvError
 
 
@@ -63,12 +63,11 @@ def generation_settings(args, strategy: str, warn: bool = True) -> tuple[str, di
 
 def cmd_generate(args) -> int:
     from qkv.generate.text import generate_text
-    from qkv.formats import load
     from qkv.nn.hookpoints import hooked
 
     if args.strategy is not None:
         generation_settings(args, args.strategy, warn=False)  # bad options fail before the run is loaded
-    run = load(args.run)
+    run = load_for_inference(args)
     objective = require_objective(run, "generate", ("lm", "seq2seq"))
     apply_precision(run, args)
     strategy, settings = generation_settings(args, args.strategy or ("beam" if objective == "seq2seq" else "top-p"))

@@ -84,6 +84,18 @@ def add_precision(parser) -> None:
                                                          "adapter_model.safetensors), merged into the model first")
 
 
+def load_for_inference(args):
+    """formats.load(args.run), each block put in --dtype / --quant as soon as it is read where the format
+    streams (GGUF: a quantized model never holds all its weights in fp32); apply_precision does the rest. An
+    --adapter is merged into the fp32 weights first, so it loads everything before converting."""
+    from qkv.formats import load
+    from qkv.generate import weights
+
+    adapter = getattr(args, "adapter", None)
+    with weights.freed_buffers_returned():
+        return load(args.run, convert=None if adapter else weights.convert_block(args.dtype, args.quant))
+
+
 def apply_precision(run, args, log=None) -> str | None:
     """Put run.model in --dtype / --quant; warnings and, when not the default, what it runs at go to `log`
     (stderr). Returns the description (None for fp32 unquantized)."""
@@ -97,7 +109,8 @@ def apply_precision(run, args, log=None) -> str | None:
     device = next(run.model.parameters()).device
     for warning in weights.check(args.dtype, args.quant, device):
         log(warning)
-    description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
+    with weights.freed_buffers_returned():
+        description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V, gate/up too
     if args.dtype == "fp32" and args.quant == "none":
         return None
     log(f"qkv: running at {description}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.cli.options import add_precision, apply_precision, strict_json
+from qkv.cli.options import add_precision, apply_precision, load_for_inference, strict_json
 from qkv.errors import QkvError
 
 
@@ -37,7 +37,6 @@ def add_parsers(sub) -> None:
 def cmd_probe(args) -> int:
     import torch
 
-    from qkv.formats import load
     from safetensors.torch import save_file
 
     from qkv.interp import (direct_logit_attribution, head_patching_map, head_scores, induction_scores, logit_lens,
@@ -55,7 +54,7 @@ def cmd_probe(args) -> int:
         raise QkvError("--per-head applies to --corrupt")
     if args.target is not None and not (args.lens or args.attribution):
         raise QkvError("--target applies to --lens and --attribution")
-    run = load(args.run)
+    run = load_for_inference(args)
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv probe reads decoder-only language models with a tokenizer")
     apply_precision(run, args)

@@ -12,8 +12,10 @@ state dict and the reference engine's NumPy dict, the same keys).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
@@ -22,7 +24,7 @@ from qkv.formats.base import FORMATS, Format, Run
 
 __all__ = ["FORMATS", "Format", "Run", "load", "load_config", "save"]
 
-FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save, config=gguf.config,
+FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save, config=gguf.config, streams=True,
                                 describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
 FORMATS.register("hf")(Format(detect=hf.is_hf_dir, load=hf.load, save=hf.save, config=hf.config,
                               describe="a Hugging Face model dir (config.json with model_type or architectures)"))
@@ -31,14 +33,20 @@ FORMATS.register("run")(Format(detect=run_dir.detect, load=run_dir.load, save=ru
 ORDER = ("gguf", "hf", "run")  # the first whose detect says yes reads the path
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
-    """Read a model from any format qkv knows: its model (eval mode, on `device`), tokenizer and config."""
+def load(path: str | Path, device: str | torch.device = "cpu", *,
+         convert: Callable[[nn.Module], None] | None = None) -> Run:
+    """Read a model from any format qkv knows: its model (eval mode, on `device`), tokenizer and config.
+    `convert(block)`, where the format streams (GGUF), runs on each block as soon as its weights are read
+    (qkv.generate.weights.convert_block: a quantized model never holds all its weights in fp32 at once);
+    elsewhere it is not called, and the caller's prepare converts the whole model after loading."""
     path = Path(path)
     if not path.exists():
         raise QkvError(f"{path}: no such run directory or model file")
     for name in ORDER:
-        if FORMATS.get(name).detect(path):
-            return FORMATS.get(name).load(path, device)
+        entry = FORMATS.get(name)
+        if entry.detect(path):
+            streamed = convert is not None and entry.streams
+            return entry.load(path, device, convert=convert) if streamed else entry.load(path, device)
     if path.is_dir():
         return run_dir.load(path, device)  # names what a run dir lacks
     kinds = "; ".join(FORMATS.get(name).describe for name in ORDER)

@@ -48,12 +48,14 @@ class Run:
 @dataclass(frozen=True)
 class Format:
     detect: Callable[[Path], bool]
-    load: Callable[..., Run]  # (path, device="cpu") -> Run
+    load: Callable[..., Run]  # (path, device="cpu"[, convert=...] where `streams`) -> Run
     describe: str  # what it reads, for the error that lists the formats
     # (run, out) -> out; None: qkv reads this format only. Given a default explicitly: a dataclass field
     # without one would take any `object.save` as its default (nnsight adds one) and fail to be defined
     save: Callable[..., Path] | None = None
     config: Callable[..., object] | None = None  # (path) -> its Run's RunConfig without reading weights
+    # load takes convert(block): applied to each block as soon as its weights are read (formats.load)
+    streams: bool = False
 
 
 FORMATS: Registry[Format] = Registry("file format")

@@ -16,6 +16,11 @@ slower than fp32, and said so.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -48,25 +53,82 @@ def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group
     """Put `model` (in eval, on the CPU for a quant) in the given precision, its Q/K/V and gate/up projections
     fused (qkv.nn.fuse), in place, for inference only; a one-line description.
     A model whose weights are already quantized (a run saved by `qkv convert --quant`) keeps them: asking for
-    another quant is refused, since requantizing quantized weights adds error twice."""
+    another quant is refused, since requantizing quantized weights adds error twice. A model loaded with
+    `convert_block` (its blocks quantized as they were read) gets the rest: the head and any layer outside."""
     held = quantization_of(model)
     if held != "none" and quant not in ("none", held):
         raise QkvError(f"this model holds {held} weights (qkv convert --quant {held}); --quant {quant} would "
                        f"requantize them: convert the original model instead")
-    cast_unquantized(model, DTYPES[dtype])
-    if held != "none":
+    if held != "none" and not any(type(module) is nn.Linear for module in model.modules()):
+        cast_unquantized(model, DTYPES[dtype])
         fuse_projections(model)
         return f"{held} weights (as saved; the head {head_of(model)}), {dtype} activations"
     if quant == "none":
+        cast_unquantized(model, DTYPES[dtype])
         fuse_projections(model)
         return f"{dtype} weights"
-    counts = quantize_model(model, quant, group)
+    quantize_model(model, quant, group)  # from the fp32 weights (a Q4_1 file's to themselves), then the rest cast
+    cast_unquantized(model, DTYPES[dtype])
+    counts = {"int8": 0, "int4": 0}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            counts[module.kind] += 1
     fuse_projections(model)
     layers = counts[quant] + (counts["int8"] if quant == "int4" else 0)
     odd = counts["int8"] - (head_of(model) == "int8") if quant == "int4" else 0
     return (f"{quant} weights{f', groups of {group}' if quant == 'int4' else ''} ({layers} linear layers"
             f"{f', {odd} in int8: shapes int4 cannot take' if odd else ''}; the head {head_of(model)}), "
             f"{dtype} activations")
+
+
+def convert_block(dtype: str, quant: str, device: str | torch.device = "cpu", group: int = GROUP):
+    """What a loader applies to each block as soon as its weights are read (formats.load(convert=...)), so that
+    a quantized model never holds all its weights in fp32 at once; None where nothing would change or the
+    model goes to another device (check refuses a quant there). prepare then does the rest (the head, the
+    fused projections)."""
+    if (dtype, quant) == ("fp32", "none") or torch.device(device).type != "cpu":
+        return None
+
+    def convert(block: nn.Module) -> None:
+        if quant != "none":
+            quantize_model(block, quant, group)  # a block holds no output head
+        cast_unquantized(block, DTYPES[dtype])
+    return convert
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc malloc.h)
+LOADING_MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold: blocks above it mapped, unmapped when freed
+STEADY_MMAP_THRESHOLD = 32 * 1024 * 1024  # the ceiling glibc's own adjustment reaches on 64-bit
+
+
+@contextmanager
+def freed_buffers_returned() -> Iterator[None]:
+    """While a model is read and converted, every buffer above 128 KiB is mapped on its own and returned to the
+    system when freed (glibc's mallopt; elsewhere nothing changes). glibc otherwise raises that threshold to
+    the size of the first big buffer freed, so the fp32 weights each block is read into before quantizing,
+    freed one after another, stay in the heap, which only grows: `qkv chat SmolLM2... --quant int8` peaked at
+    0.96-1.13 GB of resident memory that way, 0.72 GB this way (docs/real-models.md). Afterwards the threshold
+    is set to the ceiling that adjustment reaches, as if it had run."""
+    libc = glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
+        libc.malloc_trim(0)
+
+
+def glibc():
+    """The C library when it is glibc (mallopt, malloc_trim), else None."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str | None:

@@ -23,7 +23,8 @@ def run_with_cache(model: nn.Module, input_ids: Tensor, names: Sequence[str] | N
                    ) -> tuple[Tensor, dict[str, Tensor]]:
     """The logits and {name: activation} of every named point (all of them when `names` is None), detached;
     the pattern points only when named (forming A costs a T x S matrix per head)."""
-    wanted = list(names) if names is not None else [n for n in hook_names(model) if not n.endswith(".pattern")]
+    wanted = list(names) if names is not None else [n for n in hook_names(model)
+                                                    if not n.endswith((".scores", ".pattern"))]
     cache: dict[str, Tensor] = {}
 
     def keep(x: Tensor, name: str) -> None:
@@ -46,6 +47,20 @@ def zero_head(head: int) -> Hook:
         z = z.clone()
         z[:, head] = 0
         return z
+    return hook
+
+
+def knock_out(query: int, keys: Sequence[int], heads: Sequence[int] | None = None) -> Hook:
+    """A hook for `blocks.{i}.attn.scores` that stops `query` reading `keys` (attention knockout, Geva et al.
+    2023): their scores become -inf, so the softmax shares the query's attention among its other keys
+    (`heads`: those heads only; default all). The query must keep at least one key."""
+    def hook(scores: Tensor, name: str) -> Tensor:
+        scores = scores.clone()
+        rows = slice(None) if heads is None else list(heads)
+        scores[:, rows, query, list(keys)] = float("-inf")
+        if torch.isinf(scores[:, rows, query]).all(-1).any():
+            raise QkvError(f"knock_out at {name}: query {query} would read no key at all")
+        return scores
     return hook
 
 

@@ -30,7 +30,7 @@ class AttentionContext:
 
 
 class Attention(nn.Module):
-    hook_points = ("q", "k", "v", "pattern", "z", "out")  # qkv.nn.hookpoints
+    hook_points = ("q", "k", "v", "scores", "pattern", "z", "out")  # qkv.nn.hookpoints
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
                  dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None):
         super().__init__()
@@ -77,11 +77,12 @@ class Attention(nn.Module):
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0
-        if wants(self, "pattern"):  # A formed explicitly, seen (and maybe replaced) by the hook, then A V
+        if wants(self, "scores") or wants(self, "pattern"):  # S and A formed explicitly, seen by the hooks
             if k.shape[1] != q.shape[1]:
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
             pattern = weights_for(self.kernel_name, window=self.window)(
-                q, k, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=self.head_dim ** -0.5)  # (B, H, T, S)
+                q, k, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=self.head_dim ** -0.5,
+                on_scores=lambda scores: point(self, "scores", scores))  # (B, H, T, S)
             out = weighted_values(point(self, "pattern", pattern), v, value_bias, dropout)
         else:
             out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, value_bias=value_bias,

@@ -10,7 +10,9 @@ qualified name in the model and the point's:
     blocks.{i}.resid_pre          the residual stream entering block i (blocks.0.resid_pre = embed) (B, T, D)
     blocks.{i}.attn.q / .k / .v   Q, K, V per head, after RoPE where the model rotates         (B, H, T, Dh)
                                   (k and v: H_kv heads; this call's positions, before the KV cache)
-    blocks.{i}.attn.pattern       A = softmax(Q K^T / sqrt(Dh) + mask), formed only when hooked (B, H, T, S)
+    blocks.{i}.attn.scores        S = Q K^T / sqrt(Dh) + bias + M (M = -inf where masked), before the softmax;
+                                  formed only when hooked (a linear-attention model: phi(Q) phi(K)^T) (B, H, T, S)
+    blocks.{i}.attn.pattern       A = softmax(S), formed only when hooked                       (B, H, T, S)
     blocks.{i}.attn.z             A V per head, before W^O                                     (B, H, T, Dh)
     blocks.{i}.attn.out           the attention sublayer's output, z W^O^T (+ b)               (B, T, D)
     blocks.{i}.resid_mid          the stream after the attention residual                      (B, T, D)

@@ -96,8 +96,12 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool,
-                      bias: Tensor | None, scale: float) -> Tensor:
-    """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)"""
+                      bias: Tensor | None, scale: float,
+                      on_scores: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)
+
+    `on_scores` sees the scores S = Q K^T * scale + bias + M before the softmax and may replace them (the
+    `attn.scores` hook point: setting an entry to -inf removes that key from the query's softmax)."""
     T, S = q.shape[-2], k.shape[-2]
     scores = (q @ k.transpose(-2, -1)).to(wide_dtype(q.dtype)) * scale  # (B, H, T, S)
     if bias is not None:
@@ -106,6 +110,8 @@ def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool
         mask = causal_mask(T, S, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if on_scores is not None:
+        scores = on_scores(scores)
     return scores.softmax(dim=-1)
 
 

@@ -31,8 +31,10 @@ def feature_map(x: Tensor) -> Tensor:
 
 
 def linear_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool, bias: Tensor | None,
-                   scale: float = 1.0) -> Tensor:
-    """The explicit O(n^2) form: A_ij = sim_ij / sum_j sim_ij, sim_ij = phi(q_i).phi(k_j) exp(b_ij) [allowed]."""
+                   scale: float = 1.0, on_scores=None) -> Tensor:
+    """The explicit O(n^2) form: A_ij = sim_ij / sum_j sim_ij, sim_ij = phi(q_i).phi(k_j) exp(b_ij) [allowed].
+
+    `on_scores` sees sim (0 where masked; the `attn.scores` point of a linear-attention model) and may replace it."""
     T, S = q.shape[-2], k.shape[-2]
     sim = feature_map(q) @ feature_map(k).transpose(-2, -1)  # (B, H, T, S)
     if bias is not None:
@@ -41,6 +43,8 @@ def linear_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool, b
         mask = causal_mask(T, S, q.device)
     if mask is not None:
         sim = sim.masked_fill(~mask, 0.0)
+    if on_scores is not None:
+        sim = on_scores(sim)
     return sim / sim.sum(-1, keepdim=True)
 
 

@@ -171,12 +171,16 @@ def target_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """The loss of `head`(hidden) against targets: chunked (`linear_cross_entropy`) for a plain nn.Linear
-    with plain fp32/fp64 weights and no hooks, under autocast too (its products in autocast's dtype);
+    with plain fp32/fp64 weights and no hooks, under bf16 autocast too (its products in bf16);
     vocabulary-parallel (`vocab_parallel_loss`) for tensor parallel's head, whose logits stay split over V;
-    otherwise the head's logits, then F.cross_entropy in fp32 (bf16 weights, a hooked head)."""
+    otherwise the head's logits, then F.cross_entropy in fp32 (bf16 weights, a hooked head, fp16 autocast:
+    fp16's loss scaling must see the logits' gradient overflow in fp16 wherever the run is laid out, as the
+    pipeline's last stage, which takes whole logits, does)."""
     weight = getattr(head, "weight", None)
+    device = hidden.device.type
+    fp16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
     if (type(head) in (nn.Linear, SoftCapHead) and not has_hooks(head) and not is_dtensor(weight)
-            and not is_dtensor(hidden) and hidden.dtype == weight.dtype
+            and not is_dtensor(hidden) and hidden.dtype == weight.dtype and not fp16
             and hidden.dtype in (torch.float32, torch.float64)):  # chunk sums of gradients in full precision
         return linear_cross_entropy(hidden, weight, head.bias, targets, label_smoothing, getattr(head, "cap", 0.0))
     logits = head(hidden)

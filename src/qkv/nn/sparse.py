@@ -224,14 +224,14 @@ def random_pattern_cols(i: Tensor, j: Tensor, window: int) -> Tensor:
 
 def sparse_weights(pattern_fn, global_keys: bool = False):
     """The explicit weights of a sparse kernel: naive attention with the pattern in the mask."""
-    def weights(q, k, *, mask, causal, bias, scale, window):
+    def weights(q, k, *, mask, causal, bias, scale, window, on_scores=None):
         T, S = q.shape[-2], k.shape[-2]
         pattern = functools.partial(pattern_fn, window=window)
         if global_keys:
             pattern, mask = with_global_keys(pattern, mask, T, S)
         if pattern is not None:
             mask = pattern_mask(pattern, T, S, mask, causal, q.device)
-        return attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale)
+        return attention_weights(q, k, mask=mask, causal=causal, bias=bias, scale=scale, on_scores=on_scores)
     return weights
 
 

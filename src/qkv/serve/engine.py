@@ -323,6 +323,8 @@ def gather_rows(model: nn.Module, parts: list[tuple[KVCache, int, int]], room: i
     for b, (cache, row, n) in enumerate(parts):
         start, end = cache.length - n, cache.length  # the row's columns in its cache
         for mine, theirs in zip(out.layers, cache.layers):
+            mine.k[b, :, :length - n] = 0  # padding columns: read (with weight 0), so never left unwritten
+            mine.v[b, :, :length - n] = 0
             mine.k[b, :, length - n:length] = theirs.k[row, :, start:end]
             mine.v[b, :, length - n:length] = theirs.v[row, :, start:end]
         out.positions[b, length - n:length] = cache.positions[row, start:end]

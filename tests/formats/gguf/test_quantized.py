@@ -123,3 +123,45 @@ def test_a_saved_quantized_run_keeps_its_scales_fp32_under_dtype_bf16(capsys, mo
     with torch.no_grad():
         p, q = fp32.model(ids).float().log_softmax(-1), bf16.model(ids).float().log_softmax(-1)
     assert float((p.exp() * (p - q)).sum(-1).mean()) < 2e-3
+
+
+@pytest.mark.parametrize("arch, dtype, quant", [("llama", "fp32", "int8"), ("llama", "fp32", "int4"),
+                                                ("llama", "bf16", "int4"), ("llama", "bf16", "none"),
+                                                ("qwen2", "fp32", "int4")])
+def test_a_gguf_read_a_block_at_a_time_is_the_model_read_whole(model, tmp_path, arch, dtype, quant):
+    """load(convert=weights.convert_block(...)) converts each block as soon as it is read (the next block still
+    on the meta device, unread); prepare then gives the model that reading everything in fp32 and preparing it
+    gives: the same description, bitwise equal logits."""
+    from qkv.formats.gguf import load as load_gguf
+    from tests.formats.gguf import write_llama as write
+
+    path = model[0] if arch == "llama" else write(tmp_path / "q.gguf", qtype="Q4_1", arch="qwen2", seed=4,
+                                                   width=64, ffn=128)
+    whole = load(path)
+    described = weights.prepare(whole.model, dtype=dtype, quant=quant)
+    convert, seen = weights.convert_block(dtype, quant), []
+
+    def watch(block):  # called with a block just read: all its weights real fp32, none converted yet
+        seen.append(all(p.dtype == torch.float32 and not p.is_meta for p in block.parameters()))
+        convert(block)
+    streamed = load_gguf(path, convert=watch)
+    assert seen == [True, True]
+    assert weights.prepare(streamed.model, dtype=dtype, quant=quant) == described
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(streamed.model(ids), whole.model(ids))
+
+
+def test_a_gpt2_gguf_is_read_whole_and_converted_after(tmp_path):
+    """gpt2's mapping makes Q, K and V from one tensor: the file is read at once, convert is not called, and
+    prepare converts the loaded model as it would any."""
+    from tests.formats.gguf import write_gpt2
+
+    path = write_gpt2(tmp_path / "g.gguf", seed=2)
+    calls = []
+    streamed, whole = load(path, convert=calls.append), load(path)
+    assert calls == []
+    assert weights.prepare(streamed.model, quant="int8") == weights.prepare(whole.model, quant="int8")
+    ids = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(streamed.model(ids), whole.model(ids))

@@ -13,9 +13,12 @@ float32. The tokenizer comes from `tokenizer.ggml.*` (`tokenizer`), the chat tem
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
@@ -39,26 +42,85 @@ def detect(path: Path) -> bool:
     return path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path))
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
-    """A GGUF file as a Run: the model in eval mode (fp32 weights), its tokenizer and chat."""
+def load(path: str | Path, device: str | torch.device = "cpu", *,
+         convert: Callable[[nn.Module], None] | None = None) -> Run:
+    """A GGUF file as a Run: the model in eval mode (fp32 weights), its tokenizer and chat. `convert(block)`:
+    each block is read, then converted (quantized: qkv.generate.weights.convert_block) before the next is
+    read, where the architecture's mapping only renames the file's tensors (llama, qwen2); otherwise it is
+    not called (the caller converts the loaded model)."""
     path = Path(path)
     file, arch, hf, family, cfg = read_model_config(path)
-    try:
-        tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
-    except QkvError as exc:
-        raise QkvError(f"{path}: {exc}") from None
     with torch.device("meta"):  # no memory and no random initialisation: the file's tensors become the weights
         model = build_model(cfg)
-    if any(True for _ in model.buffers()):  # a buffer would stay on the meta device: build and copy instead
-        model = build_model(cfg)
-        load_model_tensors(model, tensors, str(path))  # its errors name the file
+    buffers = any(True for _ in model.buffers())
+    streams = convert is not None and not buffers and hasattr(model, "blocks")
+    readers = renaming(file, arch, hf, family, cfg, path) if streams else None
+    if readers is not None:
+        stream_blocks(model, readers, str(path), convert)
     else:
-        assign_model_tensors(model, tensors, str(path))  # one fp32 copy of the weights in memory, not two
-    del tensors
+        try:
+            tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
+        except QkvError as exc:
+            raise QkvError(f"{path}: {exc}") from None
+        if buffers:  # a buffer would stay on the meta device: build and copy instead
+            model = build_model(cfg)
+            load_model_tensors(model, tensors, str(path))  # its errors name the file
+        else:
+            assign_model_tensors(model, tensors, str(path))  # one fp32 copy of the weights in memory, not two
+        del tensors
     tokenizer = gguf_tokenizer(file.metadata, str(path))
     check_vocabulary(tokenizer, cfg.vocab_size, path)
     return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
+
+
+def renaming(file: GgufFile, arch, hf: dict, family, cfg, path: Path) -> dict[str, Callable[[], torch.Tensor]] | None:
+    """{qkv name: a function reading that tensor from the file} when the HF family's mapping only renames the
+    file's tensors (found by running it on shape-only meta tensors); None when it makes tensors from several
+    (gpt2's Q/K/V split), which are then read all at once."""
+    placeholders, sources = {}, {}
+    try:
+        for name in file.names:
+            hf_name = hf_name_of(arch, name, hf)
+            shape = tuple(int(n) for n in reversed(file.tensors[name].shape.tolist()))
+            placeholders[hf_name] = torch.empty(shape, device="meta")
+            sources[id(placeholders[hf_name])] = (name, hf_name)
+        mapped = family.to_qkv(placeholders, cfg)
+    except QkvError as exc:
+        raise QkvError(f"{path}: {exc}") from None
+    except (NotImplementedError, RuntimeError):  # the mapping looks at values: read everything
+        return None
+    readers = {}
+    for qkv_name, tensor in mapped.items():
+        if id(tensor) in sources:
+            name, hf_name = sources[id(tensor)]
+            readers[qkv_name] = functools.partial(read_tensor, file, arch, hf, name, hf_name)
+        elif tensor.device.type != "meta":  # made by the mapping without the file (qwen2's zero biases)
+            readers[qkv_name] = functools.partial(lambda t: t, tensor)
+        else:
+            return None
+    return readers
+
+
+def stream_blocks(model: nn.Module, readers: dict[str, Callable[[], torch.Tensor]], origin: str,
+                  convert: Callable[[nn.Module], None]) -> None:
+    """Each block's tensors read, assigned and converted before the next block's are read; then the rest (the
+    embedding, the final norm, the head). Peak: the converted blocks and one block in fp32."""
+    for i, block in enumerate(model.blocks):
+        inside = functools.partial(under, f"blocks.{i}")
+        part = {name: read() for name, read in readers.items() if inside(name)}
+        assign_model_tensors(model, part, origin, within=inside)
+        del part
+        convert(block)
+    def outside(name: str) -> bool:
+        return not under("blocks", name)
+    rest = {name: read() for name, read in readers.items() if outside(name)}
+    assign_model_tensors(model, rest, origin, within=outside)
+
+
+def under(prefix: str, name: str) -> bool:
+    """`name` is the module `prefix` or inside it."""
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def config(path: str | Path) -> RunConfig:
@@ -91,13 +153,25 @@ def read_model_config(path: Path):
 
 
 def hf_tensors(file: GgufFile, arch, hf: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized to fp32, under its Hugging Face name."""
     out = {}
     for name in file.names:
-        hf_name = arch.hf_name(name)
-        if hf_name is None:
-            raise QkvError(f"tensor {name!r} has no place in a {hf['model_type']} model")
-        out[hf_name] = torch.from_numpy(arch.to_hf(hf_name, file.tensor(name), hf))
+        hf_name = hf_name_of(arch, name, hf)
+        out[hf_name] = read_tensor(file, arch, hf, name, hf_name)
     return out
+
+
+def hf_name_of(arch, name: str, hf: dict) -> str:
+    hf_name = arch.hf_name(name)
+    if hf_name is None:
+        raise QkvError(f"tensor {name!r} has no place in a {hf['model_type']} model")
+    return hf_name
+
+
+def read_tensor(file: GgufFile, arch, hf: dict, name: str, hf_name: str) -> torch.Tensor:
+    """One tensor of the file, dequantized to fp32, as the HF checkpoint holds it (llama.cpp's Q/K row
+    permutation undone)."""
+    return torch.from_numpy(arch.to_hf(hf_name, file.tensor(name), hf))
 
 
 def chat_of(meta: dict, tokenizer) -> Chat:

@@ -82,15 +82,27 @@ class GgufFile:
         return self.metadata.get(key, default)
 
     def tensor(self, name: str) -> np.ndarray:
-        """The tensor as float32 (rows, columns) in PyTorch's (out, in) order, dequantized by the gguf package."""
+        """The tensor as float32 (rows, columns) in PyTorch's (out, in) order, dequantized by the gguf package
+        a few rows at a time straight into its own, writable array (the package's whole-tensor dequantization
+        holds several float copies at once: for SmolLM2's 49,152 x 576 embedding, 0.2 GB more at the peak)."""
         import gguf
 
         if name not in self.tensors:
             raise QkvError(f"{self.path}: has no tensor {name!r}")
         tensor = self.tensors[name]
-        data = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
-        return np.array(data, dtype=np.float32, copy=True).reshape(shape)  # its own, writable copy
+        raw = np.asarray(tensor.data)
+        raw = raw.reshape(-1, raw.shape[-1])  # (rows, one row's values or blocks)
+        out = np.empty(shape, dtype=np.float32)
+        flat = out.reshape(raw.shape[0], -1)
+        step = max(1, DEQUANTIZE_ELEMENTS // flat.shape[1])
+        for start in range(0, raw.shape[0], step):
+            rows = slice(start, start + step)
+            flat[rows] = gguf.quants.dequantize(raw[rows], tensor.tensor_type).reshape(flat[rows].shape)
+        return out
+
+
+DEQUANTIZE_ELEMENTS = 2 ** 20  # values dequantized at once (4 MiB of float32)
 
 
 def reason(exc: Exception, path: Path) -> str:
