@@ -127,16 +127,19 @@ def test_a_saved_quantized_run_keeps_its_scales_fp32_under_dtype_bf16(capsys, mo
 
 @pytest.mark.parametrize("arch, dtype, quant", [("llama", "fp32", "int8"), ("llama", "fp32", "int4"),
                                                 ("llama", "bf16", "int4"), ("llama", "bf16", "none"),
-                                                ("qwen2", "fp32", "int4")])
+                                                ("qwen2", "fp32", "int4"), ("tied", "fp32", "int4")])
 def test_a_gguf_read_a_block_at_a_time_is_the_model_read_whole(model, tmp_path, arch, dtype, quant):
-    """load(convert=weights.convert_block(...)) converts each block as soon as it is read (the next block still
-    on the meta device, unread); prepare then gives the model that reading everything in fp32 and preparing it
+    """load(convert=weights.convert_block(...)) converts each block as soon as it is read (called once a block,
+    with its weights in fp32); prepare then gives the model that reading everything in fp32 and preparing it
     gives: the same description, bitwise equal logits."""
     from qkv.formats.gguf import load as load_gguf
     from tests.formats.gguf import write_llama as write
 
-    path = model[0] if arch == "llama" else write(tmp_path / "q.gguf", qtype="Q4_1", arch="qwen2", seed=4,
-                                                   width=64, ffn=128)
+    if arch == "llama":
+        path = model[0]
+    else:  # a Qwen2 (Q/K/V biases the mapping adds where absent), a LLaMA whose head is its embedding
+        path = write(tmp_path / "m.gguf", qtype="Q4_1", seed=4, width=64, ffn=128, arch="qwen2" if arch == "qwen2"
+                     else "llama", tied=arch == "tied")
     whole = load(path)
     described = weights.prepare(whole.model, dtype=dtype, quant=quant)
     convert, seen = weights.convert_block(dtype, quant), []

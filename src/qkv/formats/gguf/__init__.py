@@ -112,10 +112,8 @@ def stream_blocks(model: nn.Module, readers: dict[str, Callable[[], torch.Tensor
         assign_model_tensors(model, part, origin, within=inside)
         del part
         convert(block)
-    def outside(name: str) -> bool:
-        return not under("blocks", name)
-    rest = {name: read() for name, read in readers.items() if outside(name)}
-    assign_model_tensors(model, rest, origin, within=outside)
+    rest = {name: read() for name, read in readers.items() if not under("blocks", name)}
+    assign_model_tensors(model, rest, origin, within=lambda name: not under("blocks", name))
 
 
 def under(prefix: str, name: str) -> bool:
