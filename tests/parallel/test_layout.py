@@ -133,8 +133,9 @@ BAD_LAYOUTS = [
 
 
 @pytest.mark.parametrize("world,sets,message", BAD_LAYOUTS)
-def test_mis_sized_layout_exits_2_with_one_line_on_rank_0(world, sets, message, monkeypatch, tmp_path, capsys):
-    """Raised in job.start before the data is read (the --data file does not even exist)."""
+def test_mis_sized_layout_exits_2_with_one_line_on_every_rank(world, sets, message, monkeypatch, tmp_path, capsys):
+    """Raised in job.start before the data is read (the --data file does not even exist). Every rank says it in
+    one line, the others than rank 0 with their rank: whichever exits first, torchrun stops the rest."""
     args = ["train", "--preset", "tiny", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "r"),
             "--quiet"] + [item for s in sets for item in ("--set", s)]
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -143,10 +144,8 @@ def test_mis_sized_layout_exits_2_with_one_line_on_rank_0(world, sets, message, 
         assert main(args) == 2
         out, err = capsys.readouterr()
         assert out == ""
-        if rank == 0:
-            assert err.count("\n") == 1 and err.startswith("qkv: error: ") and message in err, err
-        else:
-            assert err == ""
+        prefix = "qkv: error: " if rank == 0 else f"qkv: error: rank {rank}: "
+        assert err.count("\n") == 1 and err.startswith(prefix) and message in err, err
     assert not (tmp_path / "r").exists()
 
 

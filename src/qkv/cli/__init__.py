@@ -63,9 +63,11 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def fail(message: str) -> int:
-    """One line `qkv: error: ...` (rank 0 alone under torchrun; every rank exits 2)."""
-    if main_rank():
-        print(f"qkv: error: {message}", file=sys.stderr)
+    """One line `qkv: error: ...`, exit code 2. Under torchrun every rank that fails says so, the others with
+    their rank (`qkv: error: rank 1: ...`): the first rank to exit makes torchrun stop the rest, so a line left
+    to rank 0 alone could be lost, and an error of one rank only would never be told."""
+    rank = "" if main_rank() else f"rank {os.environ.get('RANK')}: "
+    print(f"qkv: error: {rank}{message}", file=sys.stderr)
     return 2
 
 
