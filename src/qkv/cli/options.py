@@ -85,15 +85,11 @@ def add_precision(parser) -> None:
 
 
 def load_for_inference(args):
-    """formats.load(args.run), each block put in --dtype / --quant as soon as it is read where the format
-    streams (GGUF: a quantized model never holds all its weights in fp32); apply_precision does the rest. An
-    --adapter is merged into the fp32 weights first, so it loads everything before converting."""
-    from qkv.formats import load
+    """args.run read for inference at --dtype / --quant (qkv.generate.weights.load: a GGUF file converted a
+    block at a time); apply_precision does the rest. An --adapter is merged into the fp32 weights first."""
     from qkv.generate import weights
 
-    adapter = getattr(args, "adapter", None)
-    with weights.freed_buffers_returned():
-        return load(args.run, convert=None if adapter else weights.convert_block(args.dtype, args.quant))
+    return weights.load(args.run, dtype=args.dtype, quant=args.quant, stream=not getattr(args, "adapter", None))
 
 
 def apply_precision(run, args, log=None) -> str | None:
@@ -109,8 +105,7 @@ def apply_precision(run, args, log=None) -> str | None:
     device = next(run.model.parameters()).device
     for warning in weights.check(args.dtype, args.quant, device):
         log(warning)
-    with weights.freed_buffers_returned():
-        description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V, gate/up too
+    description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
     if args.dtype == "fp32" and args.quant == "none":
         return None
     log(f"qkv: running at {description}")

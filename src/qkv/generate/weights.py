@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -26,6 +28,8 @@ from torch import nn
 
 from qkv import hardware
 from qkv.errors import QkvError
+from qkv.formats import Run
+from qkv.formats import load as load_any
 from qkv.nn.fuse import fuse_projections
 from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantization_of,
                           quantize_model)
@@ -49,12 +53,27 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
     return warnings
 
 
+def load(path: str | Path, *, dtype: str = "fp32", quant: str = "none", device: str | torch.device = "cpu",
+         stream: bool = True) -> Run:
+    """qkv.formats.load(path) for inference at `dtype` / `quant`: where the format streams (GGUF), each block is
+    converted as soon as it is read (convert_block), so a quantized model never holds all its weights in fp32;
+    prepare does the rest. `stream=False`: everything read in fp32 first (an adapter is merged before
+    quantizing)."""
+    with freed_buffers_returned():
+        return load_any(path, device, convert=convert_block(dtype, quant, device) if stream else None)
+
+
 def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str:
     """Put `model` (in eval, on the CPU for a quant) in the given precision, its Q/K/V and gate/up projections
     fused (qkv.nn.fuse), in place, for inference only; a one-line description.
     A model whose weights are already quantized (a run saved by `qkv convert --quant`) keeps them: asking for
     another quant is refused, since requantizing quantized weights adds error twice. A model loaded with
     `convert_block` (its blocks quantized as they were read) gets the rest: the head and any layer outside."""
+    with freed_buffers_returned():
+        return convert_model(model, dtype, quant, group)
+
+
+def convert_model(model: nn.Module, dtype: str, quant: str, group: int) -> str:
     held = quantization_of(model)
     if held != "none" and quant not in ("none", held):
         raise QkvError(f"this model holds {held} weights (qkv convert --quant {held}); --quant {quant} would "
@@ -121,6 +140,7 @@ def freed_buffers_returned() -> Iterator[None]:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def glibc():
     """The C library when it is glibc (mallopt, malloc_trim), else None."""
     name = ctypes.util.find_library("c")

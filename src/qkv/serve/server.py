@@ -11,7 +11,6 @@ from qkv.serve import api
 from qkv.serve.app import Served, make_app
 from qkv.serve.chat import template_for
 from qkv.serve.engine import THREADS, Engine
-from qkv.formats import load
 from qkv.generate import weights
 
 
@@ -36,16 +35,14 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             dtype: str = "fp32", quant: str = "none", log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
     (qkv.generate.weights)."""
-    with weights.freed_buffers_returned():
-        run = load(path, device, convert=weights.convert_block(dtype, quant, device))  # a block at a time (GGUF)
+    run = weights.load(path, dtype=dtype, quant=quant, device=device)  # a GGUF file a block at a time
     for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
         log(warning)
     if dtype == "bf16":
         log("qkv: warning: with --dtype bf16 a request's greedy tokens may differ with the batch it shares (bf16 "
             "rounds the padded batch's attention differently from a lone request's); --dtype fp32 keeps them "
             "independent, also with --quant int8 / int4")
-    with weights.freed_buffers_returned():
-        description = weights.prepare(run.model, dtype=dtype, quant=quant)  # fuses Q/K/V and gate/up too
+    description = weights.prepare(run.model, dtype=dtype, quant=quant)  # fuses Q/K/V and gate/up too
     if (dtype, quant) != ("fp32", "none"):
         log(f"qkv: serving at {description}")
     if run.tokenizer is None:

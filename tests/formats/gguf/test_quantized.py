@@ -151,8 +151,13 @@ def test_a_gguf_read_a_block_at_a_time_is_the_model_read_whole(model, tmp_path, 
     assert seen == [True, True]
     assert weights.prepare(streamed.model, dtype=dtype, quant=quant) == described
     ids = torch.randint(0, 300, (2, 12))
+    via_cli = weights.load(path, dtype=dtype, quant=quant)  # what chat, generate, eval, probe and serve call
+    assert weights.prepare(via_cli.model, dtype=dtype, quant=quant) == described
     with torch.no_grad():
         assert torch.equal(streamed.model(ids), whole.model(ids))
+        assert torch.equal(via_cli.model(ids), whole.model(ids))
+    # nothing to convert, or a model bound for another device (where --quant is refused): read whole
+    assert weights.convert_block("fp32", "none") is None and weights.convert_block(dtype, quant, "cuda") is None
 
 
 def test_a_gpt2_gguf_is_read_whole_and_converted_after(tmp_path):

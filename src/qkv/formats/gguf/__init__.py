@@ -54,7 +54,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
         model = build_model(cfg)
     buffers = any(True for _ in model.buffers())
     streams = convert is not None and not buffers and hasattr(model, "blocks")
-    readers = renaming(file, arch, hf, family, cfg, path) if streams else None
+    readers = block_readers(file, arch, hf, family, cfg, path) if streams else None
     if readers is not None:
         stream_blocks(model, readers, str(path), convert)
     else:
@@ -74,7 +74,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
 
 
-def renaming(file: GgufFile, arch, hf: dict, family, cfg, path: Path) -> dict[str, Callable[[], torch.Tensor]] | None:
+def block_readers(file: GgufFile, arch, hf: dict, family, cfg,
+                  path: Path) -> dict[str, Callable[[], torch.Tensor]] | None:
     """{qkv name: a function reading that tensor from the file} when the HF family's mapping only renames the
     file's tensors (found by running it on shape-only meta tensors); None when it makes tensors from several
     (gpt2's Q/K/V split), which are then read all at once."""
