@@ -8,7 +8,7 @@ import torch
 
 import qkv
 from qkv.data.tokenizer import Tokenizer
-from qkv.generate.text import generate_text
+from qkv.generate.text import generate_text, start_of
 
 PROMPT = "the cat"
 
@@ -84,3 +84,9 @@ def test_streaming_without_stop_strings_streams_token_by_token(run):
     out = text(run, "greedy", stream)
     assert "".join(writes) == out + "\n"
     assert len(writes) > 5  # the prompt, then piece by piece
+
+
+def test_a_language_model_starts_from_end_of_text_and_the_prompt_or_a_line_break(run):
+    tok = run.tokenizer
+    assert start_of(tok, PROMPT) == [tok.eos_id] + tok.encode(PROMPT)
+    assert start_of(tok, "") == [tok.eos_id] + tok.encode("\n") and len(start_of(tok, "")) == 2

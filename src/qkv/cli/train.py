@@ -141,17 +141,20 @@ def describe(summary: dict) -> str:
 
 
 def sample(trainer, cfg, max_new_tokens: int = 200) -> str:
-    """A short top-p sample from the trained model, starting from the start-of-text token."""
+    """A short top-p sample from the trained model, as `qkv generate RUN` writes one with no prompt (from
+    end-of-text and a line break: qkv.generate.text.start_of)."""
     import torch
 
     from qkv.generate import generate
+    from qkv.generate.text import start_of
 
     tokenizer = trainer.data.tokenizer
-    start_ids = torch.tensor([[tokenizer.eos_id]], device=trainer.device)
-    new = min(max_new_tokens, cfg.model.max_seq_len - 1)
+    start_ids = torch.tensor([start_of(tokenizer, "")], device=trainer.device)
+    new = min(max_new_tokens, cfg.model.max_seq_len - start_ids.shape[1])
     ids = generate(trainer.model, start_ids, max_new_tokens=new, strategy="top-p", top_p=0.9, temperature=0.8,
                    seed=cfg.train.seed, stop_tokens=(tokenizer.eos_id,))
-    return "--- sample ---\n" + tokenizer.decode([i for i in ids[0, 1:].tolist() if i != tokenizer.eos_id])
+    new_ids = ids[0, start_ids.shape[1]:].tolist()
+    return "--- sample ---\n" + tokenizer.decode([i for i in new_ids if i != tokenizer.eos_id])
 
 
 def cmd_presets(args) -> int:

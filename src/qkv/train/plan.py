@@ -1,12 +1,17 @@
 """The plan of a training run, printed before it starts: steps, tokens, the time a step takes on this machine
-(one row's forward and backward, measured, times the rows of a step) and the total. A plan longer than a
-day without a time budget is refused unless confirmed (`qkv train --yes`): `qkv train --preset gpt2-124m` on a
-2-core CPU would otherwise start a run of months without a word.
+(measured) and the total. A plan longer than a day without a time budget is refused unless confirmed
+(`qkv train --yes`): `qkv train --preset gpt2-124m` on a 2-core CPU would otherwise start a run of months
+without a word.
 
-The measurement runs the objective's loss on one row drawn from the training data by a sampler of its own
-(the run's sampler and the RNG states are left as they were), forward and backward, on the unwrapped model;
-the optimizer's update is not timed. Under torchrun the plan gives steps and tokens only (a rank alone
-cannot run a sharded model's forward).
+The measurement runs the objective's loss, forward and backward in the run's precision (its autocast), on
+rows drawn from the training data by a sampler of its own (the run's sampler and the RNG states are left as
+they were), on the unwrapped model; the optimizer's update is not timed. One row runs first, untimed: the
+first pass pays for allocations and kernel selection (on the default job it took 7x a warm one, and the
+plan said 403 steps would fit 300 s where 2,791 did), unless it took over 5 s. Then one row is timed; where a whole micro-batch would
+take under `WHOLE_BATCH_SECONDS` by that figure, the micro-batch itself is timed (a small model's rows do
+not cost in proportion: a step's fixed costs dominate), else the one row's time is multiplied by the rows of
+a step. Under torchrun the plan gives steps and tokens only (a rank alone cannot run a sharded model's
+forward).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class Plan:
     tokens: int  # tokens they read
     step_seconds: float | None  # the estimate of one step (None: not measured)
     max_time: float  # train.max_time (0: none): the run stops there whatever the steps say
+    measured: str = ""  # how: "one row measured" or "a micro-batch of 8 rows measured"
 
     @property
     def seconds(self) -> float | None:
@@ -37,7 +43,7 @@ class Plan:
     def describe(self) -> str:
         text = f"qkv: plan: {self.steps:,} steps, {self.tokens:,} tokens"
         if self.step_seconds is not None:
-            text += f"; about {duration(self.step_seconds)} a step on this machine (one row measured)"
+            text += f"; about {duration(self.step_seconds)} a step on this machine ({self.measured})"
             text += f", {duration(self.steps * self.step_seconds)} in all"
         if self.max_time:
             if self.step_seconds:
@@ -60,26 +66,53 @@ def duration(seconds: float) -> str:
 def plan_of(trainer) -> Plan:
     tc, state = trainer.tc, trainer.state
     steps = max(0, state.horizon - state.step)
-    step_seconds = None if trainer.layout.distributed else one_row_seconds(trainer) * tc.batch_size
+    if trainer.layout.distributed:
+        return Plan(steps=steps, tokens=steps * tc.batch_size * tc.seq_len, step_seconds=None, max_time=tc.max_time)
+    step_seconds, measured = measure_step(trainer)
     return Plan(steps=steps, tokens=steps * tc.batch_size * tc.seq_len, step_seconds=step_seconds,
-                max_time=tc.max_time)
+                measured=measured, max_time=tc.max_time)
 
 
-def one_row_seconds(trainer) -> float:
-    """Seconds of the objective's loss, forward and backward, on one training row."""
+WHOLE_BATCH_SECONDS = 2.0  # a micro-batch estimated under this is timed whole
+WARM_ENOUGH_SECONDS = 5.0  # a first pass this long is taken as the measurement
+
+
+def measure_step(trainer) -> tuple[float, str]:
+    """(seconds of a step's forwards and backwards, how they were measured)."""
+    tc = trainer.tc
+    micro = tc.batch_size // tc.accumulation  # rows of one forward
+    one = rows_seconds(trainer, 1, warm_up=True)
+    if one * micro < WHOLE_BATCH_SECONDS and micro > 1:
+        return rows_seconds(trainer, micro) * tc.accumulation, f"a micro-batch of {micro} rows measured"
+    return one * tc.batch_size, "one row measured"
+
+
+def rows_seconds(trainer, rows: int, warm_up: bool = False) -> float:
+    """Seconds of the objective's loss, forward and backward in the run's precision, on `rows` training rows
+    (after an untimed pass over them first with `warm_up`, unless that pass took over `WARM_ENOUGH_SECONDS`:
+    then a first pass's extra cost is small beside it, and a big model's plan is not delayed by a second)."""
     cpu, cuda = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    sampler = trainer.objective.batches(trainer.data.train, trainer.data.tokenizer, trainer.cfg, batch_size=1,
+    sampler = trainer.objective.batches(trainer.data.train, trainer.data.tokenizer, trainer.cfg, batch_size=rows,
                                         seed=trainer.tc.seed + 1)
     batch = tuple(torch.from_numpy(a).to(trainer.device) for a in sampler.next())
     model = trainer.model
     was_training = model.training
     model.train()
-    try:
+
+    def once() -> float:
         start = time.perf_counter()
-        trainer.objective.loss(model, batch, 0.0).backward()
+        with trainer.autocast():
+            loss = trainer.objective.loss(model, batch, 0.0)
+        loss.backward()
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return seconds
+
+    try:
+        first = once()
+        return first if not warm_up or first > WARM_ENOUGH_SECONDS else once()
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
