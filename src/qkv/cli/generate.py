@@ -12,7 +12,8 @@ STRATEGIES = ("greedy", "sample", "top-k", "top-p", "beam")
 def add_parsers(sub) -> None:
     generate = sub.add_parser("generate", help="continue a prompt with a trained run")
     generate.add_argument("run", help="run directory")
-    generate.add_argument("--prompt", default="", help="text to continue")
+    generate.add_argument("--prompt", default="", help="text to continue (default: none; the model then continues "
+                                                           "end-of-text and a line break, which is not printed)")
     generate.add_argument("--max-new-tokens", type=positive_int, default=200)
     generate.add_argument("--strategy", choices=STRATEGIES,
                           help="default: top-p for a language model, beam for an encoder-decoder")
