@@ -63,3 +63,12 @@ def test_a_run_says_what_auto_chose_and_saves_it(capsys, tmp_path, monkeypatch, 
     code, _, err = cli(capsys, "train", *TINY, "--data", text, "--out", tmp_path / "given", "--max-steps", "2",
                        "--no-sample", "--set", "train.precision=fp32")
     assert code == 0 and "train.precision=auto" not in err
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo():
+    from qkv import hardware
+
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: fpu avx2\n"
+    assert hardware.cpu_vendor_from(intel) == "GenuineIntel"
+    assert hardware.cpu_vendor_from(intel.replace("GenuineIntel", "AuthenticAMD")) == "AuthenticAMD"
+    assert hardware.cpu_vendor_from("processor : 0\nFeatures : fp asimd bf16\n") is None  # Arm says no vendor_id

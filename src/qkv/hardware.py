@@ -53,6 +53,24 @@ def native_bf16_cpu() -> str | None:
     return None
 
 
+def cpu_vendor_from(cpuinfo: str) -> str | None:
+    """/proc/cpuinfo's vendor_id of the first processor (x86: "GenuineIntel", "AuthenticAMD"), or None."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() == "vendor_id":
+            return value.strip() or None
+    return None
+
+
+@functools.cache
+def cpu_vendor() -> str | None:
+    """This machine's CPU vendor (cpu_vendor_from), or None where /proc/cpuinfo does not say."""
+    try:
+        return cpu_vendor_from(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:
+        return None
+
+
 def auto_precision(device_type: str, *, cuda_bf16: bool = False, cpu_flag: str | None = None) -> tuple[str, str]:
     """train.precision=auto on this device: (the precision, why). bf16 autocast where the device multiplies
     bf16 natively (a CUDA card that supports it; a CPU with `cpu_flag`), fp32 elsewhere."""

@@ -296,9 +296,11 @@ def test_beam_search_matches_transformers_gpt2(length_penalty, early_stopping):
             assert hyp.score == pytest.approx(float(score), rel=1e-6, abs=1e-5)
 
 
-def test_decoding_linears_swap_shares_parameters_and_put_back():
+def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
+    from qkv.nn import decoding_linear
     from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
+    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda: True)  # as on an AMD CPU
     model = tiny_model()
     layers = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     keys = list(model.state_dict())
@@ -313,6 +315,27 @@ def test_decoding_linears_swap_shares_parameters_and_put_back():
     out = generate(model, ids, max_new_tokens=6, strategy="greedy")
     assert all(dict(model.named_modules())[name] is layer for name, layer in layers.items())
     assert out[0, 4:].tolist() == greedy_by_full_recomputation(model, ids[0].tolist(), 6)
+
+
+def test_where_nn_linear_is_the_faster_form_nothing_is_swapped(monkeypatch):
+    """On Intel with MKL nn.Linear's x W^T is the faster fp32 decode form (qkv.nn.decoding_linear): no layer
+    is swapped and no fused projection takes the other form; generation is the same greedy text."""
+    from qkv.nn import decoding_linear, fuse
+    from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
+
+    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda: False)
+    monkeypatch.setattr(fuse, "left_form_faster", lambda: False)
+    model = tiny_model()
+    before = dict(model.named_modules())
+    with decoding_linears(model):
+        assert dict(model.named_modules()) == before
+    layer = torch.nn.Linear(8, 6)
+    assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is torch.nn.Linear
+    monkeypatch.setattr(fuse, "left_form_faster", lambda: True)
+    assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is DecodingLinear
+    ids = torch.tensor([[3, 5, 7, 9]])
+    assert generate(model, ids, max_new_tokens=6, strategy="greedy")[0, 4:].tolist() == \
+        greedy_by_full_recomputation(model, ids[0].tolist(), 6)
 
 
 def greedy_by_full_recomputation(model, ids: list[int], new: int) -> list[int]:

@@ -2,12 +2,14 @@
 a generate call or a serving step (qkv.nn.swap)."""
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv import hardware
 from qkv.nn.fastpath import has_hooks
 from qkv.nn.swap import swapped
 
@@ -16,7 +18,7 @@ class DecodingLinear(nn.Module):
     """nn.Linear for a decoding step's few rows on CPU: y^T = W x^T + b, with W kept (out, in) as it is.
 
     A decoding step multiplies every weight matrix by a few rows (the batch, or its beams), with weights
-    that do not fit in cache, so its time is the time to read W. On these machines torch's CPU product
+    that do not fit in cache, so its time is the time to read W. On the AMD machines torch's CPU product
     x W^T (nn.Linear's form) reads W at 4.5-5.2 GB/s for 2-16 rows and 8.8 GB/s for one; the same product
     taken as W x^T (W on the left, x^T a transposed view) reads it at 5-11 GB/s (benchmarks/decode_kernels.py,
     one step of the benchmark GPT-2: 1 row 6.2 -> 5.4 ms, 2 rows 11.9 -> 5.4 ms, 8 rows 10.7 -> 7.2 ms; equal
@@ -49,15 +51,29 @@ class DecodingLinear(nn.Module):
 def decoding_linears(model: nn.Module):
     """Swap every nn.Linear of a CPU model for a DecodingLinear for the duration; put them back afterwards.
 
-    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
+    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear;
+    so does every layer on a CPU where nn.Linear's form is the faster (left_form_faster).
     """
     with swapped(model, decodes_faster, DecodingLinear):
         yield model
 
 
 def decodes_faster(name: str, module: nn.Module) -> bool:
-    """A plain nn.Linear with an fp32 CPU weight and no hooks: the layers DecodingLinear may stand in for. In bf16
-    the form is the slower one (a decode step's matrices of SmolLM2 read at 10.6 GB/s as W x^T against 18.7 as
-    nn.Linear's x W^T, 2 threads, benchmarks/real_decode.py's machine), so bf16 layers keep nn.Linear."""
+    """A plain nn.Linear with an fp32 CPU weight and no hooks, on a CPU where the form is the faster one
+    (left_form_faster): the layers DecodingLinear may stand in for. In bf16 the form is the slower one (a decode
+    step's matrices of SmolLM2 read at 10.6 GB/s as W x^T against 18.7 as nn.Linear's x W^T, 2 threads, AMD
+    EPYC), so bf16 layers keep nn.Linear."""
     return (type(module) is nn.Linear and type(module.weight) is nn.Parameter
-            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 and not has_hooks(module))
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 and not has_hooks(module)
+            and left_form_faster())
+
+
+@functools.cache
+def left_form_faster() -> bool:
+    """Whether W x^T beats nn.Linear's x W^T for an fp32 decode step on this CPU. torch multiplies fp32 on x86
+    with MKL, whose kernels are chosen by the CPU's vendor: on Intel its x W^T for one row reads W at the copy
+    bandwidth (SmolLM2's decode matrices at 25 GB/s against 10 GB/s as W x^T; SmolLM2 fp32 decode 30 tok/s
+    against 13.5; 2-core Xeon with AMX), while on AMD it reads at 4.5-9 GB/s and W x^T at 5-11 (the class
+    docstring). So: nn.Linear on Intel with MKL, W x^T elsewhere (AMD; builds without MKL, unmeasured, keep
+    the form measured first)."""
+    return not (hardware.cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.nn.decoding_linear import DecodingLinear
+from qkv.nn.decoding_linear import DecodingLinear, left_form_faster
 from qkv.nn.quant import QuantLinear
 
 
@@ -64,7 +64,8 @@ def fuse_linear(layers: list[nn.Linear]) -> nn.Module | None:
             layer.bias = nn.Parameter(one.bias[rows], requires_grad=layer.bias.requires_grad)
         start += layer.out_features
     fp32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
-    return DecodingLinear(one) if fp32_cpu else one  # the fp32 decode step's faster form (qkv.nn.decoding_linear)
+    # the fp32 decode step's faster form where it is the faster (qkv.nn.decoding_linear)
+    return DecodingLinear(one) if fp32_cpu and left_form_faster() else one
 
 
 def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
