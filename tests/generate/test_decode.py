@@ -300,7 +300,7 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
     from qkv.nn import decoding_linear
     from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
-    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda: True)  # as on an AMD CPU
+    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: True)  # fp32 on an AMD CPU
     model = tiny_model()
     layers = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     keys = list(model.state_dict())
@@ -318,20 +318,20 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
 
 
 def test_where_nn_linear_is_the_faster_form_nothing_is_swapped(monkeypatch):
-    """On Intel with MKL nn.Linear's x W^T is the faster fp32 decode form (qkv.nn.decoding_linear): no layer
+    """Where nn.Linear's x W^T is the faster decode form (fp32 on Intel with MKL, bf16 on AMD): no layer
     is swapped and no fused projection takes the other form; generation is the same greedy text."""
     from qkv.nn import decoding_linear, fuse
     from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
-    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda: False)
-    monkeypatch.setattr(fuse, "left_form_faster", lambda: False)
+    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: False)
+    monkeypatch.setattr(fuse, "left_form_faster", lambda dtype: False)
     model = tiny_model()
     before = dict(model.named_modules())
     with decoding_linears(model):
         assert dict(model.named_modules()) == before
     layer = torch.nn.Linear(8, 6)
     assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is torch.nn.Linear
-    monkeypatch.setattr(fuse, "left_form_faster", lambda: True)
+    monkeypatch.setattr(fuse, "left_form_faster", lambda dtype: True)
     assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is DecodingLinear
     ids = torch.tensor([[3, 5, 7, 9]])
     assert generate(model, ids, max_new_tokens=6, strategy="greedy")[0, 4:].tolist() == \

@@ -59,21 +59,26 @@ def decoding_linears(model: nn.Module):
 
 
 def decodes_faster(name: str, module: nn.Module) -> bool:
-    """A plain nn.Linear with an fp32 CPU weight and no hooks, on a CPU where the form is the faster one
-    (left_form_faster): the layers DecodingLinear may stand in for. In bf16 the form is the slower one (a decode
-    step's matrices of SmolLM2 read at 10.6 GB/s as W x^T against 18.7 as nn.Linear's x W^T, 2 threads, AMD
-    EPYC), so bf16 layers keep nn.Linear."""
-    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter
-            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 and not has_hooks(module)
-            and left_form_faster())
+    """A plain nn.Linear with an fp32 or bf16 CPU weight and no hooks, on a CPU where W x^T is the faster form
+    for its dtype (left_form_faster): the layers DecodingLinear may stand in for."""
+    weight = module.weight if type(module) is nn.Linear else None
+    return (weight is not None and type(weight) is nn.Parameter and weight.device.type == "cpu"
+            and left_form_faster(weight.dtype) and not has_hooks(module))
 
 
 @functools.cache
-def left_form_faster() -> bool:
-    """Whether W x^T beats nn.Linear's x W^T for an fp32 decode step on this CPU. torch multiplies fp32 on x86
-    with MKL, whose kernels are chosen by the CPU's vendor: on Intel its x W^T for one row reads W at the copy
-    bandwidth (SmolLM2's decode matrices at 25 GB/s against 10 GB/s as W x^T; SmolLM2 fp32 decode 30 tok/s
-    against 13.5; 2-core Xeon with AMX), while on AMD it reads at 4.5-9 GB/s and W x^T at 5-11 (the class
-    docstring). So: nn.Linear on Intel with MKL, W x^T elsewhere (AMD; builds without MKL, unmeasured, keep
-    the form measured first)."""
-    return not (hardware.cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available())
+def left_form_faster(dtype: torch.dtype) -> bool:
+    """Whether W x^T beats nn.Linear's x W^T for a decode step's products at `dtype` on this CPU (2 threads).
+
+    fp32: torch multiplies it on x86 with MKL, whose kernels are chosen by the CPU's vendor. On Intel its
+    x W^T for one row reads W at the copy bandwidth (SmolLM2's decode matrices at 25 GB/s against 10 GB/s as
+    W x^T; SmolLM2 fp32 decode 30 tok/s against 13.5; 2-core Xeon with AMX), while on AMD it reads at 4.5-9
+    GB/s and W x^T at 5-11 (the class docstring). bf16 (oneDNN) is the other way round: on the AMD EPYC with
+    avx512_bf16 SmolLM2's matrices read at 18.7 GB/s as x W^T against 10.6 as W x^T; on the Intel Xeon with
+    AMX at 15-23 GB/s against 25-29 (its 49152 x 576 head 3.8 against 2.3 ms; SmolLM2 bf16 decode 28.7 ->
+    34.0 tok/s). Other dtypes, and builds without MKL (unmeasured), keep nn.Linear for bf16 and take the form
+    measured first for fp32."""
+    intel = hardware.cpu_vendor() == "GenuineIntel"
+    if dtype == torch.float32:
+        return not (intel and torch.backends.mkl.is_available())
+    return dtype == torch.bfloat16 and intel

@@ -63,9 +63,8 @@ def fuse_linear(layers: list[nn.Linear]) -> nn.Module | None:
         if bias is not None:
             layer.bias = nn.Parameter(one.bias[rows], requires_grad=layer.bias.requires_grad)
         start += layer.out_features
-    fp32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
-    # the fp32 decode step's faster form where it is the faster (qkv.nn.decoding_linear)
-    return DecodingLinear(one) if fp32_cpu and left_form_faster() else one
+    # the decode step's faster form where it is the faster for this dtype on this CPU (qkv.nn.decoding_linear)
+    return DecodingLinear(one) if weight.device.type == "cpu" and left_form_faster(weight.dtype) else one
 
 
 def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
