@@ -3,6 +3,7 @@ a generate call or a serving step (qkv.nn.swap)."""
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import contextmanager
 
 import torch
@@ -37,14 +38,26 @@ class DecodingLinear(nn.Module):
         object.__setattr__(self, "b", None if linear.bias is None else linear.bias[:, None])  # (out, 1)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-        rows = flat.shape[0]
-        if rows > self.max_rows:
+        if math.prod(x.shape[:-1]) > self.max_rows:
             return F.linear(x, self.w, self.bias)
-        if rows == 1:
-            flat = torch.cat((flat, torch.zeros_like(flat)))  # (2, in)
-        y = torch.mm(self.w, flat.t()) if self.b is None else torch.addmm(self.b, self.w, flat.t())  # (out, rows)
-        return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
+        return left_product(x, self.w, self.b)
+
+
+def decode_rows(x: Tensor) -> bool:
+    """Whether `x` (..., in) is a decode step's few rows on the CPU, outside autograd: where the W x^T form
+    may be the faster one (left_form_faster)."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+            and math.prod(x.shape[:-1]) <= DecodingLinear.max_rows)
+
+
+def left_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """x W^T + b taken as (b + W x^T)^T: x (..., in), W (out, in), b (out, 1) or None; row-major (..., out)."""
+    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+    rows = flat.shape[0]
+    if rows == 1:
+        flat = torch.cat((flat, torch.zeros_like(flat)))  # (2, in)
+    y = torch.mm(w, flat.t()) if b is None else torch.addmm(b, w, flat.t())  # (out, rows)
+    return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv import hardware
+from qkv.nn.decoding_linear import decode_rows, left_form_faster, left_product
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -220,7 +221,11 @@ class Bf16Linear(nn.Module):
                                                            requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        x16 = x.to(self.weight.dtype)
+        if decode_rows(x) and left_form_faster(torch.bfloat16):  # a decode step's few rows (decoding_linear)
+            bias = None if self.bias is None else self.bias[:, None]
+            return left_product(x16, self.weight, bias).to(x.dtype)
+        return torch.nn.functional.linear(x16, self.weight, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"bf16, in_features={self.in_features}, out_features={self.out_features}"
