@@ -3,7 +3,7 @@ and what each precision does to the model's predictions.
 
     python benchmarks/real_decode.py [--smollm2 PATH] [--new 128] [--repeats 3] [--threads 2]
         [--precisions fp32 bf16 int8 int4] [--no-llama] [--no-transformers] [--quality-positions 2000]
-        [--json out.json]
+        [--batches 1 4 16 32] [--json out.json]
 
 One GGUF file (SmolLM2-135M-Instruct, Q4_1). qkv loads it once and runs it at each precision (`--dtype`,
 `--quant`: qkv.generate.weights); llama.cpp (llama-cpp-python, built from source: a benchmark dependency, never a
@@ -16,6 +16,12 @@ prefill tok/s = prompt tokens / time to the first new token; decode tok/s = the 
 Engines alternate within each repeat; medians are reported. The bandwidth floor of a decode step is the bytes
 of weights it reads / the machine's copy bandwidth (read + write of a 256 MiB copy, as benchmarks/run.py).
 
+Batched decode (`--batches`): B copies of the short prompt decoded together, greedy, `--new` tokens each;
+aggregate decode tok/s = B x (new - 1) / the time after the first new token. qkv runs `generate` on B rows
+(the batched step `qkv serve` runs underneath); llama.cpp runs B sequences in one llama_batch per step through
+llama-cpp-python's low-level API (what llama.cpp's own llama-batched-bench measures as text generation speed).
+Alternating, medians of `--repeats`.
+
 Quality, over `--quality-positions` positions of held-out text (the start of Hamlet, windows of 512): each
 precision's top-1 agreement with qkv fp32, KL(fp32 || precision) in nats per position, and bits per byte; the
 same for llama.cpp's Q4_1 (its logits through `logits_all`).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import json
 import math
 import os
@@ -108,7 +115,7 @@ class LlamaEngine:
 
         self.llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, logits_all=logits_all, verbose=False)
-        self.bytes = path.stat().st_size
+        self.path, self.bytes = path, path.stat().st_size
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
         self.llm.reset()
@@ -126,6 +133,65 @@ class LlamaEngine:
         self.llm.reset()
         self.llm.eval(ids)
         return torch.tensor(self.llm.scores[:len(ids)], dtype=torch.float32)
+
+
+class LlamaBatched:
+    """llama.cpp decoding B sequences at once: one llama_batch per step holding each sequence's next token."""
+
+    def __init__(self, path: Path, threads: int, batch: int, length: int, flash: bool = True):
+        import llama_cpp as L
+
+        self.L, self.batch = L, batch
+        L.llama_backend_init()
+        params = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(path).encode(), params)
+        ctx = L.llama_context_default_params()
+        ctx.n_ctx = batch * length  # each sequence gets its share
+        ctx.n_batch = ctx.n_ubatch = max(512, batch * 8)
+        ctx.n_seq_max = batch
+        # llama.cpp's default, auto (flash attention on, on a CPU): 246 against 209 tok/s with it off at 16
+        # sequences of SmolLM2 Q4_1 on the Xeon with AMX. Off, one sequence gives LlamaEngine's tokens exactly.
+        ctx.flash_attn_type = -1 if flash else 0
+        ctx.n_threads = ctx.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, ctx)
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.llama_batch = L.llama_batch_init(ctx.n_batch, 0, batch)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits?)
+        b = self.llama_batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(self, index: int) -> int:
+        logits = self.L.llama_get_logits_ith(self.ctx, index)
+        return int(torch.frombuffer((ctypes.c_float * self.vocab).from_address(ctypes.addressof(logits.contents)),
+                                    dtype=torch.float32).argmax())
+
+    def run(self, ids: list[int], new: int) -> tuple[float, list[list[int]]]:
+        """Aggregate decode tok/s and each sequence's tokens."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        n = len(ids)
+        self.decode([(t, p, s, p == n - 1) for s in range(self.batch) for p, t in enumerate(ids)])
+        outs = [[self.argmax(s * n + n - 1)] for s in range(self.batch)]
+        start = time.perf_counter()
+        for step in range(1, new):
+            self.decode([(outs[s][-1], n + step - 1, s, True) for s in range(self.batch)])
+            for s in range(self.batch):
+                outs[s].append(self.argmax(s))
+        return self.batch * (new - 1) / (time.perf_counter() - start), outs
+
+
+def qkv_batched(engine: QkvEngine, ids: list[int], new: int, batch: int) -> tuple[float, list[list[int]]]:
+    """qkv's batched decode of `batch` copies of `ids`: aggregate decode tok/s after the first new token."""
+    stamps = []
+    with torch.no_grad():
+        out = generate(engine.model, torch.tensor([ids] * batch), max_new_tokens=new,
+                       on_token=lambda step, tokens: stamps.append(time.perf_counter()))
+    return batch * (new - 1) / (stamps[-1] - stamps[0]), out[:, len(ids):].tolist()
 
 
 # --------------------------------------------------------------------------------------- transformers
@@ -180,6 +246,7 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--quality-positions", type=int, default=2000)
+    parser.add_argument("--batches", type=int, nargs="*", default=[], help="batched decode at these batch sizes")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -191,7 +258,7 @@ def main() -> None:
     short_ids = [tokenizer.eos_id] + tokenizer.encode(SHORT)
     quality_ids = [tokenizer.eos_id] + tokenizer.encode(text[:40_000])
     quality_ids = quality_ids[:args.quality_positions + 1]
-    bytes_per_token = len(tokenizer.decode(quality_ids[1:]).encode()) / (len(quality_ids) - 1)
+    bytes_per_token = len(tokenizer.decode(quality_ids[1:]).encode()) / max(len(quality_ids) - 1, 1)
 
     engines: dict[str, object] = {}
     for precision in args.precisions:
@@ -227,6 +294,8 @@ def main() -> None:
                 row[f"prefill_{label}"] = statistics.median(t[0] for t in timings[name][label])
                 row[f"decode_{label}"] = statistics.median(t[1] for t in timings[name][label])
             results["engines"][name] = row
+    if args.batches:
+        results["batched"] = batched(engines, args, short_ids, tmp)
     if args.quality_positions:
         reference = engines.get("qkv fp32") or QkvEngine(run.model, tokenizer, "fp32", "none")
         for name, engine in list(engines.items()):
@@ -241,6 +310,35 @@ def main() -> None:
     print_table(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def batched(engines: dict, args, ids: list[int], tmp: Path) -> dict:
+    """{precision: {batch: {"qkv": tok/s, "llama.cpp": tok/s, "same": first sequence's tokens equal}}}."""
+    out = {}
+    for precision in args.precisions:
+        qkv_engine = engines[f"qkv {precision}"]
+        llama_name = f"llama.cpp {LLAMA_NAMES[precision]}"
+        path = engines[llama_name].path if llama_name in engines else None
+        out[precision] = {}
+        for batch in args.batches:
+            peers = {"qkv": lambda b=batch: qkv_batched(qkv_engine, ids, args.new, b)}
+            if path is not None:
+                llama = LlamaBatched(path, args.threads, batch, len(ids) + args.new + 8)
+                peers["llama.cpp"] = lambda llama=llama: llama.run(ids, args.new)
+            for peer in peers.values():  # warm-up
+                peer()
+            rates = {name: [] for name in peers}
+            tokens = {}
+            for _ in range(args.repeats):
+                for name, peer in peers.items():
+                    rate, tokens[name] = peer()
+                    rates[name].append(rate)
+            row = {name: statistics.median(values) for name, values in rates.items()}
+            row["rows_equal"] = all(t == tokens["qkv"][0] for t in tokens["qkv"])  # a row unchanged by the others
+            out[precision][batch] = row
+            print(f"batched {precision} B={batch}: " + ", ".join(f"{name} {row[name]:.1f} tok/s" for name in peers),
+                  flush=True)
+    return out
 
 
 def print_table(results: dict, args) -> None:
@@ -259,6 +357,11 @@ def print_table(results: dict, args) -> None:
         print(f"{name:<22} {speed}{quality}")
     print(f"(decode and prefill: short prompt / ~500-token prompt, {args.new} new tokens, batch 1, medians of "
           f"{args.repeats}; quality over {args.quality_positions} positions of Hamlet against qkv fp32)")
+    if results.get("batched"):
+        print("batched decode, aggregate tok/s (qkv / llama.cpp), the short prompt in every row:")
+        for precision, rows in results["batched"].items():
+            cells = [f"B={b}: {row['qkv']:.0f} / {row.get('llama.cpp', float('nan')):.0f}" for b, row in rows.items()]
+            print(f"  {precision:<5} " + "  ".join(cells))
 
 
 if __name__ == "__main__":
