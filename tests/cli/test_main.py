@@ -136,16 +136,6 @@ def test_generate_seeds_and_greedy(capsys, run):
     assert greedy == greedy_by_hand(run, "The moon", 24) + "\n"
 
 
-def test_generate_without_a_prompt_starts_after_a_line_break_it_does_not_print(capsys, run):
-    """End-of-text alone is seen once a document in training: a small model's guess after it is noise, so an
-    empty prompt continues end-of-text + a line break (qkv.generate.text.start_of); the line break is not
-    part of the output. Oracle: argmax with a full forward per token from the same start."""
-    rc, out, err = cli(capsys, "generate", run, "--max-new-tokens", "24", "--strategy", "greedy")
-    assert rc == 0 and "Traceback" not in err, err
-    by_hand = greedy_by_hand(run, "\n", 24)
-    assert by_hand.startswith("\n") and out == by_hand[1:] + "\n"
-
-
 def greedy_by_hand(run_dir: Path, prompt: str, new: int) -> str:
     """Argmax decoding with a full forward per token (no KV cache): an independent oracle for the CLI."""
     from qkv.formats import load
