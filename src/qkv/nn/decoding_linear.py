@@ -89,8 +89,8 @@ def left_form_faster(dtype: torch.dtype) -> bool:
     GB/s and W x^T at 5-11 (the class docstring). bf16 (oneDNN) is the other way round: on the AMD EPYC with
     avx512_bf16 SmolLM2's matrices read at 18.7 GB/s as x W^T against 10.6 as W x^T; on the Intel Xeon with
     AMX at 15-23 GB/s against 25-29 (its 49152 x 576 head 3.8 against 2.3 ms; SmolLM2 bf16 decode 28.7 ->
-    34.0 tok/s). Other dtypes, and builds without MKL (unmeasured), keep nn.Linear for bf16 and take the form
-    measured first for fp32."""
+    34.0 tok/s). Unmeasured cases take a default: fp32 without MKL, or on another vendor, W x^T (as on AMD);
+    bf16 elsewhere than Intel, and every other dtype, nn.Linear."""
     intel = hardware.cpu_vendor() == "GenuineIntel"
     if dtype == torch.float32:
         return not (intel and torch.backends.mkl.is_available())
