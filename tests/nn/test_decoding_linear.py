@@ -37,3 +37,20 @@ def test_the_bf16_head_equals_its_bf16_product_in_either_form(monkeypatch, left,
         exact = torch.nn.functional.linear(x.bfloat16().double(), layer.weight.bfloat16().double(),
                                            layer.bias.bfloat16().double())
     assert (out.double() - exact).abs().max() < 0.05  # the true product of the bf16 operands, either form
+
+
+@pytest.mark.parametrize("vendor, mkl, fp32_left, bf16_left", [
+    ("GenuineIntel", True, False, True),  # MKL's one-row x W^T is the fast fp32 form there; oneDNN's bf16 is not
+    ("AuthenticAMD", True, True, False),  # the measured AMD machines: the reverse
+    ("GenuineIntel", False, True, True),  # no MKL: fp32 keeps the form measured first
+    (None, False, True, False),  # a CPU that does not say (Arm)
+])
+def test_the_decode_form_follows_the_cpu_and_the_dtype(monkeypatch, vendor, mkl, fp32_left, bf16_left):
+    from qkv import hardware
+    from qkv.nn import decoding_linear
+
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    choose = decoding_linear.left_form_faster.__wrapped__  # the rule itself, not this machine's cached answer
+    assert choose(torch.float32) is fp32_left and choose(torch.bfloat16) is bf16_left
+    assert choose(torch.float16) is False and choose(torch.float64) is False

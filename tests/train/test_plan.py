@@ -77,3 +77,6 @@ def test_the_measurement_runs_warm_in_the_run_precision_and_times_a_small_micro_
     calls.clear()
     monkeypatch.setattr(plan, "WHOLE_BATCH_SECONDS", 0.0)  # every micro-batch "too long": one row x 8
     assert plan.measure_step(trainer)[1] == "one row measured" and [c[0] for c in calls] == [1, 1]
+    calls.clear()
+    monkeypatch.setattr(plan, "WARM_ENOUGH_SECONDS", 0.0)  # a first pass "long enough" is the measurement itself
+    assert plan.measure_step(trainer)[1] == "one row measured" and [c[0] for c in calls] == [1]
