@@ -3,7 +3,7 @@ and what each precision does to the model's predictions.
 
     python benchmarks/real_decode.py [--smollm2 PATH] [--new 128] [--repeats 3] [--threads 2]
         [--precisions fp32 bf16 int8 int4] [--no-llama] [--no-transformers] [--quality-positions 2000]
-        [--batches 1 4 16 32] [--json out.json]
+        [--batches 1 4 16 32] [--compile] [--json out.json]
 
 One GGUF file (SmolLM2-135M-Instruct, Q4_1). qkv loads it once and runs it at each precision (`--dtype`,
 `--quant`: qkv.generate.weights); llama.cpp (llama-cpp-python, built from source: a benchmark dependency, never a
@@ -21,6 +21,9 @@ aggregate decode tok/s = B x (new - 1) / the time after the first new token. qkv
 (the batched step `qkv serve` runs underneath); llama.cpp runs B sequences in one llama_batch per step through
 llama-cpp-python's low-level API (what llama.cpp's own llama-batched-bench measures as text generation speed).
 Alternating, medians of `--repeats`.
+
+`--compile`: each precision also with the compiled decoding step (`qkv generate --compile`,
+qkv.generate.compiled), its first start (compiling, or finding inductor's cache) timed and reported apart.
 
 Quality, over `--quality-positions` positions of held-out text (the start of Hamlet, windows of 512): each
 precision's top-1 agreement with qkv fp32, KL(fp32 || precision) in nats per position, and bits per byte; the
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 import qkv
 from qkv import hardware
 from qkv.data.corpus import bundled_documents
-from qkv.generate import generate
+from qkv.generate import compiled, generate
 from qkv.generate.weights import prepare, weight_bytes
 
 MIB = 2 ** 20
@@ -247,6 +250,7 @@ def main() -> None:
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--quality-positions", type=int, default=2000)
     parser.add_argument("--batches", type=int, nargs="*", default=[], help="batched decode at these batch sizes")
+    parser.add_argument("--compile", action="store_true", help="also qkv with the compiled step (qkv --compile)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -266,6 +270,12 @@ def main() -> None:
         if precision == "bf16" and not hardware.native_bf16_cpu():
             print("note: this CPU has no native bf16; the bf16 rows are emulated")
         engines[f"qkv {precision}"] = QkvEngine(run.model, tokenizer, dtype, quant)
+        if args.compile:  # the first step compiles (or finds inductor's cache): timed apart
+            fast = QkvEngine(run.model, tokenizer, dtype, quant)
+            compiled.enable(fast.model)
+            fast.compile_seconds = _timed(lambda: fast.run(short_ids, 3))
+            print(f"qkv {precision} compiled: first start {fast.compile_seconds:.1f} s", flush=True)
+            engines[f"qkv {precision} compiled"] = fast
         if not args.no_llama:
             path = args.smollm2
             if gguf_type is not None:
@@ -290,6 +300,8 @@ def main() -> None:
                     timings[name][label].append(engine.run(ids, args.new)[:2])
         for name, engine in engines.items():
             row = {"weight_bytes": engine.bytes, "floor_tokens_per_s": bandwidth / engine.bytes}
+            if hasattr(engine, "compile_seconds"):
+                row["compile_seconds"] = engine.compile_seconds
             for label in ("short", "long"):
                 row[f"prefill_{label}"] = statistics.median(t[0] for t in timings[name][label])
                 row[f"decode_{label}"] = statistics.median(t[1] for t in timings[name][label])
@@ -299,7 +311,7 @@ def main() -> None:
     if args.quality_positions:
         reference = engines.get("qkv fp32") or QkvEngine(run.model, tokenizer, "fp32", "none")
         for name, engine in list(engines.items()):
-            if name.startswith("transformers"):
+            if name.startswith("transformers") or name.endswith("compiled"):  # (compiled: the same full forward)
                 continue
             if name.startswith("llama.cpp"):
                 if "Q4_1" not in name:
@@ -352,6 +364,10 @@ def print_table(results: dict, args) -> None:
         quality = (f" {100 * q['top1_agreement']:>6.1f}% {q['kl']:>8.5f} {q['bits_per_byte']:>7.4f}"
                    if q else "")
         print(f"{name:<22} {speed}{quality}")
+    starts = [f"{name[4:]} {row['compile_seconds']:.0f} s" for name, row in results["engines"].items()
+              if "compile_seconds" in row]
+    if starts:
+        print("compiled step, first start (compile, or inductor's cache): " + ", ".join(starts))
     print(f"(decode and prefill: short prompt / ~500-token prompt, {args.new} new tokens, batch 1, medians of "
           f"{args.repeats}; quality over {args.quality_positions} positions of Hamlet against qkv fp32)")
     if results.get("batched"):

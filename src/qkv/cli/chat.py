@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from qkv.cli.generate import GENERATE_DEFAULTS, generation_settings
-from qkv.cli.options import add_precision, apply_precision, load_for_inference, positive_int
+from qkv.cli.options import add_compile, add_precision, apply_compile, apply_precision, load_for_inference, positive_int
 from qkv.errors import QkvError
 
 
@@ -24,6 +24,7 @@ def add_parsers(sub) -> None:
     chat.add_argument("--top-k", type=positive_int, help=f"top-k (default {GENERATE_DEFAULTS['top_k']})")
     chat.add_argument("--top-p", type=float, help=f"top-p (default {GENERATE_DEFAULTS['top_p']})")
     add_precision(chat)
+    add_compile(chat)
     chat.add_argument("--seed", type=int, help="sampling strategies (default: a fresh seed)")
     chat.set_defaults(beams=None)  # no beam search: a chat streams its reply
 
@@ -39,6 +40,7 @@ def cmd_chat(args) -> int:
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv chat needs a decoder-only language model with a tokenizer")
     apply_precision(run, args)
+    apply_compile(run, args)
     params = SamplingParams(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"])
     session = ChatSession(run, template_for(run.chat, run.tokenizer), system=args.system, strategy=strategy,
                           params=params, seed=args.seed, max_new_tokens=args.max_new_tokens)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from qkv.cli.options import add_precision, apply_precision, load_for_inference, positive_int
+from qkv.cli.options import add_compile, add_precision, apply_compile, apply_precision, load_for_inference, positive_int
 from qkv.errors import QkvError
 
 
@@ -24,6 +24,7 @@ def add_parsers(sub) -> None:
     generate.add_argument("--seed", type=int, help="sampling strategies (default 0)")
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
     add_precision(generate)
+    add_compile(generate)
     generate.add_argument("--steer", action="append", default=[], metavar="FILE@LAYER:SCALE",
                           help="add SCALE x the vector in FILE (qkv probe --minus ... --out FILE) to the residual "
                                "stream leaving block LAYER, at every position and step; repeatable")
@@ -71,6 +72,7 @@ def cmd_generate(args) -> int:
     run = load_for_inference(args)
     objective = require_objective(run, "generate", ("lm", "seq2seq"))
     apply_precision(run, args)
+    apply_compile(run, args)
     strategy, settings = generation_settings(args, args.strategy or ("beam" if objective == "seq2seq" else "top-p"))
     with hooked(run.model, [steering(spec, run.model) for spec in args.steer]):
         text = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, strategy=strategy,

@@ -219,10 +219,12 @@ class Bf16Linear(nn.Module):
         self.weight = nn.Parameter(weight.detach().to(torch.bfloat16).clone(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16).clone(),
                                                            requires_grad=False)
+        # the decode step's form, decided once (a plain attribute: a constant where the step is compiled)
+        object.__setattr__(self, "left_form", left_form_faster(torch.bfloat16))
 
     def forward(self, x: Tensor) -> Tensor:
         x16 = x.to(self.weight.dtype)
-        if decode_rows(x) and left_form_faster(torch.bfloat16):  # a decode step's few rows (decoding_linear)
+        if self.left_form and decode_rows(x):  # a decode step's few rows (decoding_linear)
             bias = None if self.bias is None else self.bias[:, None]
             return left_product(x16, self.weight, bias).to(x.dtype)
         return torch.nn.functional.linear(x16, self.weight, self.bias).to(x.dtype)

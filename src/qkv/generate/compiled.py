@@ -1,0 +1,164 @@
+"""A decoding step compiled by torch.compile: the whole token step of a decoder LM as one graph (`--compile`).
+
+A decoding step of a small real model is mostly overhead: SmolLM2-135M at int4 spends about 5 ms of a 16 ms
+step in the weight products, 2.7 ms in the head and the rest in some 2,000 small operations (norms, RoPE,
+residuals, the cache writes) and the Python that calls them. The math is the model's own (note 003, 推理原理:
+one new token per row, its K/V appended to the cache, attention over the cache); here it is written once more
+as one function of the step's inputs that TorchDynamo can trace whole, and inductor turns into a few fused C++
+kernels around torch's own product kernels, called from generated C++ (cpp_wrapper), so the step has no
+per-layer Python left:
+
+    x = E[token] (+ P)                                    (model.embed, the model's own)
+    per layer:  q, k, v = norm(x) [W^Q; W^K; W^V]^T         (fused, as qkv.nn.fuse)
+                q, k <- RoPE(q, k, position)              (note 003; identity for other encodings)
+                K[:, :, n-1], V[:, :, n-1] = k, v          (in place, the preallocated cache of qkv.nn.cache)
+                x = x + softmax(q K[:n]^T / sqrt(Dh)) V[:n] W^O
+                x = x + FFN(norm(x))                       (block.ffn, the model's own)
+    logits = head(norm(x))
+
+It covers what the general step covers for pre-norm decoders with dense softmax attention (GQA, QK-norm,
+biases, RoPE or an additive encoding, any FFN, any linear layer: fp32, bf16, int8, int4) on rows without
+padding and a cache that does not roll; anything else (hooks, padded or rolling caches, encoder-decoders,
+ALiBi and the relative encodings, sparse kernels) takes the general path, so results never depend on it.
+The step is checked equal to the general one (tests/generate/test_compiled.py).
+
+Compilation is paid once: the first step compiles (SmolLM2-135M at int4: about 100 s on 2 cores), and
+inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/qkv/inductor here) makes a second start take
+about 20 s. Where torch.compile cannot run (no C++ compiler, an unsupported build) the first step says why on
+stderr once and decoding goes on eagerly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.nn.cache import KVCache
+from qkv.nn.fastpath import fused_or_none, has_hooks
+from qkv.nn.positional import Learned, Positional, Rotary, rotate_half, sinusoid_angles
+from qkv.nn.residual import pre_norm
+
+DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `model`'s decoding step cannot be compiled here (module docstring), or None."""
+    from qkv.models.decoder import DecoderLM
+
+    if not isinstance(model, DecoderLM):
+        return f"a {type(model).__name__} (the compiled step is for decoder-only models)"
+    if model.bigram_emb is not None:
+        return "a hashed bigram embedding"
+    positional = model.positional
+    if positional.score_bias_kind is not None or positional.value_term:
+        return f"the {type(positional).__name__} encoding (a score or value bias)"
+    if not isinstance(positional, Rotary) and type(positional).rotate is not Positional.rotate:
+        return f"the {type(positional).__name__} encoding"
+    for block in model.blocks:
+        attn = block.attn
+        if block.cross_attn is not None or block.residual is not pre_norm:
+            return "a block other than pre-norm self-attention + FFN"
+        if attn.kernel_name not in DENSE_KERNELS or attn.window:
+            return f"the {attn.kernel_name} attention kernel"
+    if any(has_hooks(module) for module in model.modules()):
+        return "hooks on the model (they must see their layers run)"
+    return None
+
+
+def inductor_cache() -> None:
+    """Keep inductor's compiled kernels under ~/.cache/qkv/inductor (unless TORCHINDUCTOR_CACHE_DIR says where),
+    so that a second start finds them."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "qkv" / "inductor"))
+
+
+class CompiledStep:
+    """`step(tokens (B,), cache)` -> (B, V) logits for the next tokens, the cache advanced by one column, as
+    model(tokens[:, None], cache=cache)[:, -1] gives them; `usable(cache)` says whether it applies."""
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the compiled decoding step does not cover {reason}")
+        inductor_cache()
+        self.model = model
+        self.failed: str | None = None
+        # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
+        # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
+        self.positions = model.positional.weight.shape[0] if isinstance(model.positional, Learned) else sys.maxsize
+        self.compiled = torch.compile(self.forward, dynamic=True, options={"cpp_wrapper": True})
+
+    def usable(self, cache: KVCache) -> bool:
+        return (self.failed is None and not cache.window and not cache.padded and not torch.is_grad_enabled()
+                and cache.length < min(cache.max_len, self.positions) and unsupported_now(self.model) is None)
+
+    def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        positions = cache.next_position  # (B,) the new tokens' positions (no padding: every row's is the same)
+        cache.extend(positions[:, None], None)  # the column's position and padding, the cache's length
+        cache.next_position = positions + 1
+        for layer in cache.layers:
+            layer.length = cache.length
+        keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
+        try:
+            return self.compiled(tokens, positions, cache.length, keys, values)
+        except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
+            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            print(f"qkv: warning: --compile: torch.compile failed ({self.failed[:200]}); decoding without it",
+                  file=sys.stderr)
+            return self.forward(tokens, positions, cache.length, keys, values)
+
+    def forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
+                values: list[Tensor]) -> Tensor:
+        """The step (module docstring): tokens and positions (B,), n the cache's columns with this one."""
+        model = self.model
+        x = model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
+        rope = None
+        if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), fp32
+            angles = sinusoid_angles(positions[:, None], model.positional.head_dim, model.positional.theta)
+            rope = angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
+        for block, k_all, v_all in zip(model.blocks, keys, values):
+            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n)
+            x = x + block.ffn(block.ffn_norm(x))
+        return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
+
+
+def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
+           n: int) -> Tensor:
+    """One layer's self-attention for one new column n - 1: (B, 1, D) -> (B, 1, D)."""
+    B = h.shape[0]
+    H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    fused = fused_or_none(attn, "fused_qkv", attn.q_proj, attn.k_proj, attn.v_proj)
+    if fused is not None:
+        q, k, v = fused(h).split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q, k, v = q.view(B, H, 1, Dh), k.view(B, Hkv, 1, Dh), v.view(B, Hkv, 1, Dh)  # one column: no transpose
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if rope is not None:
+        q, k = rotate_half(q, *rope), rotate_half(k, *rope)
+    k_all[:, :, n - 1:n] = k  # into the preallocated cache, in place
+    v_all[:, :, n - 1:n] = v
+    out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], scale=Dh ** -0.5,
+                                         enable_gqa=H != Hkv)  # (B, H, 1, Dh)
+    return attn.o_proj(out.reshape(B, 1, H * Dh))
+
+
+def unsupported_now(model: nn.Module) -> str | None:
+    """What may change between steps: a hook added after the step was built."""
+    return "hooks" if any(has_hooks(module) for module in model.modules()) else None
+
+
+def compiled_step(model: nn.Module) -> CompiledStep | None:
+    """The compiled step `enable` attached to `model`, if any."""
+    return model.__dict__.get("_qkv_compiled_step")
+
+
+def enable(model: nn.Module) -> CompiledStep:
+    """Decode `model` with a compiled step from now on (generate, chat); ValueError where it does not apply."""
+    step = CompiledStep(model)
+    object.__setattr__(model, "_qkv_compiled_step", step)  # a plain attribute: not a submodule, not saved
+    return step

@@ -1,0 +1,168 @@
+"""The compiled decoding step (qkv.generate.compiled) against the general one: the same logits step by step,
+the same greedy text through generate and the CLI, the general path wherever the compiled one does not apply.
+
+Each model compiles once (a few seconds; about 17 s for the first compile of a process with an empty cache);
+inductor's cache goes to a temporary directory, not the user's."""
+import shutil
+
+import pytest
+import torch
+
+import qkv
+from qkv.generate import compiled, generate
+from qkv.generate.chat import ChatSession
+from qkv.generate.weights import prepare
+from qkv.serve.chat import template_for
+from tests.analysis import run_cli
+from tests.formats.gguf import write_llama
+from tests.train import setup_env, trained_run
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+
+LLAMA = dict(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2,
+             qk_norm=True)  # GQA, QK-norm, SwiGLU, no biases
+GPT = dict(positional="learned", norm="layernorm", ffn="mlp", activation="gelu_tanh", bias=True)
+PROMPT = [3, 14, 15, 9, 2, 6]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _inductor_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
+def tiny(quant: str = "none", **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=40,
+                          init_std=0.3, **overrides)
+    model = qkv.build_model(cfg).eval()
+    prepare(model, quant=quant)  # fused Q/K/V and gate/up, as a loaded model decodes
+    return model
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    """Compiled once each: a LLaMA-shaped model with int4 weights, a GPT-2-shaped one in fp32."""
+    out = {"llama-int4": tiny("int4", **LLAMA), "gpt": tiny(**GPT)}
+    for model in out.values():
+        compiled.enable(model)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-int4", "gpt"])
+def test_compiled_step_gives_the_general_steps_logits(models, name):
+    model = models[name]
+    step = compiled.compiled_step(model)
+    with torch.inference_mode():  # (as generate makes its cache: inference tensors, one compiled graph)
+        general, fast = model.new_cache(1, 40), model.new_cache(1, 40)
+        model(torch.tensor([PROMPT]), cache=general)
+        model(torch.tensor([PROMPT]), cache=fast)
+        token = torch.tensor([5])
+        for _ in range(12):
+            assert step.usable(fast)
+            want = model(token[:, None], cache=general)[:, -1]  # (1, V)
+            got = step(token, fast)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same math, fused: fp32 rounding
+            token = want.argmax(-1)
+    assert step.failed is None
+    assert fast.length == general.length == len(PROMPT) + 12
+    for a, b in zip(general.layers, fast.layers):
+        n = general.length
+        torch.testing.assert_close(a.k[:, :, :n], b.k[:, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.v[:, :, :n], b.v[:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-int4", "gpt"])
+def test_generate_with_the_compiled_step_gives_the_same_tokens(models, name):
+    model = models[name]
+    step = compiled.compiled_step(model)
+    with_step = generate(model, torch.tensor([PROMPT]), max_new_tokens=30)
+    step.failed = "off for the comparison"  # (usable() is False: the general step)
+    try:
+        without = generate(model, torch.tensor([PROMPT]), max_new_tokens=30)
+    finally:
+        step.failed = None
+    assert with_step.tolist() == without.tolist()
+
+
+def test_hooks_and_padding_take_the_general_path(models):
+    model = models["gpt"]
+    step = compiled.compiled_step(model)
+    seen = []
+    handle = model.blocks[0].register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+    try:
+        assert not step.usable(model.new_cache(1, 40))  # a hook must see its layer run
+        generate(model, torch.tensor([PROMPT]), max_new_tokens=5)
+    finally:
+        handle.remove()
+    assert seen == [len(PROMPT), 1, 1, 1, 1]  # the prompt, then every step through the block
+    padded = model.new_cache(2, 40)
+    with torch.inference_mode():
+        model(torch.tensor([[0, 3, 4], [5, 6, 7]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=padded)
+    assert not step.usable(padded)
+    rows = generate(model, torch.tensor([[0, 3, 4], [5, 6, 7]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                    max_new_tokens=6)
+    one = generate(model, torch.tensor([[3, 4]]), max_new_tokens=6)
+    assert rows[0, 1:].tolist() == one[0].tolist()  # the padded row decodes as alone
+
+
+def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):
+    model = models["gpt"]
+    want = generate(model, torch.tensor([PROMPT]), max_new_tokens=8)
+    step = compiled.compiled_step(model)
+    working = step.compiled
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler\nmore lines")
+
+    step.compiled = broken
+    try:
+        got = generate(model, torch.tensor([PROMPT]), max_new_tokens=8)
+        assert got.tolist() == want.tolist()
+        err = capsys.readouterr().err
+        assert err.count("qkv: warning: --compile: torch.compile failed (RuntimeError: no C++ compiler)") == 1
+        assert step.failed is not None and not step.usable(model.new_cache(1, 40))
+    finally:
+        step.compiled, step.failed = working, None
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(positional="alibi"), "ALiBi encoding"),
+    (dict(attention="local", window=4, positional="rope"), "local attention kernel"),
+    (dict(bigram_vocab=32, positional="rope"), "bigram"),
+])
+def test_what_it_does_not_cover_is_refused_with_the_reason(overrides, reason):
+    with pytest.raises(ValueError, match=reason):
+        compiled.enable(tiny(**overrides))
+
+
+def test_cli_compile_gives_the_same_text_and_refuses_steering(monkeypatch, tmp_path_factory):
+    setup_env(monkeypatch, tmp_path_factory)
+    run = trained_run(tmp_path_factory)[0]
+    args = ("generate", run, "--prompt", "the", "--strategy", "greedy", "--max-new-tokens", "12")
+    rc, plain, err = run_cli(*args)
+    assert rc == 0, err
+    rc, fast, err = run_cli(*args, "--compile")
+    assert rc == 0, err
+    assert fast == plain
+    rc, out, err = run_cli(*args, "--compile", "--steer", f"{tmp_path_factory.mktemp('v')}/v.safetensors@0:1")
+    assert rc == 2 and err.strip() == ("qkv: error: --compile does not apply with --steer: the steering hooks must "
+                                       "see their layers run")
+
+
+def test_chat_replies_the_same_with_the_compiled_step(tmp_path):
+    run = qkv.load(write_llama(tmp_path / "m.gguf", seed=4))  # a LLaMA-shaped GGUF file, read as chat reads it
+    template = template_for(run.chat, run.tokenizer)
+
+    def replies() -> list[str]:  # two turns: the second cuts the cache back to what both share
+        session = ChatSession(run, template, system="Be brief.", strategy="greedy", max_new_tokens=6)
+        return [session.say(turn) for turn in ("to be or not", "the question")]
+
+    plain = replies()
+    step = compiled.enable(run.model)
+    calls, compiled_step = [], step.compiled
+    step.compiled = lambda *args: calls.append(args[2]) or compiled_step(*args)
+    assert replies() == plain
+    assert len(calls) >= 5 and step.failed is None  # the replies' tokens went through the compiled step
