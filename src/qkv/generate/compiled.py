@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
 from qkv.nn.fastpath import fused_or_none, has_hooks
 from qkv.nn.positional import Learned, Positional, Rotary, rotate_half, sinusoid_angles
@@ -47,8 +48,6 @@ DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over e
 
 def unsupported(model: nn.Module) -> str | None:
     """Why `model`'s decoding step cannot be compiled here (module docstring), or None."""
-    from qkv.models.decoder import DecoderLM
-
     if not isinstance(model, DecoderLM):
         return f"a {type(model).__name__} (the compiled step is for decoder-only models)"
     if model.bigram_emb is not None:
