@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 from qkv.errors import QkvError
 
@@ -104,6 +105,8 @@ def apply_compile(run, args) -> None:
         compiled.enable(run.model)
     except ValueError as exc:
         raise QkvError(f"--compile: {exc}") from None
+    print("qkv: --compile: the first token step compiles (1-2 minutes on 2 cores the first time; later starts read "
+          "inductor's cache: about 20 s)", file=sys.stderr, flush=True)
 
 
 def load_for_inference(args):
