@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.errors import QkvError
 from qkv.generate import compiled, generate
 from qkv.generate.chat import ChatSession
 from qkv.generate.weights import prepare
@@ -166,3 +167,18 @@ def test_chat_replies_the_same_with_the_compiled_step(tmp_path):
     step.compiled = lambda *args: calls.append(args[2]) or compiled_step(*args)
     assert replies() == plain
     assert len(calls) >= 5 and step.failed is None  # the replies' tokens went through the compiled step
+
+
+def test_the_step_never_reaches_past_a_learned_table(models):
+    """A learned table has rows for max_seq_len (40) positions; a longer cache stops the compiled step at its end,
+    and the general step then refuses the position with its own error."""
+    model = models["gpt"]
+    step = compiled.compiled_step(model)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 60)
+        model(torch.arange(39)[None] % 64, cache=cache)
+        assert step.usable(cache)  # position 39: the table's last row
+        step(torch.tensor([1]), cache)
+        assert cache.length == 40 and not step.usable(cache)
+        with pytest.raises(QkvError, match="beyond the learned table"):
+            compiled.next_logits(model, torch.tensor([1]), cache)

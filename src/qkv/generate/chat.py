@@ -18,7 +18,7 @@ import torch
 
 from qkv.errors import QkvError
 from qkv.formats.base import Run
-from qkv.generate.compiled import compiled_step
+from qkv.generate.compiled import next_logits
 from qkv.generate.decode import eval_mode
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, make_generator, process
 from qkv.generate.text import TextStream
@@ -103,9 +103,8 @@ class ChatSession:
         elif keep < self.cache.length:
             self.cache.truncate(keep, ids[keep - 1] if keep else None)
         new = torch.tensor([ids[keep:]], device=self.device)
-        compiled = compiled_step(model)  # one new token: the compiled step where enabled (--compile)
-        if new.shape[1] == 1 and compiled is not None and compiled.usable(self.cache):
-            logits = compiled(new[:, 0], self.cache)
+        if new.shape[1] == 1:  # one new token: the compiled step where enabled (--compile)
+            logits = next_logits(model, new[:, 0], self.cache)
         else:
             logits = model(new, cache=self.cache)[:, -1]  # (1, V)
         self.cached = list(ids)

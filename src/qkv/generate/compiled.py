@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
 from qkv.nn.fastpath import fused_or_none, has_hooks
-from qkv.nn.positional import Learned, Positional, Rotary, rotate_half, sinusoid_angles
+from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
 from qkv.nn.residual import pre_norm
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
@@ -49,7 +49,7 @@ DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over e
 def unsupported(model: nn.Module) -> str | None:
     """Why `model`'s decoding step cannot be compiled here (module docstring), or None."""
     if not isinstance(model, DecoderLM):
-        return f"a {type(model).__name__} (the compiled step is for decoder-only models)"
+        return f"{type(model).__name__} models (the compiled step is for decoder-only ones)"
     if model.bigram_emb is not None:
         return "a hashed bigram embedding"
     positional = model.positional
@@ -63,9 +63,14 @@ def unsupported(model: nn.Module) -> str | None:
             return "a block other than pre-norm self-attention + FFN"
         if attn.kernel_name not in DENSE_KERNELS or attn.window:
             return f"the {attn.kernel_name} attention kernel"
-    if any(has_hooks(module) for module in model.modules()):
+    if hooked(model):
         return "hooks on the model (they must see their layers run)"
     return None
+
+
+def hooked(model: nn.Module) -> bool:
+    """A hook anywhere on `model` (added before the step was built, or after: usable() asks every step)."""
+    return any(has_hooks(module) for module in model.modules())
 
 
 def inductor_cache() -> None:
@@ -92,14 +97,10 @@ class CompiledStep:
 
     def usable(self, cache: KVCache) -> bool:
         return (self.failed is None and not cache.window and not cache.padded and not torch.is_grad_enabled()
-                and cache.length < min(cache.max_len, self.positions) and unsupported_now(self.model) is None)
+                and cache.length < min(cache.max_len, self.positions) and not hooked(self.model))
 
     def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
-        positions = cache.next_position  # (B,) the new tokens' positions (no padding: every row's is the same)
-        cache.extend(positions[:, None], None)  # the column's position and padding, the cache's length
-        cache.next_position = positions + 1
-        for layer in cache.layers:
-            layer.length = cache.length
+        positions = cache.open_column()  # (B,) the new tokens' positions
         keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
         try:
             return self.compiled(tokens, positions, cache.length, keys, values)
@@ -115,9 +116,9 @@ class CompiledStep:
         model = self.model
         x = model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
         rope = None
-        if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), fp32
-            angles = sinusoid_angles(positions[:, None], model.positional.head_dim, model.positional.theta)
-            rope = angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
+        if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), at least fp32
+            rope = rotary_cos_sin(positions[:, None], model.positional.head_dim, model.positional.theta,
+                                  torch.promote_types(x.dtype, torch.float32))
         for block, k_all, v_all in zip(model.blocks, keys, values):
             x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n)
             x = x + block.ffn(block.ffn_norm(x))
@@ -146,9 +147,13 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
     return attn.o_proj(out.reshape(B, 1, H * Dh))
 
 
-def unsupported_now(model: nn.Module) -> str | None:
-    """What may change between steps: a hook added after the step was built."""
-    return "hooks" if any(has_hooks(module) for module in model.modules()) else None
+def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
+    """(B,) newest tokens -> (B, V) logits for the next ones, the cache advanced: by the compiled step where it
+    is enabled and applies, else by the model's forward."""
+    step = compiled_step(model)
+    if step is not None and step.usable(cache):
+        return step(tokens, cache)
+    return model(tokens[:, None], cache=cache)[:, -1]
 
 
 def compiled_step(model: nn.Module) -> CompiledStep | None:

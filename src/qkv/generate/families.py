@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.generate.compiled import compiled_step
+from qkv.generate.compiled import next_logits
 from qkv.models.build import ARCHITECTURES, architecture_of
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import rolling_window
@@ -64,10 +64,7 @@ class CachedDecoder:
     def step(self, tokens: Tensor) -> Tensor:
         """(B,) newest tokens -> (B, V) logits for the next ones (by the compiled step where it is enabled
         and applies: qkv.generate.compiled)."""
-        compiled = compiled_step(self.model)
-        if compiled is not None and compiled.usable(self.cache):
-            return compiled(tokens, self.cache)
-        return self.model(tokens[:, None], cache=self.cache)[:, -1]
+        return next_logits(self.model, tokens, self.cache)
 
     def reorder(self, rows: Tensor) -> None:
         """Continue from cache rows `rows` (beam search: select and duplicate beams)."""

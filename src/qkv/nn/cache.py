@@ -138,6 +138,17 @@ class KVCache:
         self.length = self.positions.shape[1]
         return positions, (padding if self.padded else None)
 
+    def open_column(self) -> Tensor:
+        """Claim the next column of an unpadded, non-rolling cache for one new token per row, as a forward of
+        one token would (its position recorded, every layer's length advanced); the caller writes the column's
+        keys and values (qkv.generate.compiled). Returns the new tokens' (B,) positions."""
+        positions = self.next_position  # (B,)
+        self.extend(positions[:, None], None)
+        self.next_position = positions + 1
+        for layer in self.layers:
+            layer.length = self.length
+        return positions
+
     def detach(self) -> None:
         """Stop gradients at the cached keys/values: call between Transformer-XL training segments."""
         for layer in self.layers:

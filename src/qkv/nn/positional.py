@@ -153,11 +153,15 @@ class Rotary(Positional):
         if (last is not None and last[0] is positions and last[1] == version and last[2] == dtype
                 and not torch.is_grad_enabled()):
             return last[3], last[4]
-        angles = sinusoid_angles(positions, self.head_dim, self.theta, dtype)  # (B, T, Dh/2)
-        cos = angles.cos().repeat(1, 1, 2)[:, None]  # (B, 1, T, Dh)
-        sin = angles.sin().repeat(1, 1, 2)[:, None]
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, dtype)
         self._last = None if torch.is_grad_enabled() else (positions, version, dtype, cos, sin)
         return cos, sin
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of pos * theta_i for (B, T) positions, each (B, 1, T, Dh) in `dtype` (the rotate-half layout)."""
+    angles = sinusoid_angles(positions, head_dim, theta, dtype)  # (B, T, Dh/2)
+    return angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
 
 
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
