@@ -1,7 +1,7 @@
 """`qkv serve` under load: aggregate tokens/s and time to first token with 1, 4 and 16 concurrent clients.
 
     python benchmarks/serve.py [RUN] [--clients 1 4 16] [--requests 32] [--max-tokens 64] [--threads 2]
-        [--dtype fp32|bf16] [--quant none|int8|int4] [--max-batch 16] [--server-threads N] [--no-peer]
+        [--dtype fp32|bf16] [--quant none|int8|int4] [--max-batch 16] [--server-threads N] [--compile] [--no-peer]
 
 RUN is a qkv run or a Hugging Face dir (default: the shakespeare preset's model with random weights, written
 to a temporary dir). Each setting starts `qkv serve RUN` in its own process, on a free port, and has every
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch")
     parser.add_argument("--no-peer", action="store_true", help="skip the unbatched server")
     parser.add_argument("--server-threads", type=int, help="the server's --threads (default: its own choice)")
+    parser.add_argument("--compile", action="store_true", help="the server's --compile (its step compiled)")
     args = parser.parse_args()
     run = Path(args.run) if args.run else default_run(Path(tempfile.mkdtemp()) / "shakespeare-random")
     rows = []
@@ -121,6 +122,7 @@ def main() -> None:
     for label, max_batch in servers[:1] if args.no_peer else servers:
         extra = ["--dtype", args.dtype, "--quant", args.quant]
         extra += ["--threads", str(args.server_threads)] if args.server_threads else []
+        extra += ["--compile"] if args.compile else []
         proc, url = start(run, max_batch, args.threads, extra)
         try:
             load(url, 1, 2, 8)  # warm-up

@@ -88,7 +88,34 @@ def test_generate_with_the_compiled_step_gives_the_same_tokens(models, name):
     assert with_step.tolist() == without.tolist()
 
 
-def test_hooks_and_padding_take_the_general_path(models):
+@pytest.mark.parametrize("name", ["llama-int4", "gpt"])
+def test_compiled_step_on_a_left_padded_batch(models, name):
+    """Rows of different lengths, left-padded (as generate pads prompts and qkv serve gathers its rows): each
+    row's positions are its own and no query sees a padding column; the logits equal the general step's."""
+    model = models[name]
+    step = compiled.compiled_step(model)
+    ids = torch.tensor([[0, 0, 0, 3, 4], [5, 6, 7, 8, 9], [0, 11, 12, 13, 14]])
+    mask = (torch.arange(5) >= torch.tensor([[3], [0], [1]])).long()
+    with torch.inference_mode():
+        general, fast = model.new_cache(3, 40), model.new_cache(3, 40)
+        model(ids, attention_mask=mask, cache=general)
+        model(ids, attention_mask=mask, cache=fast)
+        token = torch.tensor([5, 1, 2])
+        for _ in range(8):
+            assert fast.padded and step.usable(fast)
+            want = model(token[:, None], cache=general)[:, -1]  # (3, V)
+            got = step(token, fast)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            token = want.argmax(-1)
+    assert step.failed is None
+    torch.testing.assert_close(fast.positions[:, :13], general.positions[:, :13], rtol=0, atol=0)
+    assert fast.padding[:, :13].tolist() == general.padding[:, :13].tolist()
+    rows = generate(model, ids, attention_mask=mask, max_new_tokens=6)
+    alone = generate(model, torch.tensor([[3, 4]]), max_new_tokens=6)
+    assert rows[0, 3:].tolist() == alone[0].tolist()  # the padded row decodes as it does alone
+
+
+def test_hooks_take_the_general_path(models):
     model = models["gpt"]
     step = compiled.compiled_step(model)
     seen = []
@@ -99,14 +126,6 @@ def test_hooks_and_padding_take_the_general_path(models):
     finally:
         handle.remove()
     assert seen == [len(PROMPT), 1, 1, 1, 1]  # the prompt, then every step through the block
-    padded = model.new_cache(2, 40)
-    with torch.inference_mode():
-        model(torch.tensor([[0, 3, 4], [5, 6, 7]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=padded)
-    assert not step.usable(padded)
-    rows = generate(model, torch.tensor([[0, 3, 4], [5, 6, 7]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-                    max_new_tokens=6)
-    one = generate(model, torch.tensor([[3, 4]]), max_new_tokens=6)
-    assert rows[0, 1:].tolist() == one[0].tolist()  # the padded row decodes as alone
 
 
 def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):

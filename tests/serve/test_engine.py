@@ -4,6 +4,8 @@ Oracle: `qkv.generate.generate` on the request alone (no batch, no padding). The
 different prompt lengths and lengths of output, which join the batch one by one while it runs and leave at
 different steps, and must give every one of them exactly the tokens `generate` gives it alone, greedy and
 sampled, for every kernel and positional encoding a decoder may use."""
+import copy
+import shutil
 import threading
 
 import pytest
@@ -11,9 +13,11 @@ import torch
 
 import qkv
 from qkv.generate import SamplingParams, generate
+from torch._dynamo.utils import counters
 from qkv.nn.kernels import KERNELS
 from qkv.nn.positional import POSITIONALS
-from qkv.serve.engine import Engine, Job, gather_rows
+from qkv.serve.engine import Engine, Job
+from qkv.serve.rows import gather_rows
 
 V = 64
 SAMPLED = ("temperature", "top_k", "top_p")
@@ -242,6 +246,30 @@ def test_gather_rows_right_aligns_each_rows_columns_with_padding_before():
     assert torch.equal(out.layers[0].v[0, :, :5], a.layers[0].v[0, :, :5])
 
 
+@pytest.mark.parametrize("limit, groups", [(2048, [16]), (40, [4, 3, 2, 2, 3, 2])])
+def test_waiting_requests_are_prefilled_together_as_padded_rows(monkeypatch, limit, groups):
+    """Requests waiting together are read in one left-padded forward (rows x longest prompt within
+    PREFILL_TOKENS), echoed prompt log-probabilities included, and each gets what it gets alone."""
+    monkeypatch.setattr("qkv.serve.engine.PREFILL_TOKENS", limit)
+    model = model_for(positional="rope")
+    engine = Engine(model, max_batch=16)
+    sizes, prefill = [], engine.prefill
+    engine.prefill = lambda jobs: (sizes.append(len(jobs)), prefill(jobs))
+    texts = prompts()
+    recorders = [Recorder() for _ in texts]
+    jobs = [r.job(t, LENGTHS[i], echo=i % 3 == 0) for i, (r, t) in enumerate(zip(recorders, texts))]
+    engine.submit(*jobs)  # all waiting before the loop starts
+    run_together(engine, [], recorders)
+    assert sizes == groups
+    for i, prompt in enumerate(texts):
+        assert recorders[i].tokens == alone(model, prompt, LENGTHS[i]), f"request {i}"
+        if i % 3 == 0:  # echo: the prompt's own log-probabilities, as the model gives them alone
+            want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1], -1)
+            got = [entry.logprob for entry in recorders[i].prompt]
+            torch.testing.assert_close(torch.tensor(got), want.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0],
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_a_full_queue_is_refused_and_nothing_is_lost():
     from qkv.serve.engine import Busy
 
@@ -259,10 +287,10 @@ def test_a_job_being_prefilled_counts_as_running():
     entered, release, seen = threading.Event(), threading.Event(), []
     prefill = engine.prefill
 
-    def held_prefill(job):
+    def held_prefill(jobs):
         entered.set()
         assert release.wait(30)
-        prefill(job)
+        prefill(jobs)
 
     engine.prefill = held_prefill
     recorder = Recorder()
@@ -288,3 +316,39 @@ def test_greedy_batched_equals_alone_at_every_fp32_precision(dtype, quant):
     model = model_for(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2)
     prepare(model, dtype=dtype, quant=quant)
     check_batched_equals_alone(model)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+def test_the_compiled_step_serves_every_row_as_the_general_step_does(monkeypatch, tmp_path):
+    """`qkv serve --compile`: the engine's batch (rows joining and leaving, left-padded) decoded by the compiled
+    step (qkv.generate.compiled) gives every request the tokens an uncompiled copy of the model gives it alone."""
+    from qkv.generate import compiled
+    from qkv.generate.weights import prepare
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = model_for(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2)
+    prepare(model, quant="int4")
+    general = copy.deepcopy(model)
+    step = compiled.enable(model)
+    compiled.warm_up(model, threads=1)  # one row, then batches: the two graphs, before serving
+    calls, graphs = [], counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(compiled.CompiledStep, "__call__", counted(compiled.CompiledStep.__call__, calls))
+    texts = prompts(8)
+    engine = Engine(model, max_batch=8, threads=1).start()
+    try:
+        got = run_all(engine, lambda i, r: r.job(texts[i], LENGTHS[i]), len(texts))
+    finally:
+        engine.stop()
+    assert step.failed is None and len(calls) == engine.steps >= LENGTHS[7] - 1  # every step compiled
+    assert counters["stats"]["unique_graphs"] == graphs  # the graphs compiled before held (no recompile)
+    for i, prompt in enumerate(texts):
+        assert got[i].tokens == alone(general, prompt, LENGTHS[i]), f"request {i}"
+
+
+def counted(function, calls: list):
+    """`function`, recording each call."""
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+    return wrapper

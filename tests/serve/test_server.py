@@ -260,6 +260,15 @@ def test_bad_serve_options_exit_2_with_one_line(tmp_path, run_dir):
         assert proc.returncode == 2 and proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1
 
 
+def test_serve_compile_refuses_a_model_the_compiled_step_does_not_cover(tmp_path):
+    path = write_run(tmp_path / "s2s", arch="encoder-decoder", positional="sinusoidal")
+    proc = subprocess.run([sys.executable, "-m", "qkv", "serve", str(path), "--port", "0", "--compile"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == ("qkv: error: --compile: the compiled decoding step does not cover "
+                                            "EncoderDecoder models (the compiled step is for decoder-only ones)")
+
+
 def test_a_hugging_face_dir_is_served_and_greedy_matches_transformers_generate(tmp_path):
     """Oracle: transformers' own GPT2LMHeadModel.generate on the same weights (the dir qkv serves)."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -17,10 +17,11 @@ per-layer Python left:
     logits = head(norm(x))
 
 It covers what the general step covers for pre-norm decoders with dense softmax attention (GQA, QK-norm,
-biases, RoPE or an additive encoding, any FFN, any linear layer: fp32, bf16, int8, int4) on rows without
-padding and a cache that does not roll; anything else (hooks, padded or rolling caches, encoder-decoders,
-ALiBi and the relative encodings, sparse kernels) takes the general path, so results never depend on it.
-The step is checked equal to the general one (tests/generate/test_compiled.py).
+biases, RoPE or an additive encoding, any FFN, any linear layer: fp32, bf16, int8, int4) on one row or a
+left-padded batch (each row's own positions, its padding columns masked: `qkv serve`'s batch) with a cache
+that does not roll; anything else (hooks, rolling caches, encoder-decoders, ALiBi and the relative encodings,
+sparse kernels) takes the general path, so results never depend on it. The step is checked equal to the
+general one (tests/generate/test_compiled.py, tests/serve/test_engine.py).
 
 Compilation is paid once: the first step compiles (SmolLM2-135M at int4: about 100 s on 2 cores), and
 inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/qkv/inductor here) makes a second start take
@@ -31,19 +32,25 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
+from qkv.nn.decoding_linear import decoding_linears
 from qkv.nn.fastpath import fused_or_none, has_hooks
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
 from qkv.nn.residual import pre_norm
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
+# The step's sizes that vary (rows, cache columns, n) get symbols of their own when a graph is traced: with
+# torch's default, sizes equal at that moment share one symbol ("duck" shapes: a 3-column cache and SmolLM2's 3
+# KV heads), and the graph then holds only while they stay equal: a recompile of a minute or more.
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -96,37 +103,42 @@ class CompiledStep:
         self.compiled = torch.compile(self.forward, dynamic=True, options={"cpp_wrapper": True})
 
     def usable(self, cache: KVCache) -> bool:
-        return (self.failed is None and not cache.window and not cache.padded and not torch.is_grad_enabled()
+        return (self.failed is None and not cache.window and not torch.is_grad_enabled()
                 and cache.length < min(cache.max_len, self.positions) and not hooked(self.model))
 
     def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
         positions = cache.open_column()  # (B,) the new tokens' positions
         keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
+        real = cache.padding  # (B, columns) True where a column holds a token (always given: one graph for
+        # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
         try:
-            return self.compiled(tokens, positions, cache.length, keys, values)
+            with shape_config.patch(use_duck_shape=False):  # (below)
+                return self.compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             print(f"qkv: warning: --compile: torch.compile failed ({self.failed[:200]}); decoding without it",
                   file=sys.stderr)
-            return self.forward(tokens, positions, cache.length, keys, values)
+            return self.forward(tokens, positions, cache.length, keys, values, real)
 
     def forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
-                values: list[Tensor]) -> Tensor:
-        """The step (module docstring): tokens and positions (B,), n the cache's columns with this one."""
+                values: list[Tensor], real: Tensor) -> Tensor:
+        """The step (module docstring): tokens and positions (B,), n the cache's columns with this one; `real`
+        (B, columns) False at a left-padded batch's padding columns, which no query may attend to."""
         model = self.model
         x = model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
         rope = None
         if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), at least fp32
             rope = rotary_cos_sin(positions[:, None], model.positional.head_dim, model.positional.theta,
                                   torch.promote_types(x.dtype, torch.float32))
+        mask = real[:, None, None, :n]  # (B, 1, 1, n): the keys each row may see
         for block, k_all, v_all in zip(model.blocks, keys, values):
-            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n)
+            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
             x = x + block.ffn(block.ffn_norm(x))
         return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
 
 
 def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
-           n: int) -> Tensor:
+           n: int, mask: Tensor) -> Tensor:
     """One layer's self-attention for one new column n - 1: (B, 1, D) -> (B, 1, D)."""
     B = h.shape[0]
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -142,7 +154,7 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)
     k_all[:, :, n - 1:n] = k  # into the preallocated cache, in place
     v_all[:, :, n - 1:n] = v
-    out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], scale=Dh ** -0.5,
+    out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
                                          enable_gqa=H != Hkv)  # (B, H, 1, Dh)
     return attn.o_proj(out.reshape(B, 1, H * Dh))
 
@@ -154,6 +166,26 @@ def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
     if step is not None and step.usable(cache):
         return step(tokens, cache)
     return model(tokens[:, None], cache=cache)[:, -1]
+
+
+def warm_up(model: nn.Module, threads: int | None = None) -> float:
+    """Compile `model`'s step for one row and for several (the two graphs a server's batch needs: dynamic shapes
+    keep a size-1 batch apart), with the intra-op threads it will decode with (inductor's kernels take their
+    thread count when compiled); the seconds it took."""
+    start = time.perf_counter()
+    step = compiled_step(model)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode(), decoding_linears(model):  # (as generate and the server decode)
+            for rows in (1, 2):
+                cache = model.new_cache(rows, 3)
+                model(torch.zeros(rows, 1, dtype=torch.long), cache=cache)
+                step(torch.zeros(rows, dtype=torch.long), cache)
+    finally:
+        torch.set_num_threads(before)
+    return time.perf_counter() - start
 
 
 def compiled_step(model: nn.Module) -> CompiledStep | None:

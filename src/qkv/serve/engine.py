@@ -1,6 +1,6 @@
 """Continuous batching: requests join and leave one running batch between decoding steps.
 
-One thread owns the model. Each loop it (1) drops the rows whose client went away, (2) admits waiting
+One thread owns the model (`qkv serve`: the main thread, with the HTTP side on another; THREADS). Each loop it (1) drops the rows whose client went away, (2) admits waiting
 requests while there is room: each is prefilled on its own (its prompt, batch of one, in a KV cache of its
 own) and its cache rows are joined to the running batch's, (3) runs ONE decoding step for every row of the
 batch at once, (4) hands each row its token and retires the rows that are done. A long request therefore
@@ -31,35 +31,34 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.generate.decode import eval_mode
+from qkv.generate.compiled import next_logits
+from qkv.generate.decode import eval_mode, pad_left
 from qkv.nn.decoding_linear import decoding_linears
 from qkv.generate.families import Seq2SeqDecoder
 from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_generator, process
 from qkv.models.build import architecture_of
+from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
+from qkv.serve.rows import Choice, choice_of, gather_rows, prompt_logprobs  # noqa: F401 (Choice: the API's)
 
 
-# The server's default on CPU: one intra-op thread for the engine. Measured on the 2-core machine
-# (2026-12-01, the 1.1M-parameter shakespeare model, greedy): from a thread that is not the main one, two
-# intra-op threads made 96 tokens/s at batch 1 and 1,158 at batch 16, one thread 310 and 2,684; the main
-# thread with two, 272 and 3,200. The HTTP side needs a core as well. `qkv serve --threads N` overrides it.
+# The engine's intra-op threads on CPU where it runs on a thread of its own (Engine.start; `qkv serve` runs it
+# on the main thread instead: Engine.run, torch's default threads there). Two OpenMP threads are slow from a
+# thread that is not the main one: SmolLM2-135M int4 (2026-12-04, 2-core Xeon with AMX, the engine alone, 16
+# requests of 64 tokens) made 27 tokens/s at batch 1 and 195 at batch 16 from a second thread with two
+# threads, 39 and 173 with one, and 56 and 284 on the main thread with two (the 1.1M-parameter shakespeare
+# model, 2026-12-01: 96 and 1,158 from a second thread with two, 310 and 2,684 with one, 272 and 3,200 on the
+# main thread with two). `qkv serve --threads N` overrides it.
 THREADS = 1
+# A group of waiting requests is prefilled together, left-padded (one forward instead of one each: 16 new
+# requests of a few tokens cost SmolLM2 about the time of two); this caps the group's rows x longest prompt.
+PREFILL_TOKENS = 2048
 
 
 class Busy(Exception):
     """The queue of waiting requests is full (the server answers 429)."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One token chosen for one request: its id, log-probability and the top alternatives (if asked)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -105,7 +104,7 @@ class Engine:
         self.seq2seq = architecture_of(model).prompt == "source"
         self.waiting: deque[Job] = deque()
         self.rows: list[Job] = []  # the running batch, in cache row order
-        self.admitting: Job | None = None  # the job being prefilled, between the queue and the batch
+        self.admitting: list[Job] = []  # the jobs being prefilled, between the queue and the batch
         self.cache: KVCache | None = None
         self.last: Tensor | None = None  # (B,) each row's newest token, fed at the next step
         self.calls: deque[Callable[[], None]] = deque()  # other model work (embeddings) run between steps
@@ -115,22 +114,28 @@ class Engine:
         self.steps = 0  # decoding steps taken (batched): for the tests and the benchmark
 
     def start(self) -> "Engine":
+        """Run the loop on a thread of its own."""
         self.thread.start()
         return self
 
+    def run(self) -> None:
+        """Run the loop on the calling thread until stop() (from another thread or a signal handler)."""
+        self.loop()
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what waits and what runs, then end the thread."""
+        """Cancel what waits and what runs, then end the loop (and wait for its own thread, if it has one)."""
         with self.wake:
             self.stopping = True
             self.wake.notify_all()
-        self.thread.join(timeout)
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     @property
     def load(self) -> tuple[int, int]:
         """(running rows, waiting jobs); a job being prefilled is running (it has left the queue, not yet
         joined the batch)."""
-        admitting, rows = self.admitting, list(self.rows)
-        joining = admitting is not None and not admitting.done and all(job is not admitting for job in rows)
+        admitting, rows = list(self.admitting), list(self.rows)
+        joining = sum(not job.done and all(job is not row for row in rows) for job in admitting)
         return len(rows) + joining, len(self.waiting)
 
     def submit(self, *jobs: Job) -> None:
@@ -179,46 +184,85 @@ class Engine:
         self.rows, self.cache, self.last = [], None, None
 
     def admit(self) -> None:
+        """Move waiting jobs into the batch while it has room: each group of them prefilled together."""
         while len(self.rows) < self.max_batch:
             with self.wake:
-                if not self.waiting:
-                    return
-                job = self.admitting = self.waiting.popleft()  # counted as running by `load` from here
+                group = self.take(self.max_batch - len(self.rows))
+                self.admitting = group  # counted as running by `load` from here
+            if not group:
+                return
             try:
-                if job.cancelled:
-                    self.finish(job, "cancelled")
-                    continue
-                self.prefill(job)
-            except Exception as exc:  # a bug: this request fails, the batch goes on
+                for job in group:
+                    if job.cancelled:
+                        self.finish(job, "cancelled")
+                live = [job for job in group if not job.done]
+                if live:
+                    self.prefill(live)
+            except Exception as exc:  # a bug: these requests fail, the batch goes on
                 traceback.print_exc()
-                self.finish(job, "cancelled", f"internal error: {type(exc).__name__}: {exc}")
+                for job in group:
+                    if all(job is not row for row in self.rows):
+                        self.finish(job, "cancelled", f"internal error: {type(exc).__name__}: {exc}")
             finally:
-                self.admitting = None
+                self.admitting = []
 
-    def prefill(self, job: Job) -> None:
-        """Read the prompt alone, choose the first token, and join the batch (unless already done)."""
+    def take(self, room: int) -> list[Job]:
+        """The next waiting jobs to prefill together (called holding `wake`): up to `room`, and only as many as
+        keep the padded prompts within PREFILL_TOKENS (always one); an encoder-decoder's one at a time."""
+        group: list[Job] = []
+        longest = 0
+        while self.waiting and len(group) < room:
+            longest_then = max(longest, len(self.waiting[0].prompt))
+            if group and (self.seq2seq or (len(group) + 1) * longest_then > PREFILL_TOKENS):
+                break
+            group.append(self.waiting.popleft())
+            longest = longest_then
+        return group
+
+    def prefill(self, jobs: list[Job]) -> None:
+        """Read the jobs' prompts (a left-padded batch: each row computes what it would alone), choose each one's
+        first token, and join the batch (the ones not already done)."""
         device = next(self.model.parameters()).device
-        job.generator = None if job.processors is None else make_generator(job.seed, device)
-        ids = torch.tensor([job.prompt], dtype=torch.long, device=device)  # (1, T)
+        for job in jobs:
+            job.generator = None if job.processors is None else make_generator(job.seed, device)
         if self.seq2seq:
-            job.decoder = Seq2SeqDecoder(self.model, ids, None, job.max_new + 1)
-            start = torch.tensor([[job.decoder_start]], device=device)
-            job.tokens = [job.decoder_start]
-            logits = job.decoder.prefill(start, None)[None]  # (1, 1, V)
-        else:
-            cache = self.model.new_cache(1, len(job.prompt) + max(job.max_new, 1))
-            logits = self.model(ids, cache=cache)  # (1, T, V)
+            for job in jobs:
+                self.prefill_source(job, device)
+            return
+        ids, mask = pad_left([job.prompt for job in jobs], 0)  # (k, T), 1 for tokens
+        ids, mask = ids.to(device), mask.to(device)
+        T = ids.shape[1]
+        cache = self.model.new_cache(len(jobs), T)
+        padded = mask if not bool(mask.all()) else None
+        head = self.model.lm_head if isinstance(self.model, DecoderLM) else None  # applied where logits are
+        out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))  # wanted
+        joining = []
+        for row, job in enumerate(jobs):  # (k, T, D) final-norm outputs (a decoder LM) or (k, T, V) logits
             job.tokens = list(job.prompt)
+            wanted = out[row:row + 1, T - (len(job.prompt) if job.echo else 1):]  # the last, or the whole prompt
+            if self.first_token(job, wanted if head is None else head(wanted)):
+                joining.append((job, row))
+        if joining:
+            self.join(joining, cache)
+
+    def prefill_source(self, job: Job, device) -> None:
+        """An encoder-decoder's request: its source encoded, its decoder started; then a row of the batch."""
+        ids = torch.tensor([job.prompt], dtype=torch.long, device=device)  # (1, T)
+        job.decoder = Seq2SeqDecoder(self.model, ids, None, job.max_new + 1)
+        start = torch.tensor([[job.decoder_start]], device=device)
+        job.tokens = [job.decoder_start]
+        if self.first_token(job, job.decoder.prefill(start, None)[None]):  # (1, 1, V)
+            self.rows.append(job)
+
+    def first_token(self, job: Job, logits: Tensor) -> bool:
+        """After the prompt: (1, n, V) logits, n the prompt's length where its log-probabilities are echoed, else
+        1. The prompt's entries, the first token; True when the job goes on to the batch."""
         if job.echo:
             job.on_prompt(prompt_logprobs(logits[0], job.prompt, job.top_logprobs or 0))
         if job.max_new == 0:
-            return self.finish(job, "length")
-        if self.emit(job, logits[:, -1]):
-            return
-        if self.seq2seq:
-            self.rows.append(job)
-        else:
-            self.join(job, cache)
+            self.finish(job, "length")
+            return False
+        return not self.emit(job, logits[:, -1])
 
     def step(self) -> None:
         """One decoding step for every row; retire the rows that are done."""
@@ -229,7 +273,7 @@ class Engine:
                 if self.emit(job, logits):
                     self.rows.remove(job)
             return
-        logits = self.model(self.last[:, None], cache=self.cache)[:, -1]  # (B, V)
+        logits = next_logits(self.model, self.last, self.cache)  # (B, V); compiled where enabled (--compile)
         greedy = logits.argmax(dim=-1).tolist()  # every greedy row at once
         done = [self.emit(job, logits[row:row + 1], greedy[row]) for row, job in enumerate(self.rows)]
         self.last = torch.tensor([job.tokens[-1] for job in self.rows], device=self.last.device)
@@ -287,12 +331,15 @@ class Engine:
 
     # ------------------------------------------------------------------------------ the batch's cache
 
-    def join(self, job: Job, cache: KVCache) -> None:
-        """Add a prefilled job's cache row to the batch (module docstring: right-aligned columns)."""
+    def join(self, joining: list[tuple[Job, int]], cache: KVCache) -> None:
+        """Add prefilled jobs' cache rows (job, its row of `cache`) to the batch (module docstring: right-aligned
+        columns)."""
         old = [] if self.cache is None else [(self.cache, row, self.columns(j)) for row, j in enumerate(self.rows)]
-        self.rows.append(job)
-        parts = old + [(cache, 0, cache.length)]
-        self.cache = gather_rows(self.model, parts, room=max(j.max_new - j.generated for j in self.rows))
+        self.rows.extend(job for job, _ in joining)
+        parts = old + [(cache, row, self.columns(job)) for job, row in joining]
+        # one column more than the rows can fill: a step never writes the cache's last column, as in generate
+        # (the compiled step's graph is traced with n below the cache's size, and holds only while it is)
+        self.cache = gather_rows(self.model, parts, room=1 + max(j.max_new - j.generated for j in self.rows))
         device = cache.next_position.device
         self.last = torch.tensor([j.tokens[-1] for j in self.rows], dtype=torch.long, device=device)
 
@@ -312,49 +359,3 @@ class Engine:
     def columns(self, job: Job) -> int:
         """The cache columns a row fills: its prompt and every generated token fed back so far."""
         return len(job.prompt) + job.generated - 1
-
-
-def gather_rows(model: nn.Module, parts: list[tuple[KVCache, int, int]], room: int) -> KVCache:
-    """A new cache with one row per (cache, row, n): that row's last n columns, right-aligned, padding before,
-    and `room` free columns after for the steps to come."""
-    length = max(n for _, _, n in parts)
-    out = model.new_cache(len(parts), length + room)
-    out.padding.zero_()  # every column is padding until a row's tokens are copied in
-    for b, (cache, row, n) in enumerate(parts):
-        start, end = cache.length - n, cache.length  # the row's columns in its cache
-        for mine, theirs in zip(out.layers, cache.layers):
-            mine.k[b, :, :length - n] = 0  # padding columns: read (with weight 0), so never left unwritten
-            mine.v[b, :, :length - n] = 0
-            mine.k[b, :, length - n:length] = theirs.k[row, :, start:end]
-            mine.v[b, :, length - n:length] = theirs.v[row, :, start:end]
-        out.positions[b, length - n:length] = cache.positions[row, start:end]
-        out.padding[b, length - n:length] = cache.padding[row, start:end]
-        out.next_position[b], out.last_token[b] = cache.next_position[row], cache.last_token[row]
-    for layer in out.layers:
-        layer.length = length
-    out.length = length
-    out.padded = not bool(out.padding[:, :length].all())
-    return out
-
-
-def choice_of(logits: Tensor, token: int, top: int | None) -> Choice:
-    """The model's log-probability of `token` under (V,) logits (temperature 1, before any sampling setting),
-    with the `top` most likely tokens; logprob NaN when not asked (top None)."""
-    if top is None:
-        return Choice(token, float("nan"))
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # (V,)
-    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
-    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-    return Choice(token, float(logprobs[token]), alternatives)
-
-
-def prompt_logprobs(logits: Tensor, prompt: list[int], top: int) -> list[Choice]:
-    """(T, V) logits of the prompt -> a Choice for prompt tokens 1..T-1 (each given the ones before it)."""
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # (T, V): row t predicts token t + 1
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
-    chosen = logprobs[:-1].gather(-1, targets[:, None])[:, 0].tolist()
-    if not top:
-        return [Choice(t, lp) for t, lp in zip(prompt[1:], chosen)]
-    best = torch.topk(logprobs[:-1], min(top, logprobs.shape[-1]), dim=-1)
-    return [Choice(t, lp, tuple(zip(ids, lps))) for t, lp, ids, lps
-            in zip(prompt[1:], chosen, best.indices.tolist(), best.values.tolist())]

@@ -1,6 +1,7 @@
 """Starting `qkv serve`: load the run, make its engine, bind the socket, run uvicorn until a signal."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -11,11 +12,13 @@ from qkv.serve import api
 from qkv.serve.app import Served, make_app
 from qkv.serve.chat import template_for
 from qkv.serve.engine import THREADS, Engine
-from qkv.generate import weights
+from qkv.generate import compiled, weights
 
 
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,
-                 api_key: str | None, threads: int | None = None) -> Served:
+                 api_key: str | None, threads: int | None = None, main_thread: bool = False) -> Served:
+    """`main_thread`: the engine will run on the main thread (Engine.run), with torch's own threads by default;
+    else on a thread of its own (Engine.start), with THREADS on CPU."""
     model = run.model
     architecture = architecture_of(model)
     context = run.config.model.max_seq_len if architecture.embeds else model.max_seq_len
@@ -24,7 +27,8 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
     limits = api.Limits(context=context, vocab=run.tokenizer.vocab_size,
                         max_tokens=min(limit, max_tokens or limit), seq2seq=seq2seq)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or (THREADS if on_cpu else None))
+    default = THREADS if on_cpu and not main_thread else None
+    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, threads=threads or default)
     return Served(run=run, name=name or Path(run.path).name, engine=engine,
                   template=template_for(run.chat, run.tokenizer), limits=limits, api_key=api_key,
                   created=int(time.time()))
@@ -32,9 +36,10 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
-            dtype: str = "fp32", quant: str = "none", log=print) -> Served:
+            dtype: str = "fp32", quant: str = "none", compile: bool = False, main_thread: bool = False,
+            log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
-    (qkv.generate.weights)."""
+    (qkv.generate.weights); `compile`: its decoding step compiled (qkv.generate.compiled) before it serves."""
     run = weights.load(path, dtype=dtype, quant=quant, device=device)  # a GGUF file a block at a time
     for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
         log(warning)
@@ -52,8 +57,25 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             log(f"qkv: serving with MoE capacity off (model.moe_capacity_factor={module.capacity_factor} "
                 "drops tokens by batch; a request's output must not depend on the others)")
             module.capacity_factor = 0.0
-    return served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
-                        api_key=api_key, threads=threads)
+    served = served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
+                          api_key=api_key, threads=threads, main_thread=main_thread)
+    if compile:
+        compile_step(served, log)
+    return served
+
+
+def compile_step(served: Served, log) -> None:
+    """--compile: the engine's decoding step compiled before the server listens, so no request waits for it."""
+    try:
+        compiled.enable(served.run.model)
+    except ValueError as exc:
+        raise QkvError(f"--compile: {exc}") from None
+    log("qkv: --compile: compiling the decoding step for one row and for batches (a few minutes on 2 cores the "
+        "first time; later starts read inductor's cache)")
+    seconds = compiled.warm_up(served.run.model, served.engine.threads)
+    step = compiled.compiled_step(served.run.model)
+    if step.failed is None:
+        log(f"qkv: --compile: compiled in {seconds:.0f} s")
 
 
 def listen(host: str, port: int):
@@ -78,24 +100,38 @@ def server_for(served: Served):
 
 def serve(path: str, *, host: str, port: int, log=print, **options) -> None:
     """Serve RUN on host:port until SIGINT / SIGTERM: then stop accepting, let the requests in flight
-    finish (up to GRACE seconds; the rest are cancelled) and return."""
-    served = prepare(path, log=log, **options)
+    finish (up to GRACE seconds; the rest are cancelled) and return. The engine decodes on this (the main)
+    thread and the HTTP side runs on another: torch's OpenMP threads run at full speed only from the main
+    thread (qkv.serve.engine.THREADS)."""
+    served = prepare(path, log=log, main_thread=True, **options)
     sock = listen(host, port)
     server = server_for(served)
-    served.engine.start()
     shown = f"[{host}]" if ":" in host else host
     log(f"qkv: serving {served.name} ({sum(p.numel() for p in served.run.model.parameters()):,} parameters, "
         f"context {served.limits.context}) on http://{shown}:{sock.getsockname()[1]} (max batch "
         f"{served.engine.max_batch}{', API key required' if served.api_key else ''})")
-    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it found:
-    # a stop asked for is the normal end of a server (exit 0), so that handler does nothing
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])  # (off the main thread uvicorn leaves the signals to us)
+        finally:
+            served.engine.stop()  # the requests in flight have finished or been cancelled: the loop ends
+
+    def on_signal(*_) -> None:  # uvicorn's own rule: the first signal stops gracefully, a second at once
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
     import signal
 
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="qkv-http", daemon=True)
+    thread.start()
     try:
-        server.run(sockets=[sock])
+        served.engine.run()
     finally:
-        served.engine.stop()
+        server.should_exit = True
+        thread.join(GRACE + 10)
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
