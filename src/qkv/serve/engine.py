@@ -1,10 +1,11 @@
 """Continuous batching: requests join and leave one running batch between decoding steps.
 
-One thread owns the model (`qkv serve`: the main thread, with the HTTP side on another; THREADS). Each loop it (1) drops the rows whose client went away, (2) admits waiting
-requests while there is room: each is prefilled on its own (its prompt, batch of one, in a KV cache of its
-own) and its cache rows are joined to the running batch's, (3) runs ONE decoding step for every row of the
-batch at once, (4) hands each row its token and retires the rows that are done. A long request therefore
-never holds up a short one, and a new request's prefill never resets the others.
+One thread owns the model (`qkv serve`: the main thread, the HTTP side on another; THREADS). Each loop it (1)
+drops the rows whose client went away, (2) admits waiting requests while there is room: those waiting
+together are prefilled as one left-padded batch in a KV cache of their own, and their cache rows are joined to
+the running batch's, (3) runs ONE decoding step for every row of the batch at once, (4) hands each row its
+token and retires the rows that are done. A long request therefore never holds up a short one, and a new
+request's prefill never resets the others.
 
 The batch's KV cache (qkv.nn.cache.KVCache) shares its columns between rows. A row's tokens are always its
 LAST columns, as `qkv.generate.pad_left` lays out a batch of prompts: a row that joined later simply has
@@ -52,8 +53,8 @@ from qkv.serve.rows import Choice, choice_of, gather_rows, prompt_logprobs  # no
 # model, 2026-12-01: 96 and 1,158 from a second thread with two, 310 and 2,684 with one, 272 and 3,200 on the
 # main thread with two). `qkv serve --threads N` overrides it.
 THREADS = 1
-# A group of waiting requests is prefilled together, left-padded (one forward instead of one each: 16 new
-# requests of a few tokens cost SmolLM2 about the time of two); this caps the group's rows x longest prompt.
+# Requests waiting together are prefilled as one left-padded batch (one forward instead of one each); this caps
+# a group's rows x longest prompt (the forward's activations and attention grow with it).
 PREFILL_TOKENS = 2048
 
 
