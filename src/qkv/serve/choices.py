@@ -20,7 +20,8 @@ from starlette.requests import Request
 from qkv.data.tokenizer import StreamDecoder, Tokenizer
 from qkv.generate.text import TextStream
 from qkv.serve.api import Completion
-from qkv.serve.engine import Choice, Job
+from qkv.serve.engine import Job
+from qkv.serve.logprobs import Choice
 
 
 class ChoiceEvents:

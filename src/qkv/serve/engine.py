@@ -42,7 +42,8 @@ from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_gene
 from qkv.models.build import architecture_of
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
-from qkv.serve.rows import Choice, choice_of, gather_rows, prompt_logprobs  # noqa: F401 (Choice: the API's)
+from qkv.serve.logprobs import Choice, choice_of, prompt_logprobs
+from qkv.serve.rows import gather_rows
 
 
 # The engine's intra-op threads on CPU where it runs on a thread of its own (Engine.start; `qkv serve` runs it

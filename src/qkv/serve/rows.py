@@ -1,23 +1,10 @@
-"""The engine's helpers outside its loop: a batch cache gathered from rows of others (the rows' columns right-
-aligned, padding before: qkv.serve.engine's docstring), and a choice's log-probabilities."""
+"""A batch cache gathered from rows of others: each row's columns right-aligned, padding before (the layout
+of qkv.serve.engine's docstring, as qkv.generate.pad_left lays out prompts)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from qkv.nn.cache import KVCache
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One token chosen for one request: its id, log-probability and the top alternatives (if asked)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def gather_rows(model: nn.Module, parts: list[tuple[KVCache, int, int]], room: int) -> KVCache:
@@ -41,26 +28,3 @@ def gather_rows(model: nn.Module, parts: list[tuple[KVCache, int, int]], room: i
     out.length = length
     out.padded = not bool(out.padding[:, :length].all())
     return out
-
-
-def choice_of(logits: Tensor, token: int, top: int | None) -> Choice:
-    """The model's log-probability of `token` under (V,) logits (temperature 1, before any sampling setting),
-    with the `top` most likely tokens; logprob NaN when not asked (top None)."""
-    if top is None:
-        return Choice(token, float("nan"))
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # (V,)
-    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
-    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-    return Choice(token, float(logprobs[token]), alternatives)
-
-
-def prompt_logprobs(logits: Tensor, prompt: list[int], top: int) -> list[Choice]:
-    """(T, V) logits of the prompt -> a Choice for prompt tokens 1..T-1 (each given the ones before it)."""
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # (T, V): row t predicts token t + 1
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
-    chosen = logprobs[:-1].gather(-1, targets[:, None])[:, 0].tolist()
-    if not top:
-        return [Choice(t, lp) for t, lp in zip(prompt[1:], chosen)]
-    best = torch.topk(logprobs[:-1], min(top, logprobs.shape[-1]), dim=-1)
-    return [Choice(t, lp, tuple(zip(ids, lps))) for t, lp, ids, lps
-            in zip(prompt[1:], chosen, best.indices.tolist(), best.values.tolist())]
