@@ -45,12 +45,17 @@ from qkv.nn.cache import KVCache
 from qkv.nn.decoding_linear import decoding_linears
 from qkv.nn.fastpath import fused_or_none, has_hooks
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
+from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
 # The step's sizes that vary (rows, cache columns, n) get symbols of their own when a graph is traced: with
 # torch's default, sizes equal at that moment share one symbol ("duck" shapes: a 3-column cache and SmolLM2's 3
 # KV heads), and the graph then holds only while they stay equal: a recompile of a minute or more.
+# Only what varies gets a symbol at all: the cache's heads and head size, every weight's sizes (the quantized
+# layers' kernel operands are plain tensors, which dynamic=True would make symbolic) and the norms' eps (a
+# float: symbolic under dynamic=True) are fixed. Each symbol is an argument the compiled step converts and
+# guards on every call: SmolLM2-135M at int4 had some 800, about 1.8 ms of a 12.3 ms token (2026-12-05).
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -97,6 +102,7 @@ class CompiledStep:
         inductor_cache()
         self.model = model
         self.failed: str | None = None
+        self.operands_fixed = False
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
         # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
         self.positions = model.positional.weight.shape[0] if isinstance(model.positional, Learned) else sys.maxsize
@@ -107,12 +113,20 @@ class CompiledStep:
                 and cache.length < min(cache.max_len, self.positions) and not hooked(self.model))
 
     def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        import torch._dynamo  # about a second to import: only a compiled step loads it
+
         positions = cache.open_column()  # (B,) the new tokens' positions
         keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
         real = cache.padding  # (B, columns) True where a column holds a token (always given: one graph for
         # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
+        for tensor in (*keys, *values):  # (B, Hkv, columns, Dh): B and columns vary
+            torch._dynamo.mark_static(tensor, (1, 3))
+        if not self.operands_fixed:  # once: they are made by the first product (the prompt's) and kept
+            for tensor in kernel_operands(self.model):
+                torch._dynamo.mark_static(tensor)
+            self.operands_fixed = True
         try:
-            with shape_config.patch(use_duck_shape=False):  # (below)
+            with shape_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
                 return self.compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -135,6 +149,18 @@ class CompiledStep:
             x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
             x = x + block.ffn(block.ffn_norm(x))
         return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
+
+
+def kernel_operands(model: nn.Module) -> list[Tensor]:
+    """The tensors the quantized layers' kernels read (their own layouts of the codes and scales, made at the
+    first product), fused layers included: plain tensors, not parameters, so torch.compile would take their
+    sizes for variables unless told they are fixed."""
+    found = []
+    for module in model.modules():
+        for held in (module, *(v for v in vars(module).values() if isinstance(v, nn.Module))):
+            if isinstance(held, QuantLinear):
+                found += [t for operands in held.kernel_cache().values() for t in operands]
+    return found
 
 
 def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,

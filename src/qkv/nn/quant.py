@@ -149,6 +149,10 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self._state_changed()
 
+    def kernel_cache(self) -> dict[torch.dtype, tuple[Tensor, ...]]:
+        """The kernels' operands made so far, by activation dtype (kernel_operands)."""
+        return self._kernel
+
     def kernel_operands(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The kernel's operands for activations of `dtype`, made once and kept."""
         found = self._kernel.get(dtype)
