@@ -163,6 +163,8 @@ def main() -> None:
     args = parser.parse_args()
     if bool(args.llama_server) != bool(args.llama_gguf):
         parser.error("--llama-server and --llama-gguf go together")
+    if args.llama_server and not (os.access(args.llama_server, os.X_OK) and Path(args.llama_gguf).is_file()):
+        parser.error(f"no executable {args.llama_server} or no file {args.llama_gguf}")
     run = Path(args.run) if args.run else default_run(Path(tempfile.mkdtemp()) / "shakespeare-random")
     extra = ["--dtype", args.dtype, "--quant", args.quant]
     extra += ["--threads", str(args.server_threads)] if args.server_threads else []

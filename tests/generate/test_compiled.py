@@ -13,6 +13,7 @@ from qkv.errors import QkvError
 from qkv.generate import compiled, generate
 from qkv.generate.chat import ChatSession
 from qkv.generate.weights import prepare
+from qkv.nn.quant import QuantLinear
 from qkv.serve.chat import template_for
 from tests.analysis import run_cli
 from tests.formats.gguf import write_llama
@@ -201,3 +202,21 @@ def test_the_step_never_reaches_past_a_learned_table(models):
         assert cache.length == 40 and not step.usable(cache)
         with pytest.raises(QkvError, match="beyond the learned table"):
             compiled.next_logits(model, torch.tensor([1]), cache)
+
+
+def test_every_quantized_products_operands_are_fixed_for_the_compiler(models):
+    """The fused Q/K/V and gate/up layers are held outside the module tree (a plain attribute); their kernels'
+    operands must be found too, or the compiler takes their sizes for variables (compiled.py)."""
+    model = models["llama-int4"]
+    with torch.inference_mode():
+        cache = model.new_cache(1, 8)
+        model(torch.tensor([PROMPT[:3]]), cache=cache)
+        compiled.compiled_step(model)(torch.tensor([PROMPT[3]]), cache)
+    layers = [layer for block in model.blocks
+              for layer in (block.attn.fused_qkv, block.attn.o_proj, block.ffn.fused_gate_up, block.ffn.down_proj)]
+    layers += [model.lm_head] if isinstance(model.lm_head, QuantLinear) else []
+    assert all(isinstance(layer, QuantLinear) for layer in layers)
+    expected = {id(t) for layer in layers for operands in layer.kernel_cache().values() for t in operands}
+    found = compiled.kernel_operands(model)
+    assert len(expected) == 2 * len(layers)  # codes and scales, one activation dtype
+    assert {id(t) for t in found} == expected and len(found) == len(expected)

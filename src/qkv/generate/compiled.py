@@ -121,7 +121,10 @@ class CompiledStep:
         # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
         for tensor in (*keys, *values):  # (B, Hkv, columns, Dh): B and columns vary
             torch._dynamo.mark_static(tensor, (1, 3))
-        if not self.operands_fixed:  # once: they are made by the first product (the prompt's) and kept
+        # the operands are made by the first product (the prompt's) and kept: marked once (a walk of the model
+        # each step would cost more than it saves); ones remade later (new weights) keep the graphs already
+        # compiled, whose guards check their sizes, and only a new graph would take them for variables
+        if not self.operands_fixed:
             for tensor in kernel_operands(self.model):
                 torch._dynamo.mark_static(tensor)
             self.operands_fixed = True
