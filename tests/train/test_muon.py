@@ -53,6 +53,35 @@ def test_orthogonalised_batches_by_shape_and_equals_each_matrix_alone():
         assert torch.allclose(o.double(), expected, atol=2e-5)
 
 
+@pytest.mark.parametrize("shape", [(128, 128), (128, 512), (512, 128)])
+def test_newton_schulz_in_bf16_stays_within_bf16_rounding_of_the_scalar_iteration(shape):
+    """A bf16 run iterates in bf16 (the default job's shapes): the same singular vectors and the same scalar
+    quintic on the singular values, up to bf16's rounding (unit roundoff 2^-8, amplified by the 5 steps:
+    the relative error is about 2.5%, bounded here by 5%), returned in U's fp32."""
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    out = newton_schulz(g, dtype=torch.bfloat16)
+    assert out.dtype == torch.float32
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    expected = u @ torch.diag(torch.from_numpy(scalar_iteration((s / torch.linalg.norm(g.double())).numpy()))) @ vh
+    error = float((out.double() - expected).norm() / expected.norm())
+    assert 2 ** -9 < error < 0.05, error  # above zero: the products really ran in bf16
+    assert float((newton_schulz(g).double() - expected).norm() / expected.norm()) < 1e-5
+    sv, sv32 = torch.linalg.svdvals(out.double()), torch.linalg.svdvals(newton_schulz(g).double())
+    assert float((sv - sv32).abs().max()) < 0.1  # the same map of the singular values, within bf16's rounding
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", None), ("auto", None)])
+def test_muon_iterates_in_the_runs_precision(precision, dtype):
+    """train.precision bf16 (auto as the Trainer resolves it) -> bf16 products; fp32 -> fp32; an unresolved
+    auto -> fp32."""
+    model = qkv.build_model(qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32,
+                                            max_seq_len=16))
+    optimizer = muon(model, TrainConfig(optimizer="muon", precision=precision))
+    assert optimizer.ns_dtype == dtype
+    assert "ns_dtype" not in optimizer.state_dict()["param_groups"][0]
+
+
 def test_muon_step_equals_the_formula_and_adamw_takes_the_rest():
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=16)

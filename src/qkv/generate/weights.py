@@ -12,7 +12,8 @@ and explain.
 
 A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
 file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
-slower than fp32, and said so.
+slower than fp32, and said so. With avx512_bf16 but no AMX, bf16 weights decode slower than fp32 (torch's
+one-row bf16 products are no faster there), and that is said too.
 """
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
     if dtype == "bf16" and device.type == "cpu" and not hardware.native_bf16_cpu():
         warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
                         "bf16): torch emulates it, slower than fp32")
+    elif dtype == "bf16" and quant == "none" and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16":
+        # x86 with avx512_bf16 and no AMX: torch's bf16 product for one row makes as many multiply-adds a second
+        # as fp32's (SmolLM2's decode matrices 25-30 GB/s against 49-60; decode 35 against 48 tok/s compiled,
+        # 2-core AMD EPYC, docs/real-models.md); the quantized kinds keep their own kernels
+        warnings.append("qkv: warning: --dtype bf16 on a CPU with avx512_bf16 but no AMX: torch's bf16 products for "
+                        "one row run no faster than fp32's here, so decoding is slower than with --dtype fp32 "
+                        "(prefill is faster)")
     return warnings
 
 
