@@ -8,12 +8,15 @@ import pytest
 import torch
 
 import qkv
+from qkv import hardware
 from qkv.train.checks import check_run
 from qkv.config import RunConfig, TrainConfig, ParallelConfig
 from qkv.errors import QkvError
 from qkv.train.muon import (NS_COEFFICIENTS, NS_STEPS, MuonAdamW, hidden_matrices, muon, newton_schulz,
                             orthogonalised)
+from qkv.train.loop import Trainer
 from qkv.train.optim import OPTIMIZERS
+from tests.train.test_loop import data, run_config
 
 
 def scalar_iteration(x: np.ndarray) -> np.ndarray:
@@ -71,22 +74,26 @@ def test_newton_schulz_in_bf16_stays_within_bf16_rounding_of_the_scalar_iteratio
     assert float((sv - sv32).abs().max()) < 0.1  # the same map of the singular values, within bf16's rounding
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", None), ("auto", None)])
-def test_muon_iterates_in_the_runs_precision(precision, dtype):
-    """train.precision bf16 (auto as the Trainer resolves it) -> bf16 products; fp32 -> fp32; an unresolved
-    auto -> fp32."""
-    model = qkv.build_model(qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32,
-                                            max_seq_len=16))
-    optimizer = muon(model, TrainConfig(optimizer="muon", precision=precision))
-    assert optimizer.ns_dtype == dtype
-    assert "ns_dtype" not in optimizer.state_dict()["param_groups"][0]
+@pytest.mark.parametrize("flag, dtype", [("avx512_bf16", torch.bfloat16), (None, None)])
+def test_a_trainers_muon_iterates_in_the_precision_auto_resolved_to(tmp_path, monkeypatch, flag, dtype):
+    """train.precision=auto is resolved before the optimizer is made: bf16 iterations on a CPU that multiplies
+    bf16 natively, fp32 on one that would emulate it; nothing of it in the state dict."""
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: flag)
+    cfg = run_config(optimizer="muon", precision="auto")
+    trainer = Trainer(tmp_path, cfg, data(), progress=False, log=lambda message: None)
+    assert trainer.tc.precision == ("bf16" if flag else "fp32")
+    assert trainer.optimizer.ns_dtype == dtype
+    assert "ns_dtype" not in trainer.optimizer.state_dict()["param_groups"][0]
 
 
-def test_muon_step_equals_the_formula_and_adamw_takes_the_rest():
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_muon_step_equals_the_formula_and_adamw_takes_the_rest(precision, dtype):
+    """The formula with NS5 in the run's precision (bf16 runs iterate in bf16)."""
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=16)
     model = qkv.build_model(cfg)
-    tc = TrainConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1)
+    tc = TrainConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1,
+                     precision=precision)
     opt = OPTIMIZERS.get("muon")(model, tc)
     hidden = hidden_matrices(model)
     names = {name for name, p in model.named_parameters() if id(p) in hidden}
@@ -101,8 +108,11 @@ def test_muon_step_equals_the_formula_and_adamw_takes_the_rest():
     g, ge = w.grad.clone(), emb.grad.clone()
     opt.step()
     buf = g  # first step: B = G; Nesterov U = G + mu B
-    expected = before * (1 - 0.05 * 0.1) - 0.05 * np.sqrt(2.0) * newton_schulz(g + 0.9 * buf)
+    expected = before * (1 - 0.05 * 0.1) - 0.05 * np.sqrt(2.0) * newton_schulz(g + 0.9 * buf, dtype=dtype)
     assert torch.allclose(w.detach(), expected, atol=1e-6)
+    if dtype is not None:  # and not the fp32 iteration's step: the bf16 products really ran
+        fp32_step = before * (1 - 0.05 * 0.1) - 0.05 * np.sqrt(2.0) * newton_schulz(g + 0.9 * buf)
+        assert float((w.detach() - fp32_step).abs().max()) > 1e-4
     m, v = 0.1 * ge, 0.05 * ge ** 2  # AdamW, betas (0.9, 0.95), bias-corrected at t = 1: m_hat = g, v_hat = g^2
     adam = emb_before * (1 - 1e-2 * 0.1) - 1e-2 * (m / 0.1) / ((v / 0.05).sqrt() + tc.eps)
     assert torch.allclose(emb.detach(), adam, atol=1e-6)

@@ -52,7 +52,8 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
         warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
                         "bf16): torch emulates it, slower than fp32")
     elif dtype == "bf16" and quant == "none" and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16":
-        # x86 with avx512_bf16 and no AMX: torch's bf16 product for one row makes as many multiply-adds a second
+        # native_bf16_cpu names amx_bf16 first when a CPU has both, so "avx512_bf16" means x86 without AMX.
+        # There torch's bf16 product for one row makes as many multiply-adds a second
         # as fp32's (SmolLM2's decode matrices 25-30 GB/s against 49-60; decode 35 against 48 tok/s compiled,
         # 2-core AMD EPYC, docs/real-models.md); the quantized kinds keep their own kernels
         warnings.append("qkv: warning: --dtype bf16 on a CPU with avx512_bf16 but no AMX: torch's bf16 products for "
