@@ -35,45 +35,88 @@ def _inductor_cache(tmp_path_factory):
         yield
 
 
-def tiny(quant: str = "none", **overrides) -> torch.nn.Module:
+def tiny(quant: str = "none", dtype: str = "fp32", **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=40,
                           init_std=0.3, **overrides)
     model = qkv.build_model(cfg).eval()
-    prepare(model, quant=quant)  # fused Q/K/V and gate/up, as a loaded model decodes
+    prepare(model, dtype=dtype, quant=quant)  # fused Q/K/V and gate/up, as a loaded model decodes
     return model
+
+
+# name: (quant, dtype, family, one row's products as summed_product's sums or torch's kernels): both forms on
+# every machine, whichever this CPU would choose (qkv.nn.decoding_linear.summed_form_faster)
+MODELS = {"llama-int4": ("int4", "fp32", LLAMA, False), "gpt": ("none", "fp32", GPT, True),
+          "llama-int8": ("int8", "fp32", LLAMA, True), "llama-bf16": ("none", "bf16", LLAMA, True)}
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
-    """Compiled once each: a LLaMA-shaped model with int4 weights, a GPT-2-shaped one in fp32."""
-    out = {"llama-int4": tiny("int4", **LLAMA), "gpt": tiny(**GPT)}
-    for model in out.values():
-        compiled.enable(model)
+    """Compiled once each: LLaMA-shaped models with int4 weights (torch's kernels), int8 weights and bf16 ones
+    (summed products), a GPT-2-shaped one in fp32 (summed products)."""
+    out = {}
+    for name, (quant, dtype, family, summed) in MODELS.items():
+        out[name] = tiny(quant, dtype, **family)
+        compiled.enable(out[name], summed=summed)
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "gpt"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_compiled_step_gives_the_general_steps_logits(models, name):
+    """fp32 activations: the general step's logits and cache to fp32's rounding. bf16 (the model in bf16): the
+    compiled step rounds less (its attention sums in fp32 where torch's bf16 kernel rounds inside), so both are
+    held to the exact math of the same bf16 weights (the model in float64): the compiled step no further from it
+    than the general one."""
     model = models[name]
     step = compiled.compiled_step(model)
+    bf16 = MODELS[name][1] == "bf16"
+    exact = float64_twin(name) if bf16 else None
     with torch.inference_mode():  # (as generate makes its cache: inference tensors, one compiled graph)
         general, fast = model.new_cache(1, 40), model.new_cache(1, 40)
         model(torch.tensor([PROMPT]), cache=general)
         model(torch.tensor([PROMPT]), cache=fast)
+        if bf16:
+            reference = exact.new_cache(1, 40)
+            exact(torch.tensor([PROMPT]), cache=reference)
         token = torch.tensor([5])
         for _ in range(12):
             assert step.usable(fast)
             want = model(token[:, None], cache=general)[:, -1]  # (1, V)
             got = step(token, fast)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same math, fused: fp32 rounding
+            if bf16:
+                truth = exact(token[:, None], cache=reference)[:, -1]
+                off, general_off = (got.double() - truth).abs().max(), (want.double() - truth).abs().max()
+                ulp = 2 ** -7 * truth.abs().max()  # about one bf16 rounding step at the largest logit
+                assert off <= 2 * general_off + ulp, (off, general_off)  # of the general step's own order
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same math, fused: fp32 rounding
             token = want.argmax(-1)
     assert step.failed is None
     assert fast.length == general.length == len(PROMPT) + 12
-    for a, b in zip(general.layers, fast.layers):
-        n = general.length
-        torch.testing.assert_close(a.k[:, :, :n], b.k[:, :, :n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(a.v[:, :, :n], b.v[:, :, :n], rtol=1e-5, atol=1e-5)
+    n = general.length
+    for i, (a, b) in enumerate(zip(general.layers, fast.layers)):
+        for kind in ("k", "v"):
+            want, got = getattr(a, kind)[:, :, :n], getattr(b, kind)[:, :, :n]
+            if bf16:  # (the logits' bound, against the exact model's cache)
+                truth = getattr(reference.layers[i], kind)[:, :, :n]
+                off, general_off = (got.double() - truth).abs().max(), (want.double() - truth).abs().max()
+                assert off <= 2 * general_off + 2 ** -7 * truth.abs().max(), (i, kind, off, general_off)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def float64_twin(name: str) -> torch.nn.Module:
+    """MODELS[name]'s model (a float dtype, no quant) with its weights rounded to that dtype, then held in
+    float64 and not fused: the exact math of the same weights."""
+    _, dtype, family, _ = MODELS[name]
+    torch.manual_seed(0)
+    cfg = qkv.ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=40,
+                          init_std=0.3, **family)
+    model = qkv.build_model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32"))).to(p.dtype))
+    return model.double()
 
 
 @pytest.mark.parametrize("name", ["llama-int4", "gpt"])

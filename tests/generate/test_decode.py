@@ -317,25 +317,28 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
     assert out[0, 4:].tolist() == greedy_by_full_recomputation(model, ids[0].tolist(), 6)
 
 
-def test_where_nn_linear_is_the_faster_form_nothing_is_swapped(monkeypatch):
-    """Where nn.Linear's x W^T is the faster decode form (fp32 on Intel with MKL, bf16 on AMD): no layer
-    is swapped and no fused projection takes the other form; generation is the same greedy text."""
+def test_where_nn_linear_is_the_faster_form_no_layer_takes_the_other(monkeypatch):
+    """Where nn.Linear's x W^T is the faster decode form (fp32 on Intel with MKL, bf16 on AMD), the swapped-in
+    layers (and the fused projections) multiply as nn.Linear does, never as W x^T; where W x^T is the faster,
+    they take it; generation is the same greedy text either way."""
     from qkv.nn import decoding_linear, fuse
     from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
-    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: False)
-    monkeypatch.setattr(fuse, "left_form_faster", lambda dtype: False)
-    model = tiny_model()
-    before = dict(model.named_modules())
-    with decoding_linears(model):
-        assert dict(model.named_modules()) == before
-    layer = torch.nn.Linear(8, 6)
-    assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is torch.nn.Linear
-    monkeypatch.setattr(fuse, "left_form_faster", lambda dtype: True)
-    assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is DecodingLinear
+    left_calls = []
+    left_product = decoding_linear.left_product
+    monkeypatch.setattr(decoding_linear, "left_product", lambda *a: left_calls.append(1) or left_product(*a))
     ids = torch.tensor([[3, 5, 7, 9]])
-    assert generate(model, ids, max_new_tokens=6, strategy="greedy")[0, 4:].tolist() == \
-        greedy_by_full_recomputation(model, ids[0].tolist(), 6)
+    for faster in (False, True):
+        monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: faster)
+        model = tiny_model()
+        with decoding_linears(model):
+            assert all(type(m) is not torch.nn.Linear for m in model.modules())  # every layer swapped
+        layer = torch.nn.Linear(8, 6)
+        assert type(fuse.fuse_linear([layer, torch.nn.Linear(8, 4)])) is DecodingLinear
+        left_calls.clear()
+        assert generate(model, ids, max_new_tokens=6, strategy="greedy")[0, 4:].tolist() == \
+            greedy_by_full_recomputation(model, ids[0].tolist(), 6)
+        assert bool(left_calls) is faster
 
 
 def greedy_by_full_recomputation(model, ids: list[int], new: int) -> list[int]:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from qkv.nn.decoding_linear import DecodingLinear
+from qkv.nn.quant import quantize_int8
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -54,3 +55,71 @@ def test_the_decode_form_follows_the_cpu_and_the_dtype(monkeypatch, vendor, mkl,
     choose = decoding_linear.left_form_faster.__wrapped__  # the rule itself, not this machine's cached answer
     assert choose(torch.float32) is fp32_left and choose(torch.bfloat16) is bf16_left
     assert choose(torch.float16) is False and choose(torch.float64) is False
+
+
+SUMMED_CASES = {  # W's kind: (x's dtype, how W is held, the tolerance of y against the float64 product)
+    "fp32": (torch.float32, lambda w: (w, None), dict(rtol=1e-5, atol=1e-5)),
+    "bf16": (torch.bfloat16, lambda w: (w.bfloat16(), None), dict(rtol=2 ** -8, atol=1e-3)),  # y rounded once
+    "int8": (torch.bfloat16, lambda w: quantize_int8(w), dict(rtol=2 ** -8, atol=1e-3)),
+}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind", list(SUMMED_CASES))
+def test_the_summed_product_in_a_compiled_graph_is_the_product(kind, bias):
+    """summed_product (qkv.nn.decoding_linear) as inductor generates it: y_i = s_i sum_j W_ij x_j + b_i for
+    the operands as held (x and W rounded to their dtype), summed in fp32 and rounded once to x's dtype, against
+    the same sum in float64; eagerly the same values."""
+    from qkv.generate import compiled  # noqa: F401 - registers inductor's prim that `stored` asks for
+    from qkv.nn.decoding_linear import summed_product
+
+    dtype, hold, tolerance = SUMMED_CASES[kind]
+    torch.manual_seed(0)
+    w, scale = hold(torch.randn(96, 200) * 0.1)
+    b = torch.randn(96).to(dtype) if bias else None
+    x = torch.randn(1, 1, 200).to(dtype)
+    exact = (w.double() * x.reshape(1, 200).double()).sum(-1)
+    exact = (exact * (1 if scale is None else scale.to(dtype).double())) + (0 if b is None else b.double())
+    with torch.inference_mode():
+        fused = torch.compile(lambda x: summed_product(x, w, b, None if scale is None else scale.to(dtype)),
+                              options={"emulate_precision_casts": True})(x)
+        eager = summed_product(x, w, b, None if scale is None else scale.to(dtype))
+    assert fused.shape == (1, 1, 96) and fused.dtype == dtype
+    torch.testing.assert_close(fused.double().flatten(), exact, **tolerance)
+    torch.testing.assert_close(fused, eager, rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=1e-5)
+
+
+def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypatch):
+    """One row's product takes the summed form inside a traced graph under summing(True), and torch's
+    kernel otherwise: eagerly, under summing(False), and for two rows."""
+    from qkv.generate import compiled  # noqa: F401
+    from qkv.nn import decoding_linear, quant
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].dtype)
+        return summed_product(*args, **kwargs)
+
+    summed_product = decoding_linear.summed_product
+    monkeypatch.setattr(decoding_linear, "summed_product", counted)
+    monkeypatch.setattr(quant, "summed_product", counted)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48)
+    layers = [DecodingLinear(linear), quant.QuantLinear.from_linear(linear, "int8"),
+              quant.Bf16Linear(linear.weight, linear.bias), quant.QuantLinear.from_linear(linear, "int4")]
+    for rows, on, compiling, expected in [(1, True, True, [torch.float32, torch.int8, torch.bfloat16]),
+                                          (1, True, False, []), (1, False, True, []), (2, True, True, [])]:
+        calls.clear()
+        for layer in layers:
+            x = torch.randn(rows, 32)
+            with torch.inference_mode(), decoding_linear.summing(on):
+                step = torch.compile(layer, dynamic=False, options={"emulate_precision_casts": True})  # as the step
+                out = step(x) if compiling else layer(x)
+            with torch.inference_mode():
+                eager = layer(x)  # torch's kernel for the layer's product
+            # (int8 and the bf16 head: bf16 rows and results, rounded as the kernel rounds them, sums in fp32)
+            torch.testing.assert_close(out, eager, rtol=2 ** -7, atol=1e-4,
+                                       msg=lambda m: f"{type(layer).__name__}, {rows} rows, summing {on}: {m}")
+            torch._dynamo.reset()
+        assert calls == expected, (rows, on, compiling)  # (int4 keeps torch's kernel: the faster there)

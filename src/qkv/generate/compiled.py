@@ -6,7 +6,9 @@ residuals, the cache writes) and the Python that calls them. The math is the mod
 one new token per row, its K/V appended to the cache, attention over the cache); here it is written once more
 as one function of the step's inputs that TorchDynamo can trace whole, and inductor turns into a few fused C++
 kernels around torch's own product kernels, called from generated C++ (cpp_wrapper), so the step has no
-per-layer Python left:
+per-layer Python left. On a CPU where torch's kernels read one row's weights slowly (summed_form_faster: not
+Intel's) the products of one row are written as sums inductor generates too (qkv.nn.decoding_linear.
+summed_product: fp32, bf16, int8 weights and the bf16 head; int4 keeps torch's kernel):
 
     x = E[token] (+ P)                                    (model.embed, the model's own)
     per layer:  q, k, v = norm(x) [W^Q; W^K; W^V]^T         (fused, as qkv.nn.fuse)
@@ -42,7 +44,7 @@ from torch import Tensor, nn
 
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
-from qkv.nn.decoding_linear import decoding_linears
+from qkv.nn.decoding_linear import decoding_linears, stored, summed_form_faster, summed_rows, summing
 from qkv.nn.fastpath import fused_or_none, has_hooks
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
 from qkv.nn.quant import QuantLinear
@@ -95,18 +97,27 @@ class CompiledStep:
     """`step(tokens (B,), cache)` -> (B, V) logits for the next tokens, the cache advanced by one column, as
     model(tokens[:, None], cache=cache)[:, -1] gives them; `usable(cache)` says whether it applies."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, summed: bool | None = None):
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the compiled decoding step does not cover {reason}")
         inductor_cache()
+        try:  # registers the prim qkv.nn.decoding_linear.stored asks for
+            import torch._inductor.inductor_prims  # noqa: F401
+        except ImportError:
+            pass
         self.model = model
         self.failed: str | None = None
         self.operands_fixed = False
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
         # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
         self.positions = model.positional.weight.shape[0] if isinstance(model.positional, Learned) else sys.maxsize
-        self.compiled = torch.compile(self.forward, dynamic=True, options={"cpp_wrapper": True})
+        # one row's products as sums inductor generates (qkv.nn.decoding_linear.summed_product) or torch's kernels
+        self.summed = summed_form_faster() if summed is None else summed
+        # emulate_precision_casts: a bf16 value rounded as the general step rounds it, not kept in fp32 across a
+        # fusion, so that the step stays the general step's (to fp32's order of sums)
+        self.compiled = torch.compile(self.forward, dynamic=True,
+                                      options={"cpp_wrapper": True, "emulate_precision_casts": True})
 
     def usable(self, cache: KVCache) -> bool:
         return (self.failed is None and not cache.window and not torch.is_grad_enabled()
@@ -129,7 +140,8 @@ class CompiledStep:
                 torch._dynamo.mark_static(tensor)
             self.operands_fixed = True
         try:
-            with shape_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+            with (shape_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True),
+                  summing(self.summed)):
                 return self.compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -183,9 +195,27 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)
     k_all[:, :, n - 1:n] = k  # into the preallocated cache, in place
     v_all[:, :, n - 1:n] = v
-    out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
-                                         enable_gqa=H != Hkv)  # (B, H, 1, Dh)
+    if summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
+        out = summed_attention(q, k_all[:, :, :n], v_all[:, :, :n], mask, Dh ** -0.5)
+    else:
+        out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
+                                             enable_gqa=H != Hkv)  # (B, H, 1, Dh)
     return attn.o_proj(out.reshape(B, 1, H * Dh))
+
+
+def summed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(q K^T scale, masked) V for one query a row, as sums inductor generates: q (B, H, 1, Dh), k and v
+    (B, Hkv, n, Dh) (query head h reads KV head h // (H / Hkv): GQA without copies), mask (B, 1, 1, n) True
+    where a key may be seen; fp32 inside, the result in q's dtype. torch's CPU attention kernel takes 0.3 ms a
+    layer for one bf16 query over 630 keys on the AMD EPYC (SmolLM2, 2 threads), a tenth of a step's time."""
+    B, H, _, Dh = q.shape
+    Hkv = k.shape[1]
+    grouped = stored(q.reshape(B, Hkv, H // Hkv, 1, Dh).float())  # (B, Hkv, G, 1, Dh)
+    scores = (grouped * k[:, :, None].float()).sum(-1) * scale  # (B, Hkv, G, n)
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, n) broadcast over the heads
+    p = stored(torch.softmax(scores, dim=-1))
+    out = (p[..., None] * v[:, :, None].float()).sum(-2)  # (B, Hkv, G, Dh)
+    return out.reshape(B, H, 1, Dh).to(q.dtype)
 
 
 def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
@@ -222,8 +252,9 @@ def compiled_step(model: nn.Module) -> CompiledStep | None:
     return model.__dict__.get("_qkv_compiled_step")
 
 
-def enable(model: nn.Module) -> CompiledStep:
-    """Decode `model` with a compiled step from now on (generate, chat); ValueError where it does not apply."""
-    step = CompiledStep(model)
+def enable(model: nn.Module, summed: bool | None = None) -> CompiledStep:
+    """Decode `model` with a compiled step from now on (generate, chat); ValueError where it does not apply.
+    `summed`: one row's products as summed_product's sums (True) or torch's kernels; None: this CPU's faster."""
+    step = CompiledStep(model, summed)
     object.__setattr__(model, "_qkv_compiled_step", step)  # a plain attribute: not a submodule, not saved
     return step

@@ -24,8 +24,10 @@ class DecodingLinear(nn.Module):
     taken as W x^T (W on the left, x^T a transposed view) reads it at 5-11 GB/s (benchmarks/decode_kernels.py,
     one step of the benchmark GPT-2: 1 row 6.2 -> 5.4 ms, 2 rows 11.9 -> 5.4 ms, 8 rows 10.7 -> 7.2 ms; equal
     at 128 rows). One row is widened to two with a zero row: a single column falls back to a matrix-vector
-    kernel as slow as nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path. The
-    parameters stay registered under the layer's own names (state_dict unchanged); nothing is copied.
+    kernel as slow as nn.Linear's. More than `max_rows` rows (a long prefill) take nn.Linear's path, and so do
+    all rows where W x^T is not the faster form (left_form_faster). One row of a compiled step takes
+    summed_product's form where summing() says so. The parameters stay registered under the layer's own names
+    (state_dict unchanged); nothing is copied.
     """
 
     max_rows = 64
@@ -36,9 +38,12 @@ class DecodingLinear(nn.Module):
         # plain attributes as well: read on every call without nn.Module's __getattr__
         object.__setattr__(self, "w", linear.weight)
         object.__setattr__(self, "b", None if linear.bias is None else linear.bias[:, None])  # (out, 1)
+        object.__setattr__(self, "left", left_form_faster(linear.weight.dtype))  # else nn.Linear's product
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        if math.prod(x.shape[:-1]) > self.max_rows:
+        if summed_rows(x):
+            return summed_product(x, self.w, self.bias)
+        if not self.left or math.prod(x.shape[:-1]) > self.max_rows:
             return F.linear(x, self.w, self.bias)
         return left_product(x, self.w, self.b)
 
@@ -60,23 +65,84 @@ def left_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
 
 
+_summing = False  # set by summing() around a compiled step's call
+
+
+@contextmanager
+def summing(on: bool):
+    """Products of one row traced by torch.compile take summed_product's form for the duration (`on`), or
+    torch's kernels (qkv.generate.compiled's step: on where summed_form_faster)."""
+    global _summing
+    before, _summing = _summing, on
+    try:
+        yield
+    finally:
+        _summing = before
+
+
+def summed_rows(x: Tensor) -> bool:
+    """Whether `x` (..., in) is one row of a decoding step that torch.compile is tracing on the CPU inside
+    summing(True): the products that take summed_product's form."""
+    return (_summing and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and math.prod(x.shape[:-1]) == 1)
+
+
+def summed_product(x: Tensor, w: Tensor, b: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """y_i = s_i sum_j W_ij x_j + b_i for one row x (..., in): W (out, in) in x's dtype or int8 codes, s (out,)
+    per-row scales or None, b (out,) or None; summed in fp32, y in x's dtype (rounded once, at the end, as
+    torch's bf16 and int8 kernels round theirs).
+
+    Written as a product of broadcast tensors and a sum over j, for inductor to turn into one loop per output
+    row that reads each W_ij once, converts it to fp32 and accumulates in fp32 (the multiply and the
+    conversion fused into the sum: nothing (out, in) is ever stored). Only inside a compiled graph (eagerly
+    it would build the (out, in) product). Why: on CPUs without AMX torch's kernels for one row read a decode
+    step's matrices slowly; on the 2-core AMD EPYC with avx512_bf16 (2 threads, SmolLM2-135M's 30 layers of
+    Q/K/V, W^O, gate/up and down matrices, 106 M weights, benchmarks/one_row_products.py, 2026-12-05) this
+    form reads them in 9.2 ms at fp32 (torch's W x^T 12.8), 7.1 ms at bf16 (torch's x W^T 15.8), 5.5 ms at
+    int8 (torch._weight_int8pack_mm 12.0), and the 49,152 x 576 bf16 head in 1.6 ms (3.4; fp32 3.2 both)."""
+    flat = stored(x.reshape(1, x.shape[-1]).float())
+    y = (w.float() * flat).sum(-1)  # (out,): sum_j W_ij x_j
+    if scale is not None:
+        y = y * scale.float()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def stored(row: Tensor) -> Tensor:
+    """`row` as a tensor inductor writes to memory before the sum reads it: left to itself, inductor computes
+    whatever made the row (a norm, a residual sum, the roundings) again inside the sum's loop, once per output
+    row (SmolLM2's bf16 head with its norm so: 10.6 ms against 1.6). inductor's own prim for a tensor's layout
+    does it (it copies a value not yet in memory; registered by qkv.generate.compiled, which imports
+    torch._inductor.inductor_prims); without it, the row as it is."""
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return row if force is None else force(row, row.stride())
+
+
+@functools.cache
+def summed_form_faster() -> bool:
+    """Whether summed_product beats torch's kernels for a compiled step's one row on this CPU: measured so on
+    the AMD EPYC (summed_product's docstring). Intel keeps the kernels: there MKL's fp32 x W^T reads at the
+    copy bandwidth and AMX multiplies bf16 (left_form_faster), and the summed form was not measured."""
+    return hardware.cpu_vendor() != "GenuineIntel"
+
+
 @contextmanager
 def decoding_linears(model: nn.Module):
     """Swap every nn.Linear of a CPU model for a DecodingLinear for the duration; put them back afterwards.
 
-    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear;
-    so does every layer on a CPU where nn.Linear's form is the faster (left_form_faster).
+    Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
     """
     with swapped(model, decodes_faster, DecodingLinear):
         yield model
 
 
 def decodes_faster(name: str, module: nn.Module) -> bool:
-    """A plain nn.Linear with an fp32 or bf16 CPU weight and no hooks, on a CPU where W x^T is the faster form
-    for its dtype (left_form_faster): the layers DecodingLinear may stand in for."""
+    """A plain nn.Linear with an fp32 or bf16 CPU weight and no hooks: the layers DecodingLinear stands in for
+    (with nn.Linear's own product where neither of its forms is the faster)."""
     weight = module.weight if type(module) is nn.Linear else None
     return (weight is not None and type(weight) is nn.Parameter and weight.device.type == "cpu"
-            and left_form_faster(weight.dtype) and not has_hooks(module))
+            and weight.dtype in (torch.float32, torch.bfloat16) and not has_hooks(module))
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.nn.decoding_linear import DecodingLinear, left_form_faster
+from qkv.nn.decoding_linear import DecodingLinear
 from qkv.nn.quant import QuantLinear
 
 
@@ -63,8 +63,8 @@ def fuse_linear(layers: list[nn.Linear]) -> nn.Module | None:
         if bias is not None:
             layer.bias = nn.Parameter(one.bias[rows], requires_grad=layer.bias.requires_grad)
         start += layer.out_features
-    # the decode step's faster form where it is the faster for this dtype on this CPU (qkv.nn.decoding_linear)
-    return DecodingLinear(one) if weight.device.type == "cpu" and left_form_faster(weight.dtype) else one
+    # the decode step's faster forms where they are the faster on this CPU (qkv.nn.decoding_linear)
+    return DecodingLinear(one) if weight.device.type == "cpu" else one
 
 
 def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv import hardware
-from qkv.nn.decoding_linear import decode_rows, left_form_faster, left_product
+from qkv.nn.decoding_linear import decode_rows, left_form_faster, left_product, summed_product, summed_rows
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -188,6 +188,9 @@ class QuantLinear(nn.Module):
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8":
+            if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
+                codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
+                return summed_product(flat, codes, scale=scale)
             return torch._weight_int8pack_mm(flat, *operands)
         packed, scales_and_zeros = operands
         return torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
@@ -228,6 +231,8 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x16 = x.to(self.weight.dtype)
+        if summed_rows(x16):  # a compiled step's one row (qkv.nn.decoding_linear)
+            return summed_product(x16, self.weight, self.bias).to(x.dtype)
         if self.left_form and decode_rows(x):  # a decode step's few rows (decoding_linear)
             bias = None if self.bias is None else self.bias[:, None]
             return left_product(x16, self.weight, bias).to(x.dtype)

@@ -1,0 +1,165 @@
+"""One row's matrix products in a compiled decoding step: torch's kernels against the summed form.
+
+    python benchmarks/one_row_products.py [--repeats 20] [--threads 2] [--json out.json]
+
+A batch-1 decoding step of SmolLM2-135M multiplies one row by each layer's fused Q/K/V (960 x 576), W^O (576 x
+576), fused gate/up (3,072 x 576) and down (576 x 1,536) matrices, 30 layers, 106 M weights, and by the
+49,152 x 576 head. Each precision's products are timed two ways, each compiled as one graph the way
+qkv.generate.compiled compiles the step (torch.compile, cpp_wrapper, fp32 rows in, the head apart):
+
+    kernels   torch's products: W x^T (fp32, qkv.nn.decoding_linear.left_product), F.linear (bf16),
+              torch._weight_int8pack_mm (int8, the rows in bf16 where the CPU has native bf16, as
+              QuantLinear multiplies)
+    summed    qkv.nn.decoding_linear.summed_product: sum_j W_ij x_j written as a broadcast product and a sum,
+              which inductor generates as one loop per output row
+
+The two ways alternate; medians of --repeats. The rate is the bytes of weights read a step over the time.
+The weights are random: a product's time does not depend on the values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qkv import hardware
+from qkv.generate import compiled  # noqa: F401 - registers the inductor prim summed_product uses
+from qkv.nn.decoding_linear import left_product, summed_product, summing
+from qkv.nn.quant import QuantLinear
+
+LAYERS, D, FF, QKV, VOCAB = 30, 576, 1536, 960, 49152
+SHAPES = [(QKV, D), (D, D), (2 * FF, D), (D, FF)]  # (out, in) of one layer's products
+
+
+def layers_of(precision: str) -> list:
+    """SmolLM2-shaped layers at `precision`: plain weights (fp32, bf16) or QuantLinear (int8, int4)."""
+    torch.manual_seed(0)
+    made = []
+    for _ in range(LAYERS):
+        for out, inp in SHAPES:
+            w = torch.randn(out, inp) * 0.02
+            if precision in ("int8", "int4"):
+                linear = torch.nn.Linear(inp, out, bias=False)
+                linear.weight.data = w
+                made.append(QuantLinear.from_linear(linear, precision))
+            else:
+                made.append(w.to(torch.float32 if precision == "fp32" else torch.bfloat16))
+    return made
+
+
+def kernels(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
+    outs = []
+    for layer in layers:
+        row = w_row(x, layer)
+        if precision == "fp32":
+            outs.append(left_product(row, layer, None))
+        elif precision == "bf16":
+            outs.append(F.linear(row.bfloat16(), layer).float())
+        else:
+            outs.append(layer(row))  # QuantLinear: torch's weight-only kernel
+    return outs
+
+
+def summed(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
+    """(traced inside summing(True): QuantLinear's int8 product takes the summed form itself)"""
+    return [summed_product(w_row(x, w).to(w.dtype), w).float() if isinstance(w, torch.Tensor) else w(w_row(x, w))
+            for w in layers]
+
+
+def w_row(x: torch.Tensor, layer) -> torch.Tensor:
+    return x[:, :layer.shape[1] if isinstance(layer, torch.Tensor) else layer.in_features]
+
+
+def head(x: torch.Tensor, w: torch.Tensor, way: str) -> torch.Tensor:
+    row = x[:, :D].to(w.dtype)
+    if way == "summed":
+        return summed_product(row, w)
+    return left_product(row, w, None) if w.dtype == torch.float32 else F.linear(row, w)
+
+
+def summing_call(fn, on: bool):
+    """fn called inside summing(on), as the compiled step calls its graph (qkv.generate.compiled)."""
+    def call(x):
+        with summing(on):
+            return fn(x)
+    return call
+
+
+def weight_bytes(layers: list) -> int:
+    total = 0
+    for layer in layers:
+        tensors = [layer] if isinstance(layer, torch.Tensor) else [layer.codes, layer.scale] + (
+            [layer.low] if layer.low is not None else [])
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def timed(fn, x, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    options = {"cpp_wrapper": True, "emulate_precision_casts": True}
+    x = torch.randn(1, FF)
+    results = {}
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
+          f"{hardware.cpu_vendor()}, native bf16: {hardware.native_bf16_cpu()}, {args.threads} threads, "
+          f"torch {torch.__version__}")
+    with torch.inference_mode():
+        for precision in args.precisions:
+            layers = layers_of(precision)
+            ways = {way: summing_call(torch.compile(lambda x, f=f: f(x, layers, precision), options=options),
+                                      way == "summed") for way, f in (("kernels", kernels), ("summed", summed))}
+            want = ways["kernels"](x)
+            for got, ref in zip(ways["summed"](x), want):  # the same products (int8: the rows' rounding)
+                torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
+            times = {way: [] for way in ways}
+            for _ in range(3):  # alternating rounds
+                for way, fn in ways.items():
+                    times[way] += timed(fn, x, args.repeats)
+            nbytes = weight_bytes(layers)
+            row = {}
+            for way in ways:
+                ms = statistics.median(times[way]) * 1e3
+                row[way] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
+            results[precision] = row
+            print(f"body {precision:5s} {nbytes / 2 ** 20:6.0f} MiB: kernels {row['kernels']['ms']:6.2f} ms "
+                  f"({row['kernels']['GB/s']:4.1f} GB/s), summed {row['summed']['ms']:6.2f} ms "
+                  f"({row['summed']['GB/s']:4.1f} GB/s)", flush=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            w = (torch.randn(VOCAB, D) * 0.02).to(dtype)
+            ways = {way: summing_call(torch.compile(lambda x, way=way: head(x, w, way), options=options),
+                                      way == "summed") for way in ("kernels", "summed")}
+            times = {way: [] for way in ways}
+            for _ in range(3):
+                for way, fn in ways.items():
+                    fn(x)
+                    times[way] += timed(fn, x, args.repeats)
+            name = f"head {str(dtype).removeprefix('torch.')}"
+            results[name] = {way: {"ms": statistics.median(t) * 1e3} for way, t in times.items()}
+            print(f"{name} (49,152 x 576): kernels {results[name]['kernels']['ms']:.2f} ms, summed "
+                  f"{results[name]['summed']['ms']:.2f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
