@@ -263,3 +263,43 @@ def test_every_quantized_products_operands_are_fixed_for_the_compiler(models):
     found = compiled.kernel_operands(model)
     assert len(expected) == 2 * len(layers)  # codes and scales, one activation dtype
     assert {id(t) for t in found} == expected and len(found) == len(expected)
+
+
+def test_a_model_changed_after_enable_takes_the_general_step(models):
+    """The compiled graph does not check the model's weights every token (its guards on them are skipped): a
+    model cast to another dtype after enable(), or in training mode, is refused by usable() instead."""
+    from qkv.generate.weights import prepare as prepare_again
+
+    model = tiny(**GPT)
+    step = compiled.enable(model, summed=True)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 40)
+        model(torch.tensor([PROMPT]), cache=cache)
+        assert step.usable(cache)
+        model.train()
+        assert not step.usable(cache)
+        model.eval()
+        prepare_again(model, dtype="bf16")
+        assert not step.usable(cache)
+    want = generate(model, torch.tensor([PROMPT]), max_new_tokens=4)  # the general step, in bf16
+    step.failed = "off"
+    assert generate(model, torch.tensor([PROMPT]), max_new_tokens=4).tolist() == want.tolist()
+
+
+def test_two_models_of_one_shape_each_run_their_own_graph():
+    """Each step compiles a code object of its own (compiled.own_code): the graph of one model is never run for
+    another of the same shape (here one with fused projections and one without, the same weights), although the
+    guards on the models are skipped."""
+    fused, plain = tiny(**GPT), tiny(**GPT)
+    for module in plain.modules():
+        module.__dict__.pop("fused_qkv", None)
+    for model in (fused, plain):
+        step = compiled.enable(model, summed=True)
+        with torch.inference_mode():
+            cache, general = model.new_cache(1, 40), model.new_cache(1, 40)
+            model(torch.tensor([PROMPT]), cache=cache)
+            model(torch.tensor([PROMPT]), cache=general)
+            got = step(torch.tensor([5]), cache)
+            want = model(torch.tensor([[5]]), cache=general)[:, -1]
+        assert step.failed is None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -115,13 +116,22 @@ class CompiledStep:
         # one row's products as sums inductor generates (qkv.nn.decoding_linear.summed_product) or torch's kernels
         self.summed = summed_form_faster() if summed is None else summed
         # emulate_precision_casts: a bf16 value rounded as the general step rounds it, not kept in fp32 across a
-        # fusion, so that the step stays the general step's (to fp32's order of sums)
-        self.compiled = torch.compile(self.forward, dynamic=True,
-                                      options={"cpp_wrapper": True, "emulate_precision_casts": True})
+        # fusion, so that the step stays the general step's (to fp32's order of sums).
+        # guard_filter_fn: the graph's guards on the model's modules and weights (some 400 tensors' dtypes,
+        # sizes and strides) are not checked every token: 1-2 ms of a 9-12 ms SmolLM2 int4 token (2026-12-05, AMD
+        # EPYC). A model whose weights change dtype or kind after enable() (the only changes that would matter:
+        # sizes are fixed by the config), or in training mode, takes the general step instead (usable()).
+        options = {"cpp_wrapper": True, "emulate_precision_casts": True}
+        skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # (torch >= 2.8)
+        if skip is not None:
+            options["guard_filter_fn"] = skip
+        self.signature = weights_signature(model)
+        self.compiled = torch.compile(own_code(self.forward), dynamic=True, options=options)
 
     def usable(self, cache: KVCache) -> bool:
         return (self.failed is None and not cache.window and not torch.is_grad_enabled()
-                and cache.length < min(cache.max_len, self.positions) and not hooked(self.model))
+                and cache.length < min(cache.max_len, self.positions) and not hooked(self.model)
+                and not self.model.training and weights_signature(self.model) == self.signature)
 
     def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
         import torch._dynamo  # about a second to import: only a compiled step loads it
@@ -131,7 +141,8 @@ class CompiledStep:
         real = cache.padding  # (B, columns) True where a column holds a token (always given: one graph for
         # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
         for tensor in (*keys, *values):  # (B, Hkv, columns, Dh): B and columns vary
-            torch._dynamo.mark_static(tensor, (1, 3))
+            if not hasattr(tensor, "_dynamo_static_indices"):  # (mark_static's mark) once a tensor: 0.4 ms a token
+                torch._dynamo.mark_static(tensor, (1, 3))
         # the operands are made by the first product (the prompt's) and kept: marked once (a walk of the model
         # each step would cost more than it saves); ones remade later (new weights) keep the graphs already
         # compiled, whose guards check their sizes, and only a new graph would take them for variables
@@ -164,6 +175,24 @@ class CompiledStep:
             x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
             x = x + block.ffn(block.ffn_norm(x))
         return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
+
+
+def own_code(method):
+    """`method` (bound) with a code object of its own. TorchDynamo keeps its compiled graphs per code object and
+    tells them apart by their guards; with the guards on the model skipped (CompiledStep), two models' steps
+    sharing CompiledStep.forward's code could each run the graph compiled for the other."""
+    function = method.__func__
+    code = function.__code__.replace(co_name=f"{function.__name__}_{id(method.__self__):x}")
+    own = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+def weights_signature(model: nn.Module) -> tuple:
+    """What a compiled step's graph assumes of `model` beyond its config: the weights' dtype (the embedding's:
+    prepare() casts every float weight with it) and the head's kind (quantize_model swaps every layer with it).
+    A few attribute reads: usable() asks every token."""
+    head = model.lm_head
+    return model.tok_emb.weight.dtype, head.kind if isinstance(head, QuantLinear) else head.weight.dtype
 
 
 def kernel_operands(model: nn.Module) -> list[Tensor]:
