@@ -235,8 +235,14 @@ def test_bad_precisions_are_refused_and_emulated_bf16_is_warned(monkeypatch):
     assert "emulates" in weights.check("bf16", "none", torch.device("cpu"))[0]
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "avx512_bf16")
     assert weights.check("bf16", "int4", torch.device("cpu")) == []
-    # bf16 weights without AMX: one-row products no faster than fp32 (measured), so decoding is slower
+    # bf16 weights without AMX: one-row products no faster than fp32 (measured), so decoding is slower, unless
+    # the compiled step's sums take them (not on Intel: there it keeps torch's kernels)
     assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"))[0]
+    monkeypatch.setattr(weights, "summed_form_faster", lambda: True)
+    assert weights.check("bf16", "none", torch.device("cpu"), compiled=True) == []
+    assert "with --compile it is faster" in weights.check("bf16", "none", torch.device("cpu"))[0]
+    monkeypatch.setattr(weights, "summed_form_faster", lambda: False)
+    assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"), compiled=True)[0]
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "amx_bf16")
     assert weights.check("bf16", "none", torch.device("cpu")) == []
     assert weights.check("fp32", "none", torch.device("cpu")) == []

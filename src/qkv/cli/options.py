@@ -128,7 +128,7 @@ def apply_precision(run, args, log=None) -> str | None:
     if getattr(args, "adapter", None):
         log(merge_adapter(run, args.adapter))
     device = next(run.model.parameters()).device
-    for warning in weights.check(args.dtype, args.quant, device):
+    for warning in weights.check(args.dtype, args.quant, device, compiled=bool(getattr(args, "compile", False))):
         log(warning)
     description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
     if args.dtype == "fp32" and args.quant == "none":

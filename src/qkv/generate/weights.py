@@ -13,7 +13,8 @@ and explain.
 A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
 file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
 slower than fp32, and said so. With avx512_bf16 but no AMX, bf16 weights decode slower than fp32 (torch's
-one-row bf16 products are no faster there), and that is said too.
+one-row bf16 products are no faster there) unless the compiled step's sums take them (--compile), and that is
+said too.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from qkv import hardware
 from qkv.errors import QkvError
 from qkv.formats import Run
 from qkv.formats import load as load_any
+from qkv.nn.decoding_linear import summed_form_faster
 from qkv.nn.fuse import fuse_projections
 from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantization_of,
                           quantize_model)
@@ -38,8 +40,9 @@ from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kin
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check(dtype: str, quant: str, device: torch.device) -> list[str]:
-    """Refuse what cannot run; the warnings (lines) for what runs but slowly."""
+def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) -> list[str]:
+    """Refuse what cannot run; the warnings (lines) for what runs but slowly (`compiled`: decoding with the
+    compiled step, --compile)."""
     if dtype not in DTYPES:
         raise QkvError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     if quant not in QUANTS:
@@ -51,14 +54,16 @@ def check(dtype: str, quant: str, device: torch.device) -> list[str]:
     if dtype == "bf16" and device.type == "cpu" and not hardware.native_bf16_cpu():
         warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
                         "bf16): torch emulates it, slower than fp32")
-    elif dtype == "bf16" and quant == "none" and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16":
+    elif (dtype == "bf16" and quant == "none" and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16"
+          and not (compiled and summed_form_faster())):
         # native_bf16_cpu names amx_bf16 first when a CPU has both, so "avx512_bf16" means x86 without AMX.
-        # There torch's bf16 product for one row makes as many multiply-adds a second
-        # as fp32's (SmolLM2's decode matrices 25-30 GB/s against 49-60; decode 35 against 48 tok/s compiled,
-        # 2-core AMD EPYC, docs/real-models.md); the quantized kinds keep their own kernels
+        # There torch's bf16 product for one row makes as many multiply-adds a second as fp32's (SmolLM2's
+        # decode matrices 25-30 GB/s against 49-60; decode 29.6 against 38.5 tok/s, 2-core AMD EPYC,
+        # docs/real-models.md); the compiled step's own sums read bf16 at twice fp32's speed where it takes them
+        # (106.7 against 68.1 tok/s there); the quantized kinds keep their own kernels
         warnings.append("qkv: warning: --dtype bf16 on a CPU with avx512_bf16 but no AMX: torch's bf16 products for "
                         "one row run no faster than fp32's here, so decoding is slower than with --dtype fp32 "
-                        "(prefill is faster)")
+                        "(prefill is faster)" + ("; with --compile it is faster" if summed_form_faster() else ""))
     return warnings
 
 
