@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from qkv import hardware
-from qkv.generate import compiled  # noqa: F401 - registers the inductor prim summed_product uses
 from qkv.nn.decoding_linear import left_product, summed_product, summing
 from qkv.nn.quant import QuantLinear
 
@@ -66,7 +65,8 @@ def kernels(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]
 
 
 def summed(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
-    """(traced inside summing(True): QuantLinear's int8 product takes the summed form itself)"""
+    """summed_product for plain weights; QuantLinear's int8 product takes that form itself (traced inside
+    summing(True), as the compiled step is)."""
     return [summed_product(w_row(x, w).to(w.dtype), w).float() if isinstance(w, torch.Tensor) else w(w_row(x, w))
             for w in layers]
 

@@ -1,4 +1,6 @@
 """qkv.nn.decoding_linear: the decoding step's linear layer equals nn.Linear for any number of rows."""
+import shutil
+
 import pytest
 import torch
 
@@ -57,6 +59,9 @@ def test_the_decode_form_follows_the_cpu_and_the_dtype(monkeypatch, vendor, mkl,
     assert choose(torch.float16) is False and choose(torch.float64) is False
 
 
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+
 SUMMED_CASES = {  # W's kind: (x's dtype, how W is held, the tolerance of y against the float64 product)
     "fp32": (torch.float32, lambda w: (w, None), dict(rtol=1e-5, atol=1e-5)),
     "bf16": (torch.bfloat16, lambda w: (w.bfloat16(), None), dict(rtol=2 ** -8, atol=1e-3)),  # y rounded once
@@ -64,14 +69,14 @@ SUMMED_CASES = {  # W's kind: (x's dtype, how W is held, the tolerance of y agai
 }
 
 
+@needs_compiler
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kind", list(SUMMED_CASES))
 def test_the_summed_product_in_a_compiled_graph_is_the_product(kind, bias):
     """summed_product (qkv.nn.decoding_linear) as inductor generates it: y_i = s_i sum_j W_ij x_j + b_i for
     the operands as held (x and W rounded to their dtype), summed in fp32 and rounded once to x's dtype, against
     the same sum in float64; eagerly the same values."""
-    from qkv.generate import compiled  # noqa: F401 - registers inductor's prim that `stored` asks for
-    from qkv.nn.decoding_linear import summed_product
+    from qkv.nn.decoding_linear import summed_product, summing
 
     dtype, hold, tolerance = SUMMED_CASES[kind]
     torch.manual_seed(0)
@@ -80,7 +85,7 @@ def test_the_summed_product_in_a_compiled_graph_is_the_product(kind, bias):
     x = torch.randn(1, 1, 200).to(dtype)
     exact = (w.double() * x.reshape(1, 200).double()).sum(-1)
     exact = (exact * (1 if scale is None else scale.to(dtype).double())) + (0 if b is None else b.double())
-    with torch.inference_mode():
+    with torch.inference_mode(), summing(True):  # (as the compiled step calls it: the row stored first)
         fused = torch.compile(lambda x: summed_product(x, w, b, None if scale is None else scale.to(dtype)),
                               options={"emulate_precision_casts": True})(x)
         eager = summed_product(x, w, b, None if scale is None else scale.to(dtype))
@@ -89,10 +94,10 @@ def test_the_summed_product_in_a_compiled_graph_is_the_product(kind, bias):
     torch.testing.assert_close(fused, eager, rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=1e-5)
 
 
+@needs_compiler
 def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypatch):
     """One row's product takes the summed form inside a traced graph under summing(True), and torch's
     kernel otherwise: eagerly, under summing(False), and for two rows."""
-    from qkv.generate import compiled  # noqa: F401
     from qkv.nn import decoding_linear, quant
 
     calls = []
@@ -123,3 +128,16 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
                                        msg=lambda m: f"{type(layer).__name__}, {rows} rows, summing {on}: {m}")
             torch._dynamo.reset()
         assert calls == expected, (rows, on, compiling)  # (int4 keeps torch's kernel: the faster there)
+
+
+def test_the_row_is_stored_by_inductors_prim_once_summing_is_on():
+    """`stored` hands the row to inductor's force_stride_order prim (a copy inductor must write to memory: else it
+    recomputes what made the row inside the sum's loop); summing(True) registers that prim before any trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from qkv.nn.decoding_linear import stored, summing
+
+    with summing(True):
+        graph = make_fx(stored)(torch.randn(1, 8)).graph
+    targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
+    assert any("inductor_force_stride_order" in target for target in targets), targets

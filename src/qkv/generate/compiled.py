@@ -103,10 +103,6 @@ class CompiledStep:
         if reason is not None:
             raise ValueError(f"the compiled decoding step does not cover {reason}")
         inductor_cache()
-        try:  # registers the prim qkv.nn.decoding_linear.stored asks for
-            import torch._inductor.inductor_prims  # noqa: F401
-        except ImportError:
-            pass
         self.model = model
         self.failed: str | None = None
         self.operands_fixed = False

@@ -1,5 +1,7 @@
-"""The linear layer of a decoding step on CPU (DecodingLinear), swapped in from outside for the duration of
-a generate call or a serving step (qkv.nn.swap)."""
+"""The products of a decoding step's few rows on CPU, in their faster forms: the linear layer DecodingLinear
+(W x^T where that form is the faster), swapped in from outside for the duration of a generate call or a serving
+step (qkv.nn.swap), and one row's product as a sum inductor writes (summed_product), which a compiled step's
+layers take inside summing(True) (qkv.generate.compiled)."""
 from __future__ import annotations
 
 import functools
@@ -73,6 +75,8 @@ def summing(on: bool):
     """Products of one row traced by torch.compile take summed_product's form for the duration (`on`), or
     torch's kernels (qkv.generate.compiled's step: on where summed_form_faster)."""
     global _summing
+    if on:
+        inductor_prims()
     before, _summing = _summing, on
     try:
         yield
@@ -113,10 +117,19 @@ def stored(row: Tensor) -> Tensor:
     """`row` as a tensor inductor writes to memory before the sum reads it: left to itself, inductor computes
     whatever made the row (a norm, a residual sum, the roundings) again inside the sum's loop, once per output
     row (SmolLM2's bf16 head with its norm so: 10.6 ms against 1.6). inductor's own prim for a tensor's layout
-    does it (it copies a value not yet in memory; registered by qkv.generate.compiled, which imports
-    torch._inductor.inductor_prims); without it, the row as it is."""
+    does it (it copies a value not yet in memory; registered by inductor_prims(), which summing(True) calls
+    before anything is traced); without it, the row as it is."""
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     return row if force is None else force(row, row.stride())
+
+
+def inductor_prims() -> None:
+    """Register inductor's prims (torch.ops.prims.inductor_*; `stored` uses one): torch registers them only
+    when inductor's lowering is first imported, after the first graph was traced."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401
+    except ImportError:
+        pass
 
 
 @functools.cache
@@ -133,11 +146,11 @@ def decoding_linears(model: nn.Module):
 
     Layers with hooks (their hooks must run), DTensor shards (tensor parallel) and CUDA weights keep nn.Linear.
     """
-    with swapped(model, decodes_faster, DecodingLinear):
+    with swapped(model, stands_in_for, DecodingLinear):
         yield model
 
 
-def decodes_faster(name: str, module: nn.Module) -> bool:
+def stands_in_for(name: str, module: nn.Module) -> bool:
     """A plain nn.Linear with an fp32 or bf16 CPU weight and no hooks: the layers DecodingLinear stands in for
     (with nn.Linear's own product where neither of its forms is the faster)."""
     weight = module.weight if type(module) is nn.Linear else None
