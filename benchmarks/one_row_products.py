@@ -13,7 +13,14 @@ qkv.generate.compiled compiles the step (torch.compile, cpp_wrapper, fp32 rows i
     summed    qkv.nn.decoding_linear.summed_product: sum_j W_ij x_j written as a broadcast product and a sum,
               which inductor generates as one loop per output row
 
-The two ways alternate; medians of --repeats. The rate is the bytes of weights read a step over the time.
+At int8 two more ways multiply int8 by int8 (the row itself rounded to 8 bits with one scale, as llama.cpp's
+Q8_0 does with VNNI; not qkv's product, whose row stays bf16 or fp32, so only their speed is compared):
+
+    int_mm    torch._int_mm (int8 x int8 -> int32), the weights as W^T's view
+    onednn    oneDNN's quantized linear (torch.ops.onednn.qlinear_pointwise; the row as uint8 with a zero
+              point, the weights prepacked)
+
+The ways alternate; medians of --repeats. The rate is the bytes of weights read a step over the time.
 The weights are random: a product's time does not depend on the values.
 """
 from __future__ import annotations
@@ -62,6 +69,40 @@ def kernels(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]
         else:
             outs.append(layer(row))  # QuantLinear: torch's weight-only kernel
     return outs
+
+
+def int_mm(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
+    outs = []
+    for layer in layers:
+        row = w_row(x, layer)
+        step = row.abs().amax().clamp(min=1e-8) / 127.0
+        q = torch.round(row / step).to(torch.int8)
+        outs.append(torch._int_mm(q, layer.codes.t()).float() * (step * layer.scale))
+    return outs
+
+
+def onednn_ways(layers: list):
+    """oneDNN's u8 x s8 linear for each layer, its weights prepacked once (outside the timed calls)."""
+    packed = [(torch.ops.onednn.qlinear_prepack(layer.codes, [1, layer.in_features]), layer.scale,
+               torch.zeros(layer.out_features, dtype=torch.int64)) for layer in layers]
+
+    def onednn(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
+        rows = {}  # the row of each width rounded once (a step's rows differ by layer; their rounding fuses into
+        for layer in layers:  # the step's other kernels, so the time here is the products')
+            if layer.in_features not in rows:
+                row = w_row(x, layer)
+                low, high = row.amin().clamp(max=0), row.amax().clamp(min=0)
+                step = ((high - low) / 255.0).clamp(min=1e-8)
+                point = torch.round(-low / step)
+                rows[layer.in_features] = ((torch.round(row / step) + point).clamp(0, 255).to(torch.uint8),
+                                           float(step), int(point))
+        outs = []
+        for layer, (weights, scale, zero) in zip(layers, packed):
+            q, step, point = rows[layer.in_features]
+            outs.append(torch.ops.onednn.qlinear_pointwise(q, step, point, weights, scale, zero, None,
+                                                           1.0, 0, torch.float32, "none", [], ""))
+        return outs
+    return onednn
 
 
 def summed(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
@@ -127,9 +168,14 @@ def main() -> None:
             layers = layers_of(precision)
             ways = {way: summing_call(torch.compile(lambda x, f=f: f(x, layers, precision), options=options),
                                       way == "summed") for way, f in (("kernels", kernels), ("summed", summed))}
+            if precision == "int8":
+                ways["int_mm"] = torch.compile(lambda x: int_mm(x, layers, precision), options=options)
+                onednn = onednn_ways(layers)  # eager: its scalar arguments are the row's, each call
+                ways["onednn"] = lambda x: onednn(x, layers, precision)
             want = ways["kernels"](x)
-            for got, ref in zip(ways["summed"](x), want):  # the same products (int8: the rows' rounding)
-                torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
+            for way, fn in ways.items():  # the same products (int8: the rows' rounding; int8 x int8: the row's)
+                for got, ref in zip(fn(x), want):
+                    torch.testing.assert_close(got.float(), ref.float(), rtol=0.05, atol=0.05)
             times = {way: [] for way in ways}
             for _ in range(3):  # alternating rounds
                 for way, fn in ways.items():
@@ -140,9 +186,8 @@ def main() -> None:
                 ms = statistics.median(times[way]) * 1e3
                 row[way] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
             results[precision] = row
-            print(f"body {precision:5s} {nbytes / 2 ** 20:6.0f} MiB: kernels {row['kernels']['ms']:6.2f} ms "
-                  f"({row['kernels']['GB/s']:4.1f} GB/s), summed {row['summed']['ms']:6.2f} ms "
-                  f"({row['summed']['GB/s']:4.1f} GB/s)", flush=True)
+            print(f"body {precision:5s} {nbytes / 2 ** 20:6.0f} MiB: " + ", ".join(
+                f"{way} {row[way]['ms']:6.2f} ms ({row[way]['GB/s']:4.1f} GB/s)" for way in ways), flush=True)
         for dtype in (torch.float32, torch.bfloat16):
             w = (torch.randn(VOCAB, D) * 0.02).to(dtype)
             ways = {way: summing_call(torch.compile(lambda x, way=way: head(x, w, way), options=options),

@@ -3,7 +3,10 @@ the same greedy text through generate and the CLI, the general path wherever the
 
 Each model compiles once (a few seconds; about 17 s for the first compile of a process with an empty cache);
 inductor's cache goes to a temporary directory, not the user's."""
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -303,3 +306,23 @@ def test_two_models_of_one_shape_each_run_their_own_graph():
             want = model(torch.tensor([[5]]), cache=general)[:, -1]
         assert step.failed is None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_inductors_cache_goes_under_home_even_after_torch_named_its_own(tmp_path):
+    """Importing TorchDynamo (as loading a model may, before any step is compiled) makes torch write its own
+    default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR; the step's cache still goes to
+    ~/.cache/qkv/inductor, and a directory the user chose stays. A fresh process: the import order is the point."""
+    code = ("import os, torch, torch._dynamo\n"
+            "from qkv.generate import compiled\n"
+            "torch_set = os.environ.get('TORCHINDUCTOR_CACHE_DIR')\n"
+            "compiled.inductor_cache()\n"
+            "print(torch_set, os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["HOME"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    torch_set, ours = out.stdout.split()
+    assert torch_set == compiled.torch_default_cache()  # torch did name its own before qkv asked
+    assert ours == str(tmp_path / ".cache" / "qkv" / "inductor")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(tmp_path / "mine")] * 2

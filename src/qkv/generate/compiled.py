@@ -90,8 +90,22 @@ def hooked(model: nn.Module) -> bool:
 
 def inductor_cache() -> None:
     """Keep inductor's compiled kernels under ~/.cache/qkv/inductor (unless TORCHINDUCTOR_CACHE_DIR says where),
-    so that a second start finds them."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "qkv" / "inductor"))
+    so that a second start finds them. torch writes its own default (/tmp/torchinductor_<user>, gone at the
+    next boot) into TORCHINDUCTOR_CACHE_DIR the first time anything asks for the cache's place, and importing
+    TorchDynamo asks (which loading a model may do before any step is compiled): that value counts as unset."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or chosen == torch_default_cache():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path.home() / ".cache" / "qkv" / "inductor")
+
+
+def torch_default_cache() -> str | None:
+    """The directory torch's inductor takes for its cache when TORCHINDUCTOR_CACHE_DIR is unset (None where this
+    torch does not say)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
 
 
 class CompiledStep:
