@@ -16,6 +16,7 @@ from qkv.errors import QkvError
 from qkv.generate import compiled, generate
 from qkv.generate.chat import ChatSession
 from qkv.generate.weights import prepare
+from qkv.nn.decoding_linear import decoding_linears
 from qkv.nn.quant import QuantLinear
 from qkv.serve.chat import template_for
 from tests.analysis import run_cli
@@ -165,14 +166,36 @@ def test_compiled_step_on_a_left_padded_batch(models, name):
 def test_hooks_take_the_general_path(models):
     model = models["gpt"]
     step = compiled.compiled_step(model)
+
+    def usable() -> bool:
+        with torch.inference_mode():  # (as generate decodes: outside autograd)
+            return step.usable(model.new_cache(1, 40))
+
+    assert usable()  # seen without hooks (HookWatch keeps that until a hook is made)
     seen = []
     handle = model.blocks[0].register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
     try:
-        assert not step.usable(model.new_cache(1, 40))  # a hook must see its layer run
+        assert not usable()  # a hook must see its layer run
         generate(model, torch.tensor([PROMPT]), max_new_tokens=5)
     finally:
         handle.remove()
     assert seen == [len(PROMPT), 1, 1, 1, 1]  # the prompt, then every step through the block
+    assert usable()  # removed: the compiled step again
+    handle = model.blocks[1].ffn.register_forward_pre_hook(lambda module, args: None)  # deep inside, a pre-hook
+    try:
+        assert not usable()
+    finally:
+        handle.remove()
+    assert usable()
+    layer = model.blocks[0].attn.o_proj  # a layer decoding_linears takes out for the duration, then puts back
+    with decoding_linears(model):
+        assert model.blocks[0].attn.o_proj is not layer
+        handle = layer.register_forward_hook(lambda module, args, out: None)  # made while it is out
+        assert usable()  # the hooked layer is not in the model now
+    try:
+        assert not usable()  # and is again: no hook was made since, but a layer came back
+    finally:
+        handle.remove()
 
 
 def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):

@@ -19,6 +19,18 @@ from torch import nn
 
 Pick = Callable[[str, nn.Module], bool]
 Make = Callable[[nn.Module], nn.Module]
+_swaps = 0  # modules put in place or back by swap / swapped, over all models
+
+
+def swaps() -> int:
+    """How many times swap or swapped changed a model's modules so far (any model): while it stands, no tree
+    was changed this way (qkv.generate.compiled.HookWatch)."""
+    return _swaps
+
+
+def _changed() -> None:
+    global _swaps
+    _swaps += 1
 
 
 def places(model: nn.Module, pick: Pick) -> list[tuple[nn.Module, str, str, nn.Module]]:
@@ -38,6 +50,7 @@ def swap(model: nn.Module, pick: Pick, make: Make) -> list[tuple[str, nn.Module]
     chosen = places(model, pick)
     for parent, attribute, _, child in chosen:
         setattr(parent, attribute, make(child))
+    _changed()
     return [(name, child) for _, _, name, child in chosen]
 
 
@@ -48,7 +61,9 @@ def swapped(model: nn.Module, pick: Pick, make: Make) -> Iterator[nn.Module]:
     try:
         for parent, attribute, _, child in chosen:
             setattr(parent, attribute, make(child))
+        _changed()
         yield model
     finally:
         for parent, attribute, _, child in chosen:
             setattr(parent, attribute, child)
+        _changed()
