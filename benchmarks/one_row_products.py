@@ -81,12 +81,17 @@ def int_mm(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
     return outs
 
 
-def onednn_ways(layers: list):
-    """oneDNN's u8 x s8 linear for each layer, its weights prepacked once (outside the timed calls)."""
-    packed = [(torch.ops.onednn.qlinear_prepack(layer.codes, [1, layer.in_features]), layer.scale,
-               torch.zeros(layer.out_features, dtype=torch.int64)) for layer in layers]
+def onednn_way(layers: list):
+    """oneDNN's u8 x s8 linear for each layer, its weights prepacked once (outside the timed calls); None where
+    this build of torch has no oneDNN quantized linear (not x86)."""
+    try:
+        packed = [(torch.ops.onednn.qlinear_prepack(layer.codes, [1, layer.in_features]), layer.scale,
+                   torch.zeros(layer.out_features, dtype=torch.int64)) for layer in layers]
+    except (AttributeError, RuntimeError) as error:
+        print(f"onednn: skipped ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
+        return None
 
-    def onednn(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
+    def onednn(x: torch.Tensor) -> list[torch.Tensor]:
         rows = {}  # the row of each width rounded once (a step's rows differ by layer; their rounding fuses into
         for layer in layers:  # the step's other kernels, so the time here is the products')
             if layer.in_features not in rows:
@@ -170,8 +175,9 @@ def main() -> None:
                                       way == "summed") for way, f in (("kernels", kernels), ("summed", summed))}
             if precision == "int8":
                 ways["int_mm"] = torch.compile(lambda x: int_mm(x, layers, precision), options=options)
-                onednn = onednn_ways(layers)  # eager: its scalar arguments are the row's, each call
-                ways["onednn"] = lambda x: onednn(x, layers, precision)
+                onednn = onednn_way(layers)  # eager: its scalar arguments are the row's, each call
+                if onednn is not None:
+                    ways["onednn"] = onednn
             want = ways["kernels"](x)
             for way, fn in ways.items():  # the same products (int8: the rows' rounding; int8 x int8: the row's)
                 for got, ref in zip(fn(x), want):

@@ -188,14 +188,16 @@ def test_hooks_take_the_general_path(models):
         handle.remove()
     assert usable()
     layer = model.blocks[0].attn.o_proj  # a layer decoding_linears takes out for the duration, then puts back
-    with decoding_linears(model):
-        assert model.blocks[0].attn.o_proj is not layer
-        handle = layer.register_forward_hook(lambda module, args, out: None)  # made while it is out
-        assert usable()  # the hooked layer is not in the model now
+    handle = None
     try:
+        with decoding_linears(model):
+            assert model.blocks[0].attn.o_proj is not layer
+            handle = layer.register_forward_hook(lambda module, args, out: None)  # made while it is out
+            assert usable()  # the hooked layer is not in the model now
         assert not usable()  # and is again: no hook was made since, but a layer came back
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
 
 
 def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):
