@@ -293,3 +293,18 @@ def test_a_soft_capped_decoder_is_c_tanh_of_the_plain_decoders_logits(tiny_cfg):
     targets = torch.randint(0, tiny_cfg.vocab_size, (2, 9))
     expected = torch.nn.functional.cross_entropy(capped(x).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(lm_loss(capped, (x, targets), 0.0), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_logits_to_keep_gives_the_last_positions_logits(tiny_cfg):
+    """model(..., logits_to_keep=k): the head on the last k positions only, equal to the whole forward's last k
+    (a prefill needs one); with a cache and padding too."""
+    model = model_for(tiny_cfg)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+        for k in (1, 3):
+            kept = model(ids, attention_mask=mask, cache=model.new_cache(2, 7), logits_to_keep=k)
+            assert kept.shape == (2, k, tiny_cfg.vocab_size)
+            torch.testing.assert_close(kept, full[:, -k:], rtol=1e-5, atol=1e-5)

@@ -1,6 +1,8 @@
 """qkv.nn.quant and qkv.generate.weights: the quantized products against the dequantized fp32 products (the
 kernels), the dequantized weights against the originals within half a step (the quantizers), a GGUF Q4_1 file's
 weights requantized to themselves, and a whole model at each precision against fp32."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,7 @@ from torch import nn
 from qkv.errors import QkvError
 from qkv.generate import weights
 from qkv.nn.quant import (QuantLinear, dequantize_int4, dequantize_int8, head_kind, head_of, int4_supported,
-                          quantize_int4, quantize_int8)
+                          prompt_products, quantize_int4, quantize_int8)
 
 torch.manual_seed(0)
 
@@ -71,10 +73,11 @@ def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantiza
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_bf16_products_match_fp32_within_bf16_rounding(kind):
+@pytest.mark.parametrize("prompt", [False, True])  # a prompt's int8 products: (x q^T) s by the dense kernel
+def test_bf16_products_match_fp32_within_bf16_rounding(kind, prompt):
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), kind)
     x = torch.randn(2, 5, 256)
-    with torch.no_grad():
+    with torch.no_grad(), (prompt_products() if prompt else contextlib.nullcontext()):
         layer.compute_dtype = None
         y16, y32 = layer(x.bfloat16()), layer(x)
         layer.compute_dtype = torch.bfloat16  # fp32 rows, bf16 products (the default where bf16 is native)
@@ -83,6 +86,24 @@ def test_bf16_products_match_fp32_within_bf16_rounding(kind):
     scale = y32.abs().max()
     for y in (y16, mixed):
         assert (y.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
+
+
+def test_int8_takes_torchs_kernel_for_decode_rows_and_the_dense_form_for_prompts(monkeypatch):
+    """bf16 rows: torch's int8 kernel outside prompt_products, (x q^T) s inside, whatever the row count (so that a
+    prompt's products do not depend on the batch it came in); fp32 rows: the dense form always."""
+    layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), "int8")
+    layer.compute_dtype = None
+    kernel, calls = torch._weight_int8pack_mm, []
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    x = torch.randn(300, 256)
+    with torch.no_grad():
+        layer(x[:3].bfloat16()), layer(x.bfloat16())
+        with prompt_products():
+            prompt = layer(x.bfloat16())
+        layer(x[:3]), layer(x)
+    assert calls == [3, 300]
+    exact = x.bfloat16().float() @ layer.weight.t()
+    assert (prompt.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # two bf16 roundings at most
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU-only path: run on a machine with CUDA")

@@ -30,13 +30,16 @@ class DecoderLM(Embeddings):
         self.max_seq_len = max_seq_len
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None, *, head: bool = True, documents: Tensor | None = None) -> Tensor:
+                cache: KVCache | None = None, *, head: bool = True, documents: Tensor | None = None,
+                logits_to_keep: int = 0) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits. `attention_mask` (B, T): 1 for tokens, 0 for padding.
 
         head=False: the final norm's output (B, T, D) instead, which the LM objective hands to the head and
         the loss taken together in row chunks (qkv.nn.linear_cross_entropy: the logits never exist whole).
         `documents` (B, T): the document index of each token of packed rows (qkv.models.context: positions
-        restart and attention stays inside each document)."""
+        restart and attention stays inside each document). `logits_to_keep` k > 0: only the last k positions
+        go through the head, (B, k, V) (a prompt's prefill needs the last one's logits: the head is about a
+        sixth of a 500-token prefill of SmolLM2)."""
         ctx = self_context(self.positional, input_ids, attention_mask, cache, causal=True, documents=documents)
         previous = None
         if self.bigram_emb is not None:  # the pair's first token may be the cache's last
@@ -51,6 +54,8 @@ class DecoderLM(Embeddings):
         for block, layer_cache in zip(self.blocks, layers):
             x = block(x, ctx, layer_cache)
         x = point(self, "final_norm", self.final_norm(x))  # (B, T, D)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]  # (B, k, D)
         return point(self, "logits", self.lm_head(x)) if head else x  # (B, T, V) or (B, T, D)
 
     def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:

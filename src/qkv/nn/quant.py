@@ -19,6 +19,9 @@ state dict and the kernels' packed copy beside it, rebuilt at load.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor, nn
 
@@ -188,16 +191,47 @@ class QuantLinear(nn.Module):
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8":
+            codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
-                codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
                 return summed_product(flat, codes, scale=scale)
-            return torch._weight_int8pack_mm(flat, *operands)
+            if int8_dense(flat):  # q_ij exact in bf16 and fp32 (|q| <= 127)
+                return torch.nn.functional.linear(flat, codes.to(flat.dtype)).mul_(scale)  # (x q^T) s
+            return torch._weight_int8pack_mm(flat, codes, scale)
         packed, scales_and_zeros = operands
         return torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind == "int4" else ""
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
+
+
+_PROMPT = ContextVar("qkv_prompt_products", default=False)
+
+
+@contextmanager
+def prompt_products():
+    """Within: the products of whole prompts or texts (a prefill, an evaluation), compute-bound where a decode step
+    is bandwidth-bound. An int8 layer with bf16 rows then takes them as (x q^T) s, the codes converted to bf16
+    (exact: |q| <= 127) for torch's dense kernel, the row scales after: from 128 rows 1.1-2.7x faster than torch's
+    int8 kernel, 1.9-3.0x at 512, which wins up to a few dozen rows (one row: 4-7x) (`python
+    benchmarks/int8_rows.py`; 2026-12-05, a 2-core AMD EPYC with avx512_bf16, SmolLM2's shapes, three runs). The
+    choice follows the phase, not the row count, so that a prompt's products are taken alike alone and in a batch
+    of prompts (`qkv serve`: a request's greedy tokens do not depend on the others)."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
+def int8_dense(flat: Tensor) -> bool:
+    """Whether an int8 product of `flat` (rows, in) is taken as (x q^T) s by the dense kernel: inside
+    prompt_products, or with fp32 rows (what a CPU without native bf16 hands the layer), where torch's int8
+    kernel is 2-4x slower already at one row and about 30x at 128 (same benchmark). A compiled step is a decode
+    step: there the dtype alone decides."""
+    if flat.dtype != torch.bfloat16:
+        return True
+    return not torch.compiler.is_compiling() and _PROMPT.get()
 
 
 class QuantProduct(torch.autograd.Function):

@@ -42,6 +42,7 @@ from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_gene
 from qkv.models.build import architecture_of
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
+from qkv.nn.quant import prompt_products
 from qkv.serve.logprobs import Choice, choice_of, prompt_logprobs
 from qkv.serve.rows import gather_rows
 
@@ -237,7 +238,8 @@ class Engine:
         cache = self.model.new_cache(len(jobs), T)
         padded = mask if not bool(mask.all()) else None
         head = self.model.lm_head if isinstance(self.model, DecoderLM) else None  # applied where logits are
-        out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))  # wanted
+        with prompt_products():  # int8 layers take the prompt form, alike alone and batched (qkv.nn.quant)
+            out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))
         joining = []
         for row, job in enumerate(jobs):  # (k, T, D) final-norm outputs (a decoder LM) or (k, T, V) logits
             job.tokens = list(job.prompt)
