@@ -9,7 +9,7 @@ from torch import nn
 
 from qkv.errors import QkvError
 from qkv.generate import weights
-from qkv.nn.quant import (QuantLinear, dequantize_int4, dequantize_int8, head_kind, head_of, int4_supported,
+from qkv.nn.quant import (DENSE_PROMPT, QuantLinear, dequantize_int4, dequantize_int8, head_kind, head_of, int4_supported,
                           prompt_products, quantize_int4, quantize_int8)
 
 torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantiza
 def test_bf16_products_match_fp32_within_bf16_rounding(kind, prompt):
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), kind)
     x = torch.randn(2, 5, 256)
-    with torch.no_grad(), (prompt_products() if prompt else contextlib.nullcontext()):
+    with torch.no_grad(), (prompt_products(DENSE_PROMPT) if prompt else contextlib.nullcontext()):
         layer.compute_dtype = None
         y16, y32 = layer(x.bfloat16()), layer(x)
         layer.compute_dtype = torch.bfloat16  # fp32 rows, bf16 products (the default where bf16 is native)
@@ -88,9 +88,10 @@ def test_bf16_products_match_fp32_within_bf16_rounding(kind, prompt):
         assert (y.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
 
 
-def test_int8_takes_torchs_kernel_for_decode_rows_and_the_dense_form_for_prompts(monkeypatch):
-    """bf16 rows: torch's int8 kernel outside prompt_products, (x q^T) s inside, whatever the row count (so that a
-    prompt's products do not depend on the batch it came in); fp32 rows: the dense form always."""
+def test_int8_takes_torchs_kernel_for_decode_rows_and_short_prompts_and_the_dense_form_for_long_ones(monkeypatch):
+    """bf16 rows: torch's int8 kernel outside prompt_products and for a prompt shorter than DENSE_PROMPT, (x q^T) s
+    for a longer one, whatever the row count (a prompt's products do not depend on the batch it came in); fp32
+    rows: the dense form always."""
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), "int8")
     layer.compute_dtype = None
     kernel, calls = torch._weight_int8pack_mm, []
@@ -98,10 +99,12 @@ def test_int8_takes_torchs_kernel_for_decode_rows_and_the_dense_form_for_prompts
     x = torch.randn(300, 256)
     with torch.no_grad():
         layer(x[:3].bfloat16()), layer(x.bfloat16())
-        with prompt_products():
+        with prompt_products(DENSE_PROMPT - 1):
+            layer(x[:2 * (DENSE_PROMPT - 1)].bfloat16())
+        with prompt_products(DENSE_PROMPT):
             prompt = layer(x.bfloat16())
         layer(x[:3]), layer(x)
-    assert calls == [3, 300]
+    assert calls == [3, 300, 2 * (DENSE_PROMPT - 1)]
     exact = x.bfloat16().float() @ layer.weight.t()
     assert (prompt.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # two bf16 roundings at most
 

@@ -16,6 +16,7 @@ from qkv.generate import SamplingParams, generate
 from torch._dynamo.utils import counters
 from qkv.nn.kernels import KERNELS
 from qkv.nn.positional import POSITIONALS
+from qkv.nn.quant import prompt_products
 from qkv.serve.engine import Engine, Job
 from qkv.serve.rows import gather_rows
 
@@ -246,12 +247,19 @@ def test_gather_rows_right_aligns_each_rows_columns_with_padding_before():
     assert torch.equal(out.layers[0].v[0, :, :5], a.layers[0].v[0, :, :5])
 
 
-@pytest.mark.parametrize("limit, groups", [(2048, [16]), (40, [4, 3, 2, 2, 3, 2])])
-def test_waiting_requests_are_prefilled_together_as_padded_rows(monkeypatch, limit, groups):
+@pytest.mark.parametrize("limit, dense, groups", [(2048, None, [16]), (40, None, [4, 3, 2, 2, 3, 2]),
+                                                  (2048, 10, [3, 2, 1, 1, 1, 4, 4])])
+def test_waiting_requests_are_prefilled_together_as_padded_rows(monkeypatch, limit, dense, groups):
     """Requests waiting together are read in one left-padded forward (rows x longest prompt within
-    PREFILL_TOKENS), echoed prompt log-probabilities included, and each gets what it gets alone."""
+    PREFILL_TOKENS; with an int8 model, prompts of one kind: shorter than quant.DENSE_PROMPT or not, whose
+    products are taken two ways), echoed prompt log-probabilities included, and each gets what it gets alone."""
     monkeypatch.setattr("qkv.serve.engine.PREFILL_TOKENS", limit)
     model = model_for(positional="rope")
+    if dense is not None:  # prompt lengths 8 1 4 | 10 12 | 4 | 13 | 3 | 17 19 10 13 | 4 9 1 4
+        from qkv.generate.weights import prepare
+
+        monkeypatch.setattr("qkv.nn.quant.DENSE_PROMPT", dense)
+        prepare(model, dtype="fp32", quant="int8")
     engine = Engine(model, max_batch=16)
     sizes, prefill = [], engine.prefill
     engine.prefill = lambda jobs: (sizes.append(len(jobs)), prefill(jobs))
@@ -264,7 +272,8 @@ def test_waiting_requests_are_prefilled_together_as_padded_rows(monkeypatch, lim
     for i, prompt in enumerate(texts):
         assert recorders[i].tokens == alone(model, prompt, LENGTHS[i]), f"request {i}"
         if i % 3 == 0:  # echo: the prompt's own log-probabilities, as the model gives them alone
-            want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1], -1)
+            with prompt_products(len(prompt)):  # (a prompt's products: qkv.nn.quant)
+                want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1], -1)
             got = [entry.logprob for entry in recorders[i].prompt]
             torch.testing.assert_close(torch.tensor(got), want.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0],
                                        rtol=1e-5, atol=1e-5)

@@ -75,7 +75,7 @@ def choice_scores(run: Run, rows) -> list[np.ndarray]:
             counts.append(len(continuation_ids))
         width = max(len(ids) for ids in sequences) - 1
         x = torch.tensor([ids[:-1] + [tokenizer.eos_id] * (width + 1 - len(ids)) for ids in sequences], device=device)
-        with prompt_products():  # whole sequences: int8 layers take the prompt form (qkv.nn.quant)
+        with prompt_products(x.shape[1]):  # whole sequences: int8 layers take the prompt form (qkv.nn.quant)
             logprobs = model(x).float().log_softmax(-1)  # (choices, width, V)
         scores = []
         for i, (ids, n) in enumerate(zip(sequences, counts)):

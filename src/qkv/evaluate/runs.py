@@ -67,7 +67,7 @@ def mlm(run: Run, data_paths: list[str], stride: int | None) -> dict:
     with torch.no_grad():
         for i in range(0, len(inputs), 32):
             x, y = (torch.as_tensor(a[i:i + 32], device=device) for a in (inputs, targets))
-            with prompt_products():  # whole windows: int8 layers take the prompt form (qkv.nn.quant)
+            with prompt_products(x.shape[1]):  # whole windows: int8 layers take the prompt form (qkv.nn.quant)
                 logits = run.model(x).float()  # (b, T, V)
             nats += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum").item()
             chosen = y != IGNORE

@@ -107,7 +107,7 @@ class ChatSession:
         if new.shape[1] == 1:  # one new token: the compiled step where enabled (--compile)
             logits = next_logits(model, new[:, 0], self.cache)
         else:
-            with prompt_products():  # int8 layers take the prompt form (qkv.nn.quant)
+            with prompt_products(new.shape[1]):  # int8 layers take the prompt form (qkv.nn.quant)
                 logits = model(new, cache=self.cache, logits_to_keep=1)[:, -1]  # (1, V)
         self.cached = list(ids)
         return logits

@@ -60,7 +60,7 @@ class CachedDecoder:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         """(B, T) prompt -> (B, V) logits for the token after it (left padding: the last column)."""
-        with prompt_products():  # int8 layers take the prompt form (qkv.nn.quant)
+        with prompt_products(input_ids.shape[1]):  # int8 layers take the prompt form (qkv.nn.quant)
             return self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:

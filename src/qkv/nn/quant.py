@@ -206,18 +206,26 @@ class QuantLinear(nn.Module):
 
 
 _PROMPT = ContextVar("qkv_prompt_products", default=False)
+DENSE_PROMPT = 64  # positions a row from which a prompt's int8 products take the dense form (prompt_products)
+
+
+def dense_prompt(positions: int) -> bool:
+    """Whether a prompt of `positions` tokens a row takes its int8 products by the dense kernel (prompt_products):
+    rows the server prefills together are of one kind, so that each is taken as it would be alone."""
+    return positions >= DENSE_PROMPT
 
 
 @contextmanager
-def prompt_products():
-    """Within: the products of whole prompts or texts (a prefill, an evaluation), compute-bound where a decode step
-    is bandwidth-bound. An int8 layer with bf16 rows then takes them as (x q^T) s, the codes converted to bf16
-    (exact: |q| <= 127) for torch's dense kernel, the row scales after: from 128 rows 1.1-2.7x faster than torch's
-    int8 kernel, 1.9-3.0x at 512, which wins up to a few dozen rows (one row: 4-7x) (`python
-    benchmarks/int8_rows.py`; 2026-12-05, a 2-core AMD EPYC with avx512_bf16, SmolLM2's shapes, three runs). The
-    choice follows the phase, not the row count, so that a prompt's products are taken alike alone and in a batch
-    of prompts (`qkv serve`: a request's greedy tokens do not depend on the others)."""
-    token = _PROMPT.set(True)
+def prompt_products(positions: int):
+    """Within: the products of prompts or texts of `positions` tokens a row (a prefill, an evaluation). An int8
+    layer with bf16 rows takes those of DENSE_PROMPT positions or more as (x q^T) s, the codes converted to bf16
+    (exact: |q| <= 127) for torch's dense kernel, the row scales after, and fewer by torch's int8 kernel
+    (`python benchmarks/int8_rows.py`, 2026-12-05, a 2-core AMD EPYC with avx512_bf16, SmolLM2's four shapes
+    summed: the int8 kernel 1.2x faster at 16 rows, even at 32 to 64, 1.5x slower at 96, 2x at 128 to 512; one
+    row: 4-7x faster). The choice follows the prompt's length, not the call's row count, so that a prompt's
+    products are taken alike alone and in a batch of prompts of its kind (`qkv serve`: a request's greedy
+    tokens do not depend on the others)."""
+    token = _PROMPT.set(dense_prompt(positions))
     try:
         yield
     finally:
@@ -225,10 +233,10 @@ def prompt_products():
 
 
 def int8_dense(flat: Tensor) -> bool:
-    """Whether an int8 product of `flat` (rows, in) is taken as (x q^T) s by the dense kernel: inside
-    prompt_products, or with fp32 rows (what a CPU without native bf16 hands the layer), where torch's int8
-    kernel is 2-4x slower already at one row and about 30x at 128 (same benchmark). A compiled step is a decode
-    step: there the dtype alone decides."""
+    """Whether an int8 product of `flat` (rows, in) is taken as (x q^T) s by the dense kernel: a long prompt's
+    (prompt_products), or any with fp32 rows (what a CPU without native bf16 hands the layer), where torch's
+    int8 kernel is 2-4x slower already at one row and about 30x at 128 (same benchmark). A compiled step is a
+    decode step: there the dtype alone decides."""
     if flat.dtype != torch.bfloat16:
         return True
     return not torch.compiler.is_compiling() and _PROMPT.get()

@@ -49,9 +49,16 @@ def swap(model: nn.Module, pick: Pick, make: Make) -> list[tuple[str, nn.Module]
     """Put make(module) in the place of every module that `pick` chooses; the [(name, old module)] replaced."""
     chosen = places(model, pick)
     for parent, attribute, _, child in chosen:
-        setattr(parent, attribute, make(child))
+        setattr(parent, attribute, in_mode_of(child, make(child)))
     _changed()
     return [(name, child) for _, _, name, child in chosen]
+
+
+def in_mode_of(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new`, in `old`'s train / eval mode (a module is made in train mode; the model it joins may be in eval)."""
+    if new is not old and any(module.training != old.training for module in new.modules()):
+        new.train(old.training)
+    return new
 
 
 @contextmanager
@@ -60,7 +67,7 @@ def swapped(model: nn.Module, pick: Pick, make: Make) -> Iterator[nn.Module]:
     chosen = places(model, pick)
     try:
         for parent, attribute, _, child in chosen:
-            setattr(parent, attribute, make(child))
+            setattr(parent, attribute, in_mode_of(child, make(child)))
         _changed()
         yield model
     finally:
