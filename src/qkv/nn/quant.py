@@ -15,7 +15,9 @@ The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a mini
 weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
 products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
 form is (q - 8) s + z: z = m + 8 s here); qkv keeps its own plain layout (codes, scales, minima) in the
-state dict and the kernels' packed copy beside it, rebuilt at load.
+state dict and the kernels' packed copy beside it, rebuilt at load. An int8 product of a long prompt, or of fp32
+rows, is taken as (x q^T) s by torch's dense kernel instead, the codes converted (prompt_products), and one row
+of a compiled step as a sum inductor writes (qkv.nn.decoding_linear.summed_product).
 """
 from __future__ import annotations
 
