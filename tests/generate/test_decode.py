@@ -315,6 +315,14 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
     out = generate(model, ids, max_new_tokens=6, strategy="greedy")
     assert all(dict(model.named_modules())[name] is layer for name, layer in layers.items())
     assert out[0, 4:].tolist() == greedy_by_full_recomputation(model, ids[0].tolist(), 6)
+    with decoding_linears(model):  # made once per layer and kept: the same stand-ins each call
+        first = {name: m for name, m in model.named_modules() if type(m) is DecodingLinear}
+    layers["blocks.0.attn.o_proj"].weight = torch.nn.Parameter(layers["blocks.0.attn.o_proj"].weight.clone())
+    with decoding_linears(model):  # ... but made anew for a layer given a new weight
+        again = {name: m for name, m in model.named_modules() if type(m) is DecodingLinear}
+    assert first.keys() == again.keys() and len(first) == len(layers)
+    assert [name for name in first if again[name] is not first[name]] == ["blocks.0.attn.o_proj"]
+    assert again["blocks.0.attn.o_proj"].weight is layers["blocks.0.attn.o_proj"].weight
 
 
 def test_where_nn_linear_is_the_faster_form_no_layer_takes_the_other(monkeypatch):

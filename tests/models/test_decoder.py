@@ -308,3 +308,5 @@ def test_logits_to_keep_gives_the_last_positions_logits(tiny_cfg):
             kept = model(ids, attention_mask=mask, cache=model.new_cache(2, 7), logits_to_keep=k)
             assert kept.shape == (2, k, tiny_cfg.vocab_size)
             torch.testing.assert_close(kept, full[:, -k:], rtol=1e-5, atol=1e-5)
+            hidden = model(ids, attention_mask=mask, logits_to_keep=k, head=False)  # what the head multiplies
+            assert hidden.stride() == (k * tiny_cfg.d_model, tiny_cfg.d_model, 1)  # fresh strides: not (T D, D, 1)

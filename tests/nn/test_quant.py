@@ -1,8 +1,6 @@
 """qkv.nn.quant and qkv.generate.weights: the quantized products against the dequantized fp32 products (the
 kernels), the dequantized weights against the originals within half a step (the quantizers), a GGUF Q4_1 file's
 weights requantized to themselves, and a whole model at each precision against fp32."""
-import contextlib
-
 import pytest
 import torch
 from torch import nn
@@ -10,7 +8,7 @@ from torch import nn
 from qkv.errors import QkvError
 from qkv.generate import weights
 from qkv.nn.quant import (DENSE_PROMPT, QuantLinear, dequantize_int4, dequantize_int8, head_kind, head_of, int4_supported,
-                          prompt_products, quantize_int4, quantize_int8)
+                          quantize_int4, quantize_int8)
 
 torch.manual_seed(0)
 
@@ -73,39 +71,36 @@ def test_the_kernel_equals_the_dequantized_product_and_stays_within_the_quantiza
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("prompt", [False, True])  # a prompt's int8 products: (x q^T) s by the dense kernel
-def test_bf16_products_match_fp32_within_bf16_rounding(kind, prompt):
+@pytest.mark.parametrize("length", [5, DENSE_PROMPT])  # a long prompt's int8 products: (x q^T) s, dense kernel
+def test_bf16_products_match_fp32_within_bf16_rounding(kind, length):
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), kind)
-    x = torch.randn(2, 5, 256)
-    with torch.no_grad(), (prompt_products(DENSE_PROMPT) if prompt else contextlib.nullcontext()):
+    x = torch.randn(2, length, 256)
+    with torch.no_grad():
         layer.compute_dtype = None
         y16, y32 = layer(x.bfloat16()), layer(x)
         layer.compute_dtype = torch.bfloat16  # fp32 rows, bf16 products (the default where bf16 is native)
         mixed = layer(x)
-    assert y16.dtype == torch.bfloat16 and y16.shape == (2, 5, 64) and mixed.dtype == torch.float32
+    assert y16.dtype == torch.bfloat16 and y16.shape == (2, length, 64) and mixed.dtype == torch.float32
     scale = y32.abs().max()
     for y in (y16, mixed):
         assert (y.float() - y32).abs().max() <= 2 ** -7 * scale * 4  # a few bf16 ulps of the largest output
 
 
 def test_int8_takes_torchs_kernel_for_decode_rows_and_short_prompts_and_the_dense_form_for_long_ones(monkeypatch):
-    """bf16 rows: torch's int8 kernel outside prompt_products and for a prompt shorter than DENSE_PROMPT, (x q^T) s
-    for a longer one, whatever the row count (a prompt's products do not depend on the batch it came in); fp32
-    rows: the dense form always."""
+    """bf16 rows: torch's int8 kernel for fewer than DENSE_PROMPT positions a row, however many rows (a decode
+    step's batch; a flat input), (x q^T) s from DENSE_PROMPT on, however few rows (a prompt's products do not
+    depend on the batch it came in); fp32 rows: the dense form always."""
     layer = QuantLinear.from_linear(_linear(torch.randn(64, 256)), "int8")
     layer.compute_dtype = None
     kernel, calls = torch._weight_int8pack_mm, []
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    x = torch.randn(300, 256)
+    x = torch.randn(5, DENSE_PROMPT, 256)
     with torch.no_grad():
-        layer(x[:3].bfloat16()), layer(x.bfloat16())
-        with prompt_products(DENSE_PROMPT - 1):
-            layer(x[:2 * (DENSE_PROMPT - 1)].bfloat16())
-        with prompt_products(DENSE_PROMPT):
-            prompt = layer(x.bfloat16())
-        layer(x[:3]), layer(x)
-    assert calls == [3, 300, 2 * (DENSE_PROMPT - 1)]
-    exact = x.bfloat16().float() @ layer.weight.t()
+        layer(x[:, :1].bfloat16()), layer(x.flatten(0, 1).bfloat16()), layer(x[:, 1:].bfloat16())
+        prompt = layer(x[:1].bfloat16())
+        layer(x[:, :1]), layer(x)
+    assert calls == [5, 5 * DENSE_PROMPT, 5 * (DENSE_PROMPT - 1)]
+    exact = x[:1].bfloat16().float() @ layer.weight.t()
     assert (prompt.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # two bf16 roundings at most
 
 

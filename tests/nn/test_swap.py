@@ -54,3 +54,17 @@ def test_swap_is_for_good_and_returns_what_it_replaced():
     assert model.lm_head.inner is replaced[0][1]
     torch.testing.assert_close(model(ids), 2 * before, rtol=0, atol=1e-5)
     assert swap(model, lambda name, m: False, Scaled) == []
+
+
+def test_a_layer_put_in_takes_the_mode_of_the_one_it_replaces():
+    """A module is made in train mode; put into a model in eval mode it is in eval mode too (else every generate
+    call would switch it: qkv.generate.decode.eval_mode), and in train mode in a training model."""
+    model = tiny()  # eval
+    swap(model, lambda name, m: name == "lm_head", Scaled)
+    assert not model.lm_head.training and not model.lm_head.inner.training
+    model.train()
+    with swapped(model, lambda name, m: name.endswith("attn.q_proj"), Scaled):
+        assert all(m.training for m in model.modules())
+    model.eval()
+    with swapped(model, lambda name, m: name.endswith("attn.q_proj"), Scaled):
+        assert not any(m.training for m in model.modules())

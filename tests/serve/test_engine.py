@@ -16,7 +16,6 @@ from qkv.generate import SamplingParams, generate
 from torch._dynamo.utils import counters
 from qkv.nn.kernels import KERNELS
 from qkv.nn.positional import POSITIONALS
-from qkv.nn.quant import prompt_products
 from qkv.serve.engine import Engine, Job
 from qkv.serve.rows import gather_rows
 
@@ -272,8 +271,7 @@ def test_waiting_requests_are_prefilled_together_as_padded_rows(monkeypatch, lim
     for i, prompt in enumerate(texts):
         assert recorders[i].tokens == alone(model, prompt, LENGTHS[i]), f"request {i}"
         if i % 3 == 0:  # echo: the prompt's own log-probabilities, as the model gives them alone
-            with prompt_products(len(prompt)):  # (a prompt's products: qkv.nn.quant)
-                want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1], -1)
+            want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1], -1)
             got = [entry.logprob for entry in recorders[i].prompt]
             torch.testing.assert_close(torch.tensor(got), want.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0],
                                        rtol=1e-5, atol=1e-5)

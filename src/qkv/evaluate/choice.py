@@ -21,7 +21,6 @@ from qkv.data.cloze import cloze_rows
 from qkv.data.corpus import read_json_rows
 from qkv.errors import QkvError
 from qkv.formats.base import Run
-from qkv.nn.quant import prompt_products
 
 
 BUILT_IN = {"shakespeare-cloze": cloze_rows}  # tasks qkv ships, built from the bundled corpus (qkv.data.cloze)
@@ -75,8 +74,7 @@ def choice_scores(run: Run, rows) -> list[np.ndarray]:
             counts.append(len(continuation_ids))
         width = max(len(ids) for ids in sequences) - 1
         x = torch.tensor([ids[:-1] + [tokenizer.eos_id] * (width + 1 - len(ids)) for ids in sequences], device=device)
-        with prompt_products(x.shape[1]):  # whole sequences: int8 layers take the prompt form (qkv.nn.quant)
-            logprobs = model(x).float().log_softmax(-1)  # (choices, width, V)
+        logprobs = model(x).float().log_softmax(-1)  # (choices, width, V)
         scores = []
         for i, (ids, n) in enumerate(zip(sequences, counts)):
             end = len(ids) - 1  # positions 0 .. end - 1 predict ids[1:]

@@ -27,7 +27,6 @@ from qkv.formats.base import Run
 from qkv.models.build import use_of
 from qkv.evaluate.scoring import score_run
 from qkv.evaluate.transduction import evaluate_run
-from qkv.nn.quant import prompt_products
 
 EVALUATORS: Registry[Callable[[Run, list[str], int | None], dict]] = Registry("evaluator")
 MLM_EVAL_SEED = 0  # the masks of `qkv eval` on an MLM run: the same at every call
@@ -67,8 +66,7 @@ def mlm(run: Run, data_paths: list[str], stride: int | None) -> dict:
     with torch.no_grad():
         for i in range(0, len(inputs), 32):
             x, y = (torch.as_tensor(a[i:i + 32], device=device) for a in (inputs, targets))
-            with prompt_products(x.shape[1]):  # whole windows: int8 layers take the prompt form (qkv.nn.quant)
-                logits = run.model(x).float()  # (b, T, V)
+            logits = run.model(x).float()  # (b, T, V)
             nats += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum").item()
             chosen = y != IGNORE
             right += (logits.argmax(-1)[chosen] == y[chosen]).sum().item()

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.data.dataset import Batches, eval_windows
-from qkv.nn.quant import prompt_products
 
 
 @torch.no_grad()
@@ -43,8 +42,7 @@ def score_tokens(model: nn.Module, tokens: np.ndarray, *, characters: int, seq_l
     for group in _same_length_groups(windows, batch_size):
         x = torch.as_tensor(np.stack([w[0] for w in group]), dtype=torch.long, device=device)  # (b, T)
         y = torch.as_tensor(np.stack([w[1] for w in group]), dtype=torch.long, device=device)  # (b, T)
-        with prompt_products(x.shape[1]):  # a whole text: int8 layers take the prompt form (qkv.nn.quant)
-            logits = model(x).float()  # (b, T, V)
+        logits = model(x).float()  # (b, T, V)
         for row, (_, targets, score_from) in enumerate(group):
             total_nats += F.cross_entropy(logits[row, score_from:], y[row, score_from:], reduction="sum").item()
             scored += len(targets) - score_from

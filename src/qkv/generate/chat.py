@@ -23,7 +23,6 @@ from qkv.generate.decode import eval_mode
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, make_generator, process
 from qkv.generate.text import TextStream
 from qkv.nn.decoding_linear import decoding_linears
-from qkv.nn.quant import prompt_products
 
 
 class Pieces:
@@ -107,8 +106,7 @@ class ChatSession:
         if new.shape[1] == 1:  # one new token: the compiled step where enabled (--compile)
             logits = next_logits(model, new[:, 0], self.cache)
         else:
-            with prompt_products(new.shape[1]):  # int8 layers take the prompt form (qkv.nn.quant)
-                logits = model(new, cache=self.cache, logits_to_keep=1)[:, -1]  # (1, V)
+            logits = model(new, cache=self.cache, logits_to_keep=1)[:, -1]  # (1, V)
         self.cached = list(ids)
         return logits
 

@@ -37,7 +37,6 @@ from qkv.generate.compiled import next_logits
 from qkv.models.build import ARCHITECTURES, architecture_of
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import rolling_window
-from qkv.nn.quant import prompt_products
 from qkv.registry import Registry
 
 
@@ -60,8 +59,7 @@ class CachedDecoder:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         """(B, T) prompt -> (B, V) logits for the token after it (left padding: the last column)."""
-        with prompt_products(input_ids.shape[1]):  # int8 layers take the prompt form (qkv.nn.quant)
-            return self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)[:, -1]
+        return self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """(B,) newest tokens -> (B, V) logits for the next ones (by the compiled step where it is enabled

@@ -16,13 +16,10 @@ weights, dequantized at load, requantize to the very same codes, scales and mini
 products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
 form is (q - 8) s + z: z = m + 8 s here); qkv keeps its own plain layout (codes, scales, minima) in the
 state dict and the kernels' packed copy beside it, rebuilt at load. An int8 product of a long prompt, or of fp32
-rows, is taken as (x q^T) s by torch's dense kernel instead, the codes converted (prompt_products), and one row
-of a compiled step as a sum inductor writes (qkv.nn.decoding_linear.summed_product).
+rows, is taken as (x q^T) s by torch's dense kernel instead, the codes converted (int8_dense), and one row of a
+compiled step as a sum inductor writes (qkv.nn.decoding_linear.summed_product).
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
@@ -177,7 +174,9 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         compute = (self.compute_dtype if x.device.type == "cpu" else None) or x.dtype  # (CPU kernels' choice)
         flat = flat.to(compute) if flat.dtype != compute else flat.contiguous()
-        y = QuantProduct.apply(flat, self) if flat.requires_grad and torch.is_grad_enabled() else self.product(flat)
+        dense = int8_dense(x, flat.dtype)
+        y = (QuantProduct.apply(flat, self, dense) if flat.requires_grad and torch.is_grad_enabled()
+             else self.product(flat, dense))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         out_dtype = x.dtype  # under autocast, what nn.Linear would give (bf16): no fp32 copy of each output
@@ -185,10 +184,11 @@ class QuantLinear(nn.Module):
             out_dtype = torch.get_autocast_dtype(x.device.type)
         return y.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
-    def product(self, flat: Tensor) -> Tensor:
-        """flat (M, in) W^T by the weight-only kernel, in flat's dtype. torch's kernels for these layouts are
-        CPU ones: on another device the layer's W is dequantized for the product and dropped after it (the
-        codes are what stays in memory, as for QLoRA's frozen base)."""
+    def product(self, flat: Tensor, dense: bool = False) -> Tensor:
+        """flat (M, in) W^T by the weight-only kernel, in flat's dtype (int8 with `dense`: (x q^T) s by torch's
+        dense kernel, int8_dense). torch's kernels for these layouts are CPU ones: on another device the layer's W
+        is dequantized for the product and dropped after it (the codes are what stays in memory, as for QLoRA's
+        frozen base)."""
         if flat.device.type != "cpu":
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
@@ -196,7 +196,7 @@ class QuantLinear(nn.Module):
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
                 return summed_product(flat, codes, scale=scale)
-            if int8_dense(flat):  # q_ij exact in bf16 and fp32 (|q| <= 127)
+            if dense:  # q_ij exact in bf16 and fp32 (|q| <= 127)
                 return torch.nn.functional.linear(flat, codes.to(flat.dtype)).mul_(scale)  # (x q^T) s
             return torch._weight_int8pack_mm(flat, codes, scale)
         packed, scales_and_zeros = operands
@@ -207,41 +207,31 @@ class QuantLinear(nn.Module):
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
-_PROMPT = ContextVar("qkv_prompt_products", default=False)
-DENSE_PROMPT = 64  # positions a row from which a prompt's int8 products take the dense form (prompt_products)
+DENSE_PROMPT = 64  # positions a row from which a prompt's int8 products take the dense form (int8_dense)
 
 
 def dense_prompt(positions: int) -> bool:
-    """Whether a prompt of `positions` tokens a row takes its int8 products by the dense kernel (prompt_products):
+    """Whether a forward of `positions` tokens a row takes its int8 products by the dense kernel (int8_dense):
     rows the server prefills together are of one kind, so that each is taken as it would be alone."""
     return positions >= DENSE_PROMPT
 
 
-@contextmanager
-def prompt_products(positions: int):
-    """Within: the products of prompts or texts of `positions` tokens a row (a prefill, an evaluation). An int8
-    layer with bf16 rows takes those of DENSE_PROMPT positions or more as (x q^T) s, the codes converted to bf16
-    (exact: |q| <= 127) for torch's dense kernel, the row scales after, and fewer by torch's int8 kernel
-    (`python benchmarks/int8_rows.py`, 2026-12-05, a 2-core AMD EPYC with avx512_bf16, SmolLM2's four shapes
-    summed: the int8 kernel 1.2x faster at 16 rows, even at 32 to 64, 1.5x slower at 96, 2x at 128 to 512; one
-    row: 4-7x faster). The choice follows the prompt's length, not the call's row count, so that a prompt's
-    products are taken alike alone and in a batch of prompts of its kind (`qkv serve`: a request's greedy
-    tokens do not depend on the others)."""
-    token = _PROMPT.set(dense_prompt(positions))
-    try:
-        yield
-    finally:
-        _PROMPT.reset(token)
+def int8_dense(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether an int8 layer takes its input x (..., T, in), in rows of `dtype`, as (x q^T) s, the codes converted
+    (exact: |q| <= 127) for torch's dense kernel, the row scales after, instead of by torch's int8 kernel.
 
-
-def int8_dense(flat: Tensor) -> bool:
-    """Whether an int8 product of `flat` (rows, in) is taken as (x q^T) s by the dense kernel: a long prompt's
-    (prompt_products), or any with fp32 rows (what a CPU without native bf16 hands the layer), where torch's
-    int8 kernel is 2-4x slower already at one row and about 30x at 128 (same benchmark). A compiled step is a
-    decode step: there the dtype alone decides."""
-    if flat.dtype != torch.bfloat16:
+    With bf16 rows: for a forward of DENSE_PROMPT positions a row or more (a long prompt's prefill, an
+    evaluation's windows), where torch's int8 kernel is the slower (`python benchmarks/int8_rows.py`, 2026-12-05,
+    a 2-core AMD EPYC with avx512_bf16, SmolLM2's four shapes summed: the int8 kernel 1.2x faster at 16 rows,
+    even at 32 to 64, 1.5x slower at 96, 2x at 128 to 512; one row, a decode step's: 4-7x faster). The choice
+    follows the positions a row, not the call's row count, so that a prompt's products are taken alike alone and
+    in a batch of prompts of its kind (`qkv serve`: a request's greedy tokens do not depend on the others); a
+    flat (rows, in) input (an MoE expert's tokens) keeps the int8 kernel. With fp32 rows (what a CPU without
+    native bf16 hands the layer) always: there torch's int8 kernel is 2-4x slower already at one row and about
+    30x at 128 (same benchmark)."""
+    if dtype != torch.bfloat16:
         return True
-    return not torch.compiler.is_compiling() and _PROMPT.get()
+    return x.dim() >= 3 and dense_prompt(x.shape[-2])
 
 
 class QuantProduct(torch.autograd.Function):
@@ -249,13 +239,13 @@ class QuantProduct(torch.autograd.Function):
     kept): what QLoRA needs to train adapters on layers below a quantized one. W itself is frozen."""
 
     @staticmethod
-    def forward(ctx, flat: Tensor, layer: "QuantLinear") -> Tensor:
+    def forward(ctx, flat: Tensor, layer: "QuantLinear", dense: bool) -> Tensor:
         ctx.layer = layer
-        return layer.product(flat)
+        return layer.product(flat, dense)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad @ ctx.layer.weight.to(grad.dtype), None
+        return grad @ ctx.layer.weight.to(grad.dtype), None, None
 
 
 class Bf16Linear(nn.Module):

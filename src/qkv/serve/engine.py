@@ -42,7 +42,7 @@ from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_gene
 from qkv.models.build import architecture_of
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
-from qkv.nn.quant import dense_prompt, prompt_products
+from qkv.nn.quant import dense_prompt
 from qkv.serve.logprobs import Choice, choice_of, prompt_logprobs
 from qkv.serve.rows import gather_rows
 
@@ -212,14 +212,15 @@ class Engine:
     def take(self, room: int) -> list[Job]:
         """The next waiting jobs to prefill together (called holding `wake`): up to `room`, and only as many as
         keep the padded prompts within PREFILL_TOKENS (always one), all on one side of quant.DENSE_PROMPT (an int8
-        layer takes a long prompt's products another way); an encoder-decoder's one at a time."""
+        layer takes a long prompt's products another way: qkv.nn.quant.dense_prompt); an encoder-decoder's one
+        at a time."""
         group: list[Job] = []
         longest = 0
         while self.waiting and len(group) < room:
             longest_then = max(longest, len(self.waiting[0].prompt))
             if group and (self.seq2seq or (len(group) + 1) * longest_then > PREFILL_TOKENS
                           or dense_prompt(len(self.waiting[0].prompt)) != dense_prompt(len(group[0].prompt))):
-                break  # (prompts of one kind: qkv.nn.quant.prompt_products)
+                break
             group.append(self.waiting.popleft())
             longest = longest_then
         return group
@@ -240,8 +241,7 @@ class Engine:
         cache = self.model.new_cache(len(jobs), T)
         padded = mask if not bool(mask.all()) else None
         head = self.model.lm_head if isinstance(self.model, DecoderLM) else None  # applied where logits are
-        with prompt_products(T):  # int8 layers take the prompt form, alike alone and batched (qkv.nn.quant)
-            out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))
+        out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))  # wanted
         joining = []
         for row, job in enumerate(jobs):  # (k, T, D) final-norm outputs (a decoder LM) or (k, T, V) logits
             job.tokens = list(job.prompt)
