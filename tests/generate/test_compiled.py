@@ -351,3 +351,33 @@ def test_inductors_cache_goes_under_home_even_after_torch_named_its_own(tmp_path
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(tmp_path / "mine")] * 2
+
+
+def test_one_row_has_two_symbols_and_no_size_recompiles(monkeypatch):
+    """One row's graph varies in the cache's columns (every layer's K and V: one symbol) and n only; a batch's
+    rows are a symbol apart from its columns. Neither graph is traced again for other lengths or rows."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    made = []  # (where, symbol) of every size the tracer made a symbol of
+    create = ShapeEnv.create_symbol
+
+    def recorded(env, value, source, *args, **kwargs):
+        made.append((source.name, create(env, value, source, *args, **kwargs)))
+        return made[-1][1]
+
+    monkeypatch.setattr(ShapeEnv, "create_symbol", recorded)
+    model = tiny(**GPT)
+    step = compiled.enable(model, summed=True)
+    generate(model, torch.tensor([PROMPT]), max_new_tokens=5)
+    symbols = {str(s): where for where, s in made if not str(s).isdigit()}
+    assert len(symbols) == 2 and "L['n']" in symbols.values(), symbols  # n, and the columns of all 4 tensors
+    traced = len(made)
+    generate(model, torch.tensor([PROMPT[:2]]), max_new_tokens=11)
+    assert len(made) == traced  # other lengths: the same graph
+    generate(model, torch.tensor([PROMPT[:3], PROMPT[3:]]), max_new_tokens=3)  # 2 rows, 3 + 3 - 1 columns
+    rows = {str(s) for where, s in made[traced:] if where == "L['tokens'].size()[0]"}
+    columns = {str(s) for where, s in made[traced:] if where == "L['keys'][0].size()[2]"}
+    assert len(rows) == len(columns) == 1 and rows != columns and not rows.pop().isdigit()
+    traced = len(made)
+    generate(model, torch.tensor([PROMPT[:4]] * 5), max_new_tokens=3)
+    assert len(made) == traced and step.failed is None  # 5 rows, 4 + 3 - 1 columns: the batch's graph

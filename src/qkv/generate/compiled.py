@@ -54,13 +54,15 @@ from qkv.nn.residual import pre_norm
 from qkv.nn.swap import swaps
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
-# The step's sizes that vary (rows, cache columns, n) get symbols of their own when a graph is traced: with
-# torch's default, sizes equal at that moment share one symbol ("duck" shapes: a 3-column cache and SmolLM2's 3
-# KV heads), and the graph then holds only while they stay equal: a recompile of a minute or more.
-# Only what varies gets a symbol at all: the cache's heads and head size, every weight's sizes (the quantized
-# layers' kernel operands are plain tensors, which dynamic=True would make symbolic) and the norms' eps (a
-# float: symbolic under dynamic=True) are fixed. Each symbol is an argument the compiled step converts and
-# guards on every call: SmolLM2-135M at int4 had some 800, about 1.8 ms of a 12.3 ms token (2026-12-05).
+# Only what varies gets a symbol when a graph is traced (rows, cache columns, n): the cache's heads and head size,
+# every weight's sizes (the quantized layers' kernel operands are plain tensors, which dynamic=True would make
+# symbolic) and the norms' eps (a float: symbolic under dynamic=True) are fixed. Each symbol is an argument the
+# compiled step converts and guards on every call: SmolLM2-135M at int4 had some 800, about 1.8 ms of a 12.3 ms
+# token (2026-12-05). Sizes equal when traced share one symbol under torch's default ("duck" shapes), and the
+# graph then holds only while they stay equal: a batch of 3 rows and a 3-column cache would recompile (a minute
+# or more) as the cache grows. So a batch of rows has a symbol per size (the rows, and each of the 60 cache
+# tensors' columns: SmolLM2's 62); one row (a size of 1 is never a symbol) shares: every cache tensor's columns,
+# always equal, are one symbol, n (an int, never duck-sized) the other: 0.2-0.4 ms of a 7-10 ms token.
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -186,8 +188,8 @@ class CompiledStep:
                 torch._dynamo.mark_static(tensor)
             self.operands_fixed = True
         try:
-            with (shape_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True),
-                  summing(self.summed)):
+            with (shape_config.patch(use_duck_shape=tokens.shape[0] == 1),  # (above: one row shares its columns)
+                  torch._dynamo.config.patch(specialize_float=True), summing(self.summed)):
                 return self.compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
