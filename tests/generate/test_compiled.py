@@ -54,10 +54,10 @@ MODELS = {"llama-int4": ("int4", "fp32", LLAMA, False), "gpt": ("none", "fp32", 
           "llama-int8": ("int8", "fp32", LLAMA, True), "llama-bf16": ("none", "bf16", LLAMA, True)}
 
 
-@pytest.fixture(scope="module")
-def models() -> dict[str, torch.nn.Module]:
-    """Compiled once each: LLaMA-shaped models with int4 weights (torch's kernels), int8 weights and bf16 ones
-    (summed products), a GPT-2-shaped one in fp32 (summed products)."""
+def compiled_models() -> dict[str, torch.nn.Module]:
+    """MODELS, each with its compiled step enabled: LLaMA-shaped models with int4 weights (torch's kernels), int8
+    weights and bf16 ones (summed products), a GPT-2-shaped one in fp32 (summed products). The `models` fixture
+    (tests/generate/conftest.py: once a session, so that each graph compiles once for both test files)."""
     out = {}
     for name, (quant, dtype, family, summed) in MODELS.items():
         out[name] = tiny(quant, dtype, **family)
@@ -368,16 +368,17 @@ def test_one_row_has_two_symbols_and_no_size_recompiles(monkeypatch):
     monkeypatch.setattr(ShapeEnv, "create_symbol", recorded)
     model = tiny(**GPT)
     step = compiled.enable(model, summed=True)
-    generate(model, torch.tensor([PROMPT]), max_new_tokens=5)
+    one = torch.tensor([PROMPT[:1]])  # (a prompt of one token: the model's forward, then the steps)
+    generate(model, one, max_new_tokens=5)
     symbols = {str(s): where for where, s in made if not str(s).isdigit()}
     assert len(symbols) == 2 and "L['n']" in symbols.values(), symbols  # n, and the columns of all 4 tensors
     traced = len(made)
-    generate(model, torch.tensor([PROMPT[:2]]), max_new_tokens=11)
+    generate(model, one, max_new_tokens=11)
     assert len(made) == traced  # other lengths: the same graph
-    generate(model, torch.tensor([PROMPT[:3], PROMPT[3:]]), max_new_tokens=3)  # 2 rows, 3 + 3 - 1 columns
+    generate(model, one.repeat(2, 1), max_new_tokens=3)  # 2 rows, 1 + 3 - 1 columns
     rows = {str(s) for where, s in made[traced:] if where == "L['tokens'].size()[0]"}
     columns = {str(s) for where, s in made[traced:] if where == "L['keys'][0].size()[2]"}
     assert len(rows) == len(columns) == 1 and rows != columns and not rows.pop().isdigit()
     traced = len(made)
-    generate(model, torch.tensor([PROMPT[:4]] * 5), max_new_tokens=3)
-    assert len(made) == traced and step.failed is None  # 5 rows, 4 + 3 - 1 columns: the batch's graph
+    generate(model, one.repeat(5, 1), max_new_tokens=4)
+    assert len(made) == traced and step.failed is None  # 5 rows, 1 + 4 - 1 columns: the batch's graph

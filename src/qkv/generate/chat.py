@@ -18,7 +18,7 @@ import torch
 
 from qkv.errors import QkvError
 from qkv.formats.base import Run
-from qkv.generate.compiled import next_logits
+from qkv.generate.compiled import next_logits, prompt_logits
 from qkv.generate.decode import eval_mode
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, make_generator, process
 from qkv.generate.text import TextStream
@@ -106,7 +106,7 @@ class ChatSession:
         if new.shape[1] == 1:  # one new token: the compiled step where enabled (--compile)
             logits = next_logits(model, new[:, 0], self.cache)
         else:
-            logits = model(new, cache=self.cache, logits_to_keep=1)[:, -1]  # (1, V)
+            logits = prompt_logits(model, new, self.cache)  # (1, V)
         self.cached = list(ids)
         return logits
 

@@ -54,6 +54,7 @@ from qkv.nn.residual import pre_norm
 from qkv.nn.swap import swaps
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
+PROMPT_ROWS = 16  # a prompt of up to this many tokens a row is prefilled by the compiled graph (CompiledStep.prompt)
 # Only what varies gets a symbol when a graph is traced (rows, cache columns, n): the cache's heads and head size,
 # every weight's sizes (the quantized layers' kernel operands are plain tensors, which dynamic=True would make
 # symbolic) and the norms' eps (a float: symbolic under dynamic=True) are fixed. Each symbol is an argument the
@@ -164,16 +165,33 @@ class CompiledStep:
             options["guard_filter_fn"] = skip
         self.signature = weights_signature(model)
         self.compiled = torch.compile(own_code(self.forward), dynamic=True, options=options)
+        self.compiled_prompt = torch.compile(own_code(self.prompt_forward), dynamic=True, options=options)
 
     def usable(self, cache: KVCache) -> bool:
         return (self.failed is None and not cache.window and not torch.is_grad_enabled()
                 and cache.length < min(cache.max_len, self.positions) and not self.hooked()
                 and not self.model.training and weights_signature(self.model) == self.signature)
 
+    def takes_prompt(self, ids: Tensor, attention_mask: Tensor | None, cache: KVCache) -> bool:
+        """Whether prompt() applies: 2 to PROMPT_ROWS tokens a row, none of them padding."""
+        T = ids.shape[1]
+        return (2 <= T <= PROMPT_ROWS and self.usable(cache) and cache.length + T <= min(cache.max_len, self.positions)
+                and (attention_mask is None or bool(attention_mask.all())))
+
     def __call__(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        positions = cache.open_column()  # (B,) the new tokens' positions
+        return self.run(self.compiled, self.forward, tokens, positions, cache, duck=tokens.shape[0] == 1)
+
+    def prompt(self, ids: Tensor, cache: KVCache) -> Tensor:
+        """A short prompt's prefill (takes_prompt): (B, T) tokens -> (B, V) logits after the last, the cache
+        advanced by T columns, as model(ids, cache=cache, logits_to_keep=1)[:, -1] gives them. A graph of its own
+        (T a symbol; no duck shapes: T equal to the cache's columns when traced would tie them)."""
+        positions = cache.open_columns(ids.shape[1])  # (B, T)
+        return self.run(self.compiled_prompt, self.prompt_forward, ids, positions, cache, duck=False)
+
+    def run(self, compiled, eager, tokens: Tensor, positions: Tensor, cache: KVCache, duck: bool) -> Tensor:
         import torch._dynamo  # about a second to import: only a compiled step loads it
 
-        positions = cache.open_column()  # (B,) the new tokens' positions
         keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
         real = cache.padding  # (B, columns) True where a column holds a token (always given: one graph for
         # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
@@ -188,14 +206,14 @@ class CompiledStep:
                 torch._dynamo.mark_static(tensor)
             self.operands_fixed = True
         try:
-            with (shape_config.patch(use_duck_shape=tokens.shape[0] == 1),  # (above: one row shares its columns)
+            with (shape_config.patch(use_duck_shape=duck),  # (above: one row shares its columns)
                   torch._dynamo.config.patch(specialize_float=True), summing(self.summed)):
-                return self.compiled(tokens, positions, cache.length, keys, values, real)
+                return compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             print(f"qkv: warning: --compile: torch.compile failed ({self.failed[:200]}); decoding without it",
                   file=sys.stderr)
-            return self.forward(tokens, positions, cache.length, keys, values, real)
+            return eager(tokens, positions, cache.length, keys, values, real)
 
     def forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
                 values: list[Tensor], real: Tensor) -> Tensor:
@@ -212,6 +230,25 @@ class CompiledStep:
             x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
             x = x + block.ffn(block.ffn_norm(x))
         return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
+
+    def prompt_forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
+                       values: list[Tensor], real: Tensor) -> Tensor:
+        """forward for T tokens a row (B, T) at `positions` (B, T): columns n - T .. n - 1 written, token t
+        attending to the columns up to its own (causal), the head on the last token only."""
+        model = self.model
+        T = tokens.shape[1]
+        x = model.embed(tokens, positions)  # (B, T, D)
+        rope = None
+        if isinstance(model.positional, Rotary):  # (B, 1, T, Dh)
+            rope = rotary_cos_sin(positions, model.positional.head_dim, model.positional.theta,
+                                  torch.promote_types(x.dtype, torch.float32))
+        columns = torch.arange(n, device=tokens.device)
+        own = n - T + torch.arange(T, device=tokens.device)  # (T,) the new tokens' columns
+        mask = real[:, None, None, :n] & (columns <= own[:, None])  # (B, 1, T, n)
+        for block, k_all, v_all in zip(model.blocks, keys, values):
+            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
+            x = x + block.ffn(block.ffn_norm(x))
+        return model.lm_head(model.final_norm(x[:, -1:]))[:, 0]  # (B, V)
 
 
 def own_code(method):
@@ -246,27 +283,30 @@ def kernel_operands(model: nn.Module) -> list[Tensor]:
 
 def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
            n: int, mask: Tensor) -> Tensor:
-    """One layer's self-attention for one new column n - 1: (B, 1, D) -> (B, 1, D)."""
-    B = h.shape[0]
+    """One layer's self-attention for the new columns n - T .. n - 1: (B, T, D) -> (B, T, D)."""
+    B, T = h.shape[:2]
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
     fused = fused_or_none(attn, "fused_qkv", attn.q_proj, attn.k_proj, attn.v_proj)
     if fused is not None:
         q, k, v = fused(h).split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    q, k, v = q.view(B, H, 1, Dh), k.view(B, Hkv, 1, Dh), v.view(B, Hkv, 1, Dh)  # one column: no transpose
+    if T == 1:  # one column: no transpose
+        q, k, v = q.view(B, H, 1, Dh), k.view(B, Hkv, 1, Dh), v.view(B, Hkv, 1, Dh)
+    else:  # (B, heads, T, Dh)
+        q, k, v = (t.view(B, T, t.shape[-1] // Dh, Dh).transpose(1, 2) for t in (q, k, v))
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rope is not None:
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-    k_all[:, :, n - 1:n] = k  # into the preallocated cache, in place
-    v_all[:, :, n - 1:n] = v
+    k_all[:, :, n - T:n] = k  # into the preallocated cache, in place
+    v_all[:, :, n - T:n] = v
     if summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
         out = summed_attention(q, k_all[:, :, :n], v_all[:, :, :n], mask, Dh ** -0.5)
     else:
         out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
-                                             enable_gqa=H != Hkv)  # (B, H, 1, Dh)
-    return attn.o_proj(out.reshape(B, 1, H * Dh))
+                                             enable_gqa=H != Hkv)  # (B, H, T, Dh)
+    return attn.o_proj(out.reshape(B, 1, H * Dh) if T == 1 else out.transpose(1, 2).reshape(B, T, H * Dh))
 
 
 def summed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -291,6 +331,16 @@ def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
     if step is not None and step.usable(cache):
         return step(tokens, cache)
     return model(tokens[:, None], cache=cache)[:, -1]
+
+
+def prompt_logits(model: nn.Module, ids: Tensor, cache: KVCache, attention_mask: Tensor | None = None) -> Tensor:
+    """(B, T) prompt (left-padded where `attention_mask` says) -> (B, V) logits after its last column, the cache
+    advanced: by the compiled graph where it is enabled and applies (CompiledStep.takes_prompt), else by the
+    model's forward."""
+    step = compiled_step(model)
+    if step is not None and step.takes_prompt(ids, attention_mask, cache):
+        return step.prompt(ids, cache)
+    return model(ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]
 
 
 def warm_up(model: nn.Module, threads: int | None = None) -> float:

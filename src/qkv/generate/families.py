@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.generate.compiled import next_logits
+from qkv.generate.compiled import next_logits, prompt_logits
 from qkv.models.build import ARCHITECTURES, architecture_of
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.cache import rolling_window
@@ -59,7 +59,7 @@ class CachedDecoder:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         """(B, T) prompt -> (B, V) logits for the token after it (left padding: the last column)."""
-        return self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)[:, -1]
+        return prompt_logits(self.model, input_ids, self.cache, attention_mask)  # (compiled where enabled)
 
     def step(self, tokens: Tensor) -> Tensor:
         """(B,) newest tokens -> (B, V) logits for the next ones (by the compiled step where it is enabled

@@ -149,6 +149,16 @@ class KVCache:
             layer.length = self.length
         return positions
 
+    def open_columns(self, count: int) -> Tensor:
+        """open_column for `count` new tokens per row (a short prompt's compiled prefill): their (B, count)
+        positions."""
+        positions = self.next_position[:, None] + torch.arange(count, device=self.next_position.device)
+        self.extend(positions, None)
+        self.next_position = positions[:, -1] + 1
+        for layer in self.layers:
+            layer.length = self.length
+        return positions
+
     def detach(self) -> None:
         """Stop gradients at the cached keys/values: call between Transformer-XL training segments."""
         for layer in self.layers:

@@ -44,7 +44,7 @@ class DecodingLinear(nn.Module):
         object.__setattr__(self, "left", left_form_faster(linear.weight.dtype))  # else nn.Linear's product
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        if summed_rows(x):
+        if summed_rows(x, self.w):
             return summed_product(x, self.w, self.bias)
         if not self.left or math.prod(x.shape[:-1]) > self.max_rows:
             return F.linear(x, self.w, self.bias)
@@ -69,6 +69,10 @@ def left_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 _summing = False  # set by summing() around a compiled step's call
+# A short prompt's rows of fp32 weights take the sum form too (summed_product; benchmarks/one_row_products.py
+# --rows): SmolLM2's 30 layers on the AMD EPYC at 2 / 6 / 12 rows in 12.5 / 20.4 / 47.9 ms against W x^T's 14.7 /
+# 33.5 / 62.7; bf16 and int8 rows not (6 rows: 21.4 against 19.7, 21.0 against 19.7 by torch's kernels).
+SUMMED_ROWS = 16
 
 
 @contextmanager
@@ -85,17 +89,20 @@ def summing(on: bool):
         _summing = before
 
 
-def summed_rows(x: Tensor) -> bool:
+def summed_rows(x: Tensor, w: Tensor | None = None) -> bool:
     """Whether `x` (..., in) is one row of a decoding step that torch.compile is tracing on the CPU inside
-    summing(True): the products that take summed_product's form."""
-    return (_summing and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and math.prod(x.shape[:-1]) == 1)
+    summing(True), or up to SUMMED_ROWS rows of a short prompt by fp32 weights `w`: the products that take
+    summed_product's form."""
+    if not (_summing and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()):
+        return False
+    rows = math.prod(x.shape[:-1])
+    return rows == 1 or (w is not None and w.dtype == x.dtype == torch.float32 and rows <= SUMMED_ROWS)
 
 
 def summed_product(x: Tensor, w: Tensor, b: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """y_i = s_i sum_j W_ij x_j + b_i for one row x (..., in): W (out, in) in x's dtype or int8 codes, s (out,)
-    per-row scales or None, b (out,) or None; summed in fp32, y in x's dtype (rounded once, at the end, as
-    torch's bf16 and int8 kernels round theirs).
+    """y_i = s_i sum_j W_ij x_j + b_i for one row x (..., in) (or a few: summed_rows): W (out, in) in x's dtype
+    or int8 codes, s (out,) per-row scales or None, b (out,) or None; summed in fp32, y in x's dtype (rounded
+    once, at the end, as torch's bf16 and int8 kernels round theirs).
 
     Written as a product of broadcast tensors and a sum over j, for inductor to turn into one loop per output
     row that reads each W_ij once, converts it to fp32 and accumulates in fp32 (the multiply and the
@@ -105,13 +112,20 @@ def summed_product(x: Tensor, w: Tensor, b: Tensor | None = None, scale: Tensor 
     Q/K/V, W^O, gate/up and down matrices, 106 M weights, benchmarks/one_row_products.py, 2026-12-05) this
     form reads them in 9.2 ms at fp32 (torch's W x^T 12.8), 7.1 ms at bf16 (torch's x W^T 15.8), 5.5 ms at
     int8 (torch._weight_int8pack_mm 12.0), and the 49,152 x 576 bf16 head in 1.6 ms (3.4; fp32 3.2 both)."""
-    flat = stored(x.reshape(1, x.shape[-1]).float())
-    y = (w.float() * flat).sum(-1)  # (out,): sum_j W_ij x_j
+    rows = math.prod(x.shape[:-1])
+    if rows == 1:
+        flat = stored(x.reshape(1, x.shape[-1]).float())
+        y = (w.float() * flat).sum(-1)  # (out,): sum_j W_ij x_j
+    else:  # a loop per output row i over the rows, W's row i read from memory once for all of them; both the
+        # rows and y row-major (x as it comes may be the previous sum's transpose: inductor then vectorizes
+        # over the few rows instead of j)
+        flat = stored(x.reshape(rows, x.shape[-1]).float().contiguous())
+        y = (w.float()[:, None, :] * flat[None]).sum(-1).t().contiguous()  # (rows, out)
     if scale is not None:
         y = y * scale.float()
     if b is not None:
         y = y + b.float()
-    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (a row-major copy where rows > 1)
 
 
 def stored(row: Tensor) -> Tensor:
