@@ -1,6 +1,6 @@
 """One row's matrix products in a compiled decoding step: torch's kernels against the summed form.
 
-    python benchmarks/one_row_products.py [--repeats 20] [--threads 2] [--json out.json]
+    python benchmarks/one_row_products.py [--repeats 20] [--threads 2] [--rows 1] [--json out.json]
 
 A batch-1 decoding step of SmolLM2-135M multiplies one row by each layer's fused Q/K/V (960 x 576), W^O (576 x
 576), fused gate/up (3,072 x 576) and down (576 x 1,536) matrices, 30 layers, 106 M weights, and by the
@@ -19,6 +19,10 @@ Q8_0 does with VNNI; not qkv's product, whose row stays bf16 or fp32, so only th
     int_mm    torch._int_mm (int8 x int8 -> int32), the weights as W^T's view
     onednn    oneDNN's quantized linear (torch.ops.onednn.qlinear_pointwise; the row as uint8 with a zero
               point, the weights prepacked)
+
+`--rows R` > 1: a short prompt's R rows instead of one (the compiled prefill, CompiledStep.prompt): the summed
+form then reads each W_ij once for all R rows (a loop per output row over the rows); no int8 x int8 ways, no
+head (a prompt's head takes its last row only).
 
 The ways alternate; medians of --repeats. The rate is the bytes of weights read a step over the time.
 The weights are random: a product's time does not depend on the values.
@@ -113,6 +117,9 @@ def onednn_way(layers: list):
 def summed(x: torch.Tensor, layers: list, precision: str) -> list[torch.Tensor]:
     """summed_product for plain weights; QuantLinear's int8 product takes that form itself (traced inside
     summing(True), as the compiled step is)."""
+    if x.shape[0] > 1 and precision == "int8":  # (QuantLinear itself takes torch's kernel for several rows)
+        rows = torch.bfloat16 if hardware.native_bf16_cpu() else torch.float32
+        return [summed_product(w_row(x, w).to(rows), w.codes, scale=w.scale).float() for w in layers]
     return [summed_product(w_row(x, w).to(w.dtype), w).float() if isinstance(w, torch.Tensor) else w(w_row(x, w))
             for w in layers]
 
@@ -159,21 +166,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--rows", type=int, default=1, help="rows multiplied at once (a short prompt's: > 1)")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     options = {"cpp_wrapper": True, "emulate_precision_casts": True}
-    x = torch.randn(1, FF)
+    x = torch.randn(args.rows, FF)
     results = {}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-          f"{hardware.cpu_vendor()}, native bf16: {hardware.native_bf16_cpu()}, {args.threads} threads, "
+          f"{hardware.cpu_vendor()}, native bf16: {hardware.native_bf16_cpu()}, {args.threads} threads, {args.rows} "
+          f"row(s), "
           f"torch {torch.__version__}")
     with torch.inference_mode():
         for precision in args.precisions:
             layers = layers_of(precision)
             ways = {way: summing_call(torch.compile(lambda x, f=f: f(x, layers, precision), options=options),
                                       way == "summed") for way, f in (("kernels", kernels), ("summed", summed))}
-            if precision == "int8":
+            if precision == "int8" and args.rows == 1:
                 ways["int_mm"] = torch.compile(lambda x: int_mm(x, layers, precision), options=options)
                 onednn = onednn_way(layers)  # eager: its scalar arguments are the row's, each call
                 if onednn is not None:
@@ -194,7 +203,7 @@ def main() -> None:
             results[precision] = row
             print(f"body {precision:5s} {nbytes / 2 ** 20:6.0f} MiB: " + ", ".join(
                 f"{way} {row[way]['ms']:6.2f} ms ({row[way]['GB/s']:4.1f} GB/s)" for way in ways), flush=True)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16) if args.rows == 1 else ():
             w = (torch.randn(VOCAB, D) * 0.02).to(dtype)
             ways = {way: summing_call(torch.compile(lambda x, way=way: head(x, w, way), options=options),
                                       way == "summed") for way in ("kernels", "summed")}

@@ -94,3 +94,19 @@ def test_generate_takes_it_where_it_applies(models, monkeypatch):
     assert taken == [(1, len(PROMPT)), (1, 2)]  # none of those
     both(torch.tensor([[1, 3, 4], [5, 6, 7]]), attention_mask=torch.ones(2, 3, dtype=torch.long))
     assert taken[-1] == (2, 3)
+
+
+def test_a_quantized_models_first_product_in_the_prompts_graph_makes_no_operands_there():
+    """The int4 kernel's packed weights are made before the first compiled call, not inside the traced prompt
+    (whose graph would then pack them, and the next call compile it again without)."""
+    from torch._dynamo.utils import counters
+
+    from tests.generate.test_compiled import LLAMA, tiny
+
+    model = tiny("int4", **LLAMA)
+    step = compiled.enable(model, summed=False)
+    before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for ids in (PROMPT, PROMPT[:3]):  # (each into an empty cache: one graph for that case)
+            step.prompt(torch.tensor([ids]), model.new_cache(1, 40))
+    assert counters["stats"]["unique_graphs"] == before + 1 and step.failed is None
