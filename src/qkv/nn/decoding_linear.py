@@ -69,9 +69,10 @@ def left_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 _summing = False  # set by summing() around a compiled step's call
-# A short prompt's rows of fp32 weights take the sum form too (summed_product; benchmarks/one_row_products.py
-# --rows): SmolLM2's 30 layers on the AMD EPYC at 2 / 6 / 12 rows in 12.5 / 20.4 / 47.9 ms against W x^T's 14.7 /
-# 33.5 / 62.7; bf16 and int8 rows not (6 rows: 21.4 against 19.7, 21.0 against 19.7 by torch's kernels).
+# A short prompt's rows of fp32 weights take the sum form too (summed_product): SmolLM2's 30 layers on the AMD
+# EPYC at 2 / 6 / 12 rows in 12.5 / 20.4 / 47.9 ms against W x^T's 14.7 / 33.5 / 62.7; bf16 and int8 rows not
+# (`python benchmarks/one_row_products.py --rows 6`: fp32 20.1 against 31.9, bf16 22.1 against 20.0, int8 20.7
+# against 19.2 by torch's kernels; docs/real-models.md, 2026-12-05).
 SUMMED_ROWS = 16
 
 
