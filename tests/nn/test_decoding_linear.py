@@ -97,7 +97,8 @@ def test_the_summed_product_in_a_compiled_graph_is_the_product(kind, bias):
 @needs_compiler
 def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypatch):
     """One row's product takes the summed form inside a traced graph under summing(True), and torch's
-    kernel otherwise: eagerly, under summing(False), and for two rows."""
+    kernel otherwise: eagerly, under summing(False), and for two rows but with fp32 weights (a short prompt's
+    rows: up to SUMMED_ROWS), whose 17 take the kernel."""
     from qkv.nn import decoding_linear, quant
 
     calls = []
@@ -114,7 +115,8 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
     layers = [DecodingLinear(linear), quant.QuantLinear.from_linear(linear, "int8"),
               quant.Bf16Linear(linear.weight, linear.bias), quant.QuantLinear.from_linear(linear, "int4")]
     for rows, on, compiling, expected in [(1, True, True, [torch.float32, torch.int8, torch.bfloat16]),
-                                          (1, True, False, []), (1, False, True, []), (2, True, True, [])]:
+                                          (1, True, False, []), (1, False, True, []),
+                                          (2, True, True, [torch.float32]), (17, True, True, [])]:
         calls.clear()
         for layer in layers:
             x = torch.randn(rows, 32)

@@ -53,6 +53,7 @@ from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
 from qkv.nn.decoding_linear import decoding_linears, stored, summed_form_faster, summed_rows, summing
 from qkv.nn.fastpath import fused_or_none, has_hooks
+from qkv.nn.fuse import FUSIONS
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm
@@ -278,13 +279,15 @@ def kernel_operands(model: nn.Module, make: bool = False) -> list[Tensor]:
     """The tensors the quantized layers' kernels read (their own layouts of the codes and scales, made at the
     first product, or now with `make`, for the model's activations), fused layers included: plain tensors, not
     parameters, so torch.compile would take their sizes for variables unless told they are fixed."""
-    found = []
+    found, weight = [], model.tok_emb.weight
+    dtype = weight.dtype  # and QuantLinear.forward's choice (compute_dtype) for the activations' dtype
+    fused_parts = {id(getattr(module, part)) for module in model.modules() for fused, parts in FUSIONS
+                   if fused in module.__dict__ for part in parts}  # (layers the fused ones stand in for)
     for module in model.modules():
         for held in (module, *(v for v in vars(module).values() if isinstance(v, nn.Module))):
             if isinstance(held, QuantLinear):
-                if make:  # (QuantLinear.forward's choice of the activations' dtype)
-                    weight = model.tok_emb.weight
-                    held.kernel_operands((held.compute_dtype if weight.device.type == "cpu" else None) or weight.dtype)
+                if make and id(held) not in fused_parts:
+                    held.kernel_operands((held.compute_dtype if weight.device.type == "cpu" else None) or dtype)
                 found += [t for operands in held.kernel_cache().values() for t in operands]
     return found
 
