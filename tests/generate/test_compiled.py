@@ -75,7 +75,8 @@ def test_compiled_step_gives_the_general_steps_logits(models, name):
     step = compiled.compiled_step(model)
     bf16 = MODELS[name][1] == "bf16"
     exact = float64_twin(name) if bf16 else None
-    with torch.inference_mode():  # (as generate makes its cache: inference tensors, one compiled graph)
+    # (as generate decodes: its cache inference tensors, its layers DecodingLinear, whose one row is summed)
+    with torch.inference_mode(), decoding_linears(model):
         general, fast = model.new_cache(1, 40), model.new_cache(1, 40)
         model(torch.tensor([PROMPT]), cache=general)
         model(torch.tensor([PROMPT]), cache=fast)
@@ -144,7 +145,7 @@ def test_compiled_step_on_a_left_padded_batch(models, name):
     step = compiled.compiled_step(model)
     ids = torch.tensor([[0, 0, 0, 3, 4], [5, 6, 7, 8, 9], [0, 11, 12, 13, 14]])
     mask = (torch.arange(5) >= torch.tensor([[3], [0], [1]])).long()
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_linears(model):  # (as generate and qkv serve decode)
         general, fast = model.new_cache(3, 40), model.new_cache(3, 40)
         model(ids, attention_mask=mask, cache=general)
         model(ids, attention_mask=mask, cache=fast)
@@ -273,6 +274,8 @@ def test_the_step_never_reaches_past_a_learned_table(models):
         assert cache.length == 40 and not step.usable(cache)
         with pytest.raises(QkvError, match="beyond the learned table"):
             compiled.next_logits(model, torch.tensor([1]), cache)
+    # (stepped outside decoding_linears, whose layers its graph was traced with: swapped in for the call)
+    assert step.failed is None
 
 
 def test_every_quantized_products_operands_are_fixed_for_the_compiler(models):

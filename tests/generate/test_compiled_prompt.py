@@ -8,6 +8,7 @@ import torch
 
 from qkv.generate import compiled, generate
 from qkv.generate.compiled import PROMPT_ROWS
+from qkv.nn.decoding_linear import decoding_linears
 from tests.generate.test_compiled import MODELS, PROMPT, float64_twin
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -39,7 +40,7 @@ def test_a_short_prompt_gives_the_general_prefills_logits_cache_and_steps(models
     exact = float64_twin(name) if MODELS[name][1] == "bf16" else None
     first = torch.tensor([PROMPT] * rows)
     second = torch.tensor([[7, 1, 12]] * rows)
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_linears(model):  # (as generate and a chat turn prefill)
         general, fast = model.new_cache(rows, 40), model.new_cache(rows, 40)
         reference = exact.new_cache(rows, 40) if exact is not None else None
         for ids in (first, second):
@@ -96,9 +97,10 @@ def test_generate_takes_it_where_it_applies(models, monkeypatch):
     assert taken[-1] == (2, 3)
 
 
-def test_a_quantized_models_first_product_in_the_prompts_graph_makes_no_operands_there():
-    """The int4 kernel's packed weights are made before the first compiled call, not inside the traced prompt
-    (whose graph would then pack them, and the next call compile it again without)."""
+def test_a_quantized_models_prompts_compile_one_graph():
+    """One graph for every prompt: the int4 kernel's packed weights are made before the first compiled call, not
+    inside the traced prompt (whose graph would then pack them, and the next call compile it again without), and
+    a prompt into a cache that holds tokens (a chat's next turn) takes the graph traced into an empty one."""
     from torch._dynamo.utils import counters
 
     from tests.generate.test_compiled import LLAMA, tiny
@@ -107,6 +109,8 @@ def test_a_quantized_models_first_product_in_the_prompts_graph_makes_no_operands
     step = compiled.enable(model, summed=False)
     before = counters["stats"]["unique_graphs"]
     with torch.inference_mode():
-        for ids in (PROMPT, PROMPT[:3]):  # (each into an empty cache: one graph for that case)
-            step.prompt(torch.tensor([ids]), model.new_cache(1, 40))
+        cache = model.new_cache(1, 40)
+        for ids in (PROMPT, PROMPT[:3]):  # an empty cache, then the same one holding 6 tokens
+            step.prompt(torch.tensor([ids]), cache)
+        step.prompt(torch.tensor([PROMPT[:4]]), model.new_cache(1, 40))
     assert counters["stats"]["unique_graphs"] == before + 1 and step.failed is None

@@ -45,16 +45,16 @@ from pathlib import Path
 
 import torch
 import torch.fx.experimental._config as shape_config
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from qkv.generate.step_attention import attend
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
-from qkv.nn.decoding_linear import decoding_linears, stored, summed_form_faster, summed_rows, summing
-from qkv.nn.fastpath import fused_or_none, has_hooks
+from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
+from qkv.nn.fastpath import has_hooks
 from qkv.nn.fuse import FUSIONS
-from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin, rotate_half
+from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm
 from qkv.nn.swap import swaps
@@ -170,6 +170,10 @@ class CompiledStep:
         if skip is not None:
             options["guard_filter_fn"] = skip
         self.signature = weights_signature(model)
+        # a layer that decoding_linears swaps for a DecodingLinear (generate, chat and serve decode inside it): the
+        # graphs are traced with the swapped layers, so a step called outside it swaps them in for the call
+        self.swappable = next((name for name, module in model.named_modules()
+                               if isinstance(module, DecodingLinear) or stands_in_for(name, module)), None)
         self.compiled = torch.compile(own_code(self.forward), dynamic=True, options=options)
         self.compiled_prompt = torch.compile(own_code(self.prompt_forward), dynamic=True, options=options)
 
@@ -198,6 +202,9 @@ class CompiledStep:
     def run(self, compiled, eager, tokens: Tensor, positions: Tensor, cache: KVCache, duck: bool) -> Tensor:
         import torch._dynamo  # about a second to import: only a compiled step loads it
 
+        if self.swappable is not None and type(self.model.get_submodule(self.swappable)) is nn.Linear:
+            with decoding_linears(self.model):  # (its guards on the layers are skipped: it would read a
+                return self.run(compiled, eager, tokens, positions, cache, duck)  # DecodingLinear's w on nn.Linear)
         keys, values = [layer.k for layer in cache.layers], [layer.v for layer in cache.layers]
         real = cache.padding  # (B, columns) True where a column holds a token (always given: one graph for
         # padded batches and unpadded ones, which matters to qkv serve, whose batch is one or the other by turns)
@@ -290,49 +297,6 @@ def kernel_operands(model: nn.Module, make: bool = False) -> list[Tensor]:
                     held.kernel_operands((held.compute_dtype if weight.device.type == "cpu" else None) or dtype)
                 found += [t for operands in held.kernel_cache().values() for t in operands]
     return found
-
-
-def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
-           n: int, mask: Tensor) -> Tensor:
-    """One layer's self-attention for the new columns n - T .. n - 1: (B, T, D) -> (B, T, D)."""
-    B, T = h.shape[:2]
-    H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    fused = fused_or_none(attn, "fused_qkv", attn.q_proj, attn.k_proj, attn.v_proj)
-    if fused is not None:
-        q, k, v = fused(h).split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
-    else:
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    if T == 1:  # one column: no transpose
-        q, k, v = q.view(B, H, 1, Dh), k.view(B, Hkv, 1, Dh), v.view(B, Hkv, 1, Dh)
-    else:  # (B, heads, T, Dh)
-        q, k, v = (t.view(B, T, t.shape[-1] // Dh, Dh).transpose(1, 2) for t in (q, k, v))
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if rope is not None:
-        q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-    k_all[:, :, n - T:n] = k  # into the preallocated cache, in place
-    v_all[:, :, n - T:n] = v
-    if summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
-        out = summed_attention(q, k_all[:, :, :n], v_all[:, :, :n], mask, Dh ** -0.5)
-    else:
-        out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
-                                             enable_gqa=H != Hkv)  # (B, H, T, Dh)
-    return attn.o_proj(out.reshape(B, 1, H * Dh) if T == 1 else out.transpose(1, 2).reshape(B, T, H * Dh))
-
-
-def summed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(q K^T scale, masked) V for one query a row, as sums inductor generates: q (B, H, 1, Dh), k and v
-    (B, Hkv, n, Dh) (query head h reads KV head h // (H / Hkv): GQA without copies), mask (B, 1, 1, n) True
-    where a key may be seen; fp32 inside, the result in q's dtype. torch's CPU attention kernel takes 0.3 ms a
-    layer for one bf16 query over 630 keys on the AMD EPYC (SmolLM2, 2 threads), a tenth of a step's time."""
-    B, H, _, Dh = q.shape
-    Hkv = k.shape[1]
-    grouped = stored(q.reshape(B, Hkv, H // Hkv, 1, Dh).float())  # (B, Hkv, G, 1, Dh)
-    scores = (grouped * k[:, :, None].float()).sum(-1) * scale  # (B, Hkv, G, n)
-    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, n) broadcast over the heads
-    p = stored(torch.softmax(scores, dim=-1))
-    out = (p[..., None] * v[:, :, None].float()).sum(-2)  # (B, Hkv, G, Dh)
-    return out.reshape(B, H, 1, Dh).to(q.dtype)
 
 
 def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
