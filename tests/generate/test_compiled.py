@@ -14,11 +14,9 @@ import torch
 import qkv
 from qkv.errors import QkvError
 from qkv.generate import compiled, generate
-from qkv.generate.chat import ChatSession
 from qkv.generate.weights import prepare
 from qkv.nn.decoding_linear import decoding_linears
 from qkv.nn.quant import QuantLinear
-from qkv.serve.chat import template_for
 from tests.analysis import run_cli
 from tests.formats.gguf import write_llama
 from tests.train import setup_env, trained_run
@@ -245,20 +243,32 @@ def test_cli_compile_gives_the_same_text_and_refuses_steering(monkeypatch, tmp_p
                                        "see their layers run")
 
 
-def test_chat_replies_the_same_with_the_compiled_step(tmp_path):
-    run = qkv.load(write_llama(tmp_path / "m.gguf", seed=4))  # a LLaMA-shaped GGUF file, read as chat reads it
-    template = template_for(run.chat, run.tokenizer)
+def test_chat_compiles_both_graphs_before_its_first_turn_and_replies_the_same(tmp_path, capsys, monkeypatch):
+    """`qkv chat --compile`: the token step and a short prompt's prefill compile before the first turn (two graphs,
+    none after; that a later turn's short prompt into the filled cache takes the same graph:
+    tests/generate/test_compiled_prompt.py), and the replies are those without --compile."""
+    import io
 
-    def replies() -> list[str]:  # two turns: the second cuts the cache back to what both share
-        session = ChatSession(run, template, system="Be brief.", strategy="greedy", max_new_tokens=6)
-        return [session.say(turn) for turn in ("to be or not", "the question")]
+    from torch._dynamo.utils import counters
 
-    plain = replies()
-    step = compiled.enable(run.model)
-    calls, compiled_step = [], step.compiled
-    step.compiled = lambda *args: calls.append(args[2]) or compiled_step(*args)
-    assert replies() == plain
-    assert len(calls) >= 5 and step.failed is None  # the replies' tokens went through the compiled step
+    from tests.cli.test_main import cli
+
+    path = write_llama(tmp_path / "m.gguf", seed=4)  # a LLaMA-shaped GGUF file with a chat template
+    args = ("chat", path, "--strategy", "greedy", "--max-new-tokens", "6")
+    turns = "to be or not\nthe question\nto be\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    code, plain, _ = cli(capsys, *args)
+    assert code == 0 and len(plain.splitlines()) == 3
+    prompts, prompt = [], compiled.CompiledStep.prompt
+    monkeypatch.setattr(compiled.CompiledStep, "prompt", lambda self, ids, cache: prompts.append(
+        (ids.shape[1], cache.length)) or prompt(self, ids, cache))
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    before = counters["stats"]["unique_graphs"]
+    code, fast, err = cli(capsys, *args, "--compile")
+    assert code == 0 and fast == plain, err
+    assert "compiling the token step and a short prompt's prefill before the first turn" in err and "ready (" in err
+    assert counters["stats"]["unique_graphs"] == before + 2
+    assert prompts[0] == (2, 0)  # the warm-up's (this test tokenizer's turns are longer than PROMPT_ROWS)
 
 
 def test_the_step_never_reaches_past_a_learned_table(models):

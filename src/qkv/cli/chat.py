@@ -40,7 +40,7 @@ def cmd_chat(args) -> int:
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv chat needs a decoder-only language model with a tokenizer")
     apply_precision(run, args)
-    apply_compile(run, args)
+    apply_compile(run, args, warm=True)  # (both graphs before the first turn)
     params = SamplingParams(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"])
     session = ChatSession(run, template_for(run.chat, run.tokenizer), system=args.system, strategy=strategy,
                           params=params, seed=args.seed, max_new_tokens=args.max_new_tokens)

@@ -93,8 +93,9 @@ def add_compile(parser) -> None:
                              "later ones about 20 s: inductor's cache)")
 
 
-def apply_compile(run, args) -> None:
-    """--compile: attach the compiled step to run.model, or say in one line why it does not apply."""
+def apply_compile(run, args, warm: bool = False) -> None:
+    """--compile: attach the compiled step to run.model, or say in one line why it does not apply. `warm`: compile
+    the token step and a short prompt's prefill now (a chat: before its first turn, not in the middle of one)."""
     if not getattr(args, "compile", False):
         return
     from qkv.generate import compiled
@@ -105,8 +106,16 @@ def apply_compile(run, args) -> None:
         compiled.enable(run.model)
     except ValueError as exc:
         raise QkvError(f"--compile: {exc}") from None
-    print("qkv: --compile: the first token step compiles (1-2 minutes on 2 cores the first time; later starts read "
-          "inductor's cache: about 20 s)", file=sys.stderr, flush=True)
+    if not warm:
+        print("qkv: --compile: the first token step compiles, and the first short prompt (2-16 tokens) its own graph "
+              "(1-2 minutes each on 2 cores the first time; later starts read inductor's cache: about 10 s each)",
+              file=sys.stderr, flush=True)
+        return
+    print("qkv: --compile: compiling the token step and a short prompt's prefill before the first turn (1-2 minutes "
+          "each on 2 cores the first time; later starts read inductor's cache: about 10 s each)", file=sys.stderr,
+          flush=True)
+    seconds = compiled.warm_up(run.model, rows=(1,), prompt=True)
+    print(f"qkv: --compile: ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
 
 
 def load_for_inference(args):

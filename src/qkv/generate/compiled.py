@@ -318,21 +318,24 @@ def prompt_logits(model: nn.Module, ids: Tensor, cache: KVCache, attention_mask:
     return model(ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]
 
 
-def warm_up(model: nn.Module, threads: int | None = None) -> float:
-    """Compile `model`'s step for one row and for several (the two graphs a server's batch needs: dynamic shapes
-    keep a size-1 batch apart), with the intra-op threads it will decode with (inductor's kernels take their
-    thread count when compiled); the seconds it took."""
+def warm_up(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1, 2), prompt: bool = False) -> float:
+    """Compile `model`'s step for each count of `rows` (a server's batch needs 1 and 2: dynamic shapes keep a
+    size-1 batch apart) and, with `prompt`, a short prompt's prefill (a chat: one graph for every later turn), with
+    the intra-op threads it will decode with (inductor's kernels take their thread count when compiled); the
+    seconds it took."""
     start = time.perf_counter()
     step = compiled_step(model)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        with torch.inference_mode(), decoding_linears(model):  # (as generate and the server decode)
-            for rows in (1, 2):
-                cache = model.new_cache(rows, 3)
-                model(torch.zeros(rows, 1, dtype=torch.long), cache=cache)
-                step(torch.zeros(rows, dtype=torch.long), cache)
+        with torch.inference_mode(), decoding_linears(model):  # (as generate, chat and the server decode)
+            for count in rows:
+                cache = model.new_cache(count, 3)
+                model(torch.zeros(count, 1, dtype=torch.long), cache=cache)
+                step(torch.zeros(count, dtype=torch.long), cache)
+            if prompt:
+                step.prompt(torch.zeros(1, 2, dtype=torch.long), model.new_cache(1, 3))
     finally:
         torch.set_num_threads(before)
     return time.perf_counter() - start
