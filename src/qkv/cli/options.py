@@ -115,7 +115,8 @@ def apply_compile(run, args, warm: bool = False) -> None:
           "each on 2 cores the first time; later starts read inductor's cache: about 10 s each)", file=sys.stderr,
           flush=True)
     seconds = compiled.warm_up(run.model, rows=(1,), prompt=True)
-    print(f"qkv: --compile: ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    if compiled.compiled_step(run.model).failed is None:  # (else its one warning said why it decodes eagerly)
+        print(f"qkv: --compile: ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
 
 
 def load_for_inference(args):
