@@ -89,8 +89,9 @@ def add_compile(parser) -> None:
     """--compile: decode with a compiled step (qkv.generate.compiled)."""
     parser.add_argument("--compile", action="store_true",
                         help="decode with the whole token step compiled by torch.compile (a decoder-only model: "
-                             "SmolLM2 int4 about 1.4x faster a token; the first start compiles for 1-2 minutes, "
-                             "later ones about 20 s: inductor's cache)")
+                             "SmolLM2 int4 about 1.4x faster a token; the first start compiles the token step "
+                             "and a short prompt's graph, 1-2 minutes each, later starts about 10 s each: "
+                             "inductor's cache)")
 
 
 def apply_compile(run, args, warm: bool = False) -> None:
@@ -106,14 +107,13 @@ def apply_compile(run, args, warm: bool = False) -> None:
         compiled.enable(run.model)
     except ValueError as exc:
         raise QkvError(f"--compile: {exc}") from None
+    cost = "1-2 minutes each on 2 cores the first time; later starts read inductor's cache: about 10 s each"
     if not warm:
-        print("qkv: --compile: the first token step compiles, and the first short prompt (2-16 tokens) its own graph "
-              "(1-2 minutes each on 2 cores the first time; later starts read inductor's cache: about 10 s each)",
-              file=sys.stderr, flush=True)
+        print(f"qkv: --compile: the first token step compiles, and the first short prompt (2-16 tokens) its own "
+              f"graph ({cost})", file=sys.stderr, flush=True)
         return
-    print("qkv: --compile: compiling the token step and a short prompt's prefill before the first turn (1-2 minutes "
-          "each on 2 cores the first time; later starts read inductor's cache: about 10 s each)", file=sys.stderr,
-          flush=True)
+    print(f"qkv: --compile: compiling the token step and a short prompt's prefill before the first turn ({cost})",
+          file=sys.stderr, flush=True)
     seconds = compiled.warm_up(run.model, rows=(1,), prompt=True)
     if compiled.compiled_step(run.model).failed is None:  # (else its one warning said why it decodes eagerly)
         print(f"qkv: --compile: ready ({seconds:.0f} s)", file=sys.stderr, flush=True)

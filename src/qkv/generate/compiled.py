@@ -318,7 +318,8 @@ def prompt_logits(model: nn.Module, ids: Tensor, cache: KVCache, attention_mask:
     return model(ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]
 
 
-def warm_up(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1, 2), prompt: bool = False) -> float:
+def warm_up(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1, 2),
+            prompt: bool = False) -> float:
     """Compile `model`'s step for each count of `rows` (a server's batch needs 1 and 2: dynamic shapes keep a
     size-1 batch apart) and, with `prompt`, a short prompt's prefill (a chat: one graph for every later turn), with
     the intra-op threads it will decode with (inductor's kernels take their thread count when compiled); the
