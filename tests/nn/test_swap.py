@@ -68,3 +68,22 @@ def test_a_layer_put_in_takes_the_mode_of_the_one_it_replaces():
     model.eval()
     with swapped(model, lambda name, m: name.endswith("attn.q_proj"), Scaled):
         assert not any(m.training for m in model.modules())
+
+
+def test_a_swap_still_calls_torchs_module_registration_hooks_where_there_are_some():
+    """put() writes the parent's child dict directly only where nn.Module.__setattr__ would do nothing more: a
+    global registration hook (torch.nn.modules.module.register_module_module_registration_hook) still sees each
+    module put in and put back."""
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    model = tiny()
+    seen = []
+    handle = register_module_module_registration_hook(lambda parent, name, module: seen.append((name, module)))
+    try:
+        with swapped(model, lambda name, m: name.endswith("attn.q_proj"), Scaled):
+            assert [type(module) for name, module in seen if name == "q_proj"] == [Scaled, Scaled]
+    finally:
+        handle.remove()
+    put = [type(module) for name, module in seen if name == "q_proj"]  # (Scaled's own `inner` is seen too)
+    assert put == [Scaled, Scaled, nn.Linear, nn.Linear]
+    assert type(model.blocks[0].attn.q_proj) is nn.Linear
