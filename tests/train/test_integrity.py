@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from qkv import files
+from qkv.cli import main
 from qkv.errors import QkvError
 from qkv.train import checkpoint, checks
 from qkv.config import RunConfig
@@ -89,16 +90,23 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_resume_refuses_a_damaged_checkpoint_and_touches_nothing(trained, tmp_path, case):
+def test_resume_refuses_a_damaged_checkpoint_and_touches_nothing(trained, tmp_path, capsys, case):
+    """Each case through qkv's entry point in this process (`main`, as `python -m qkv` calls it: the exit code
+    and stderr it gives); the first also as a process of its own, where the interpreter's exit says the same."""
     damage, message = CASES[case]
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     damage(run)
     before = snapshot(run)
-    proc = run_qkv("train", "--out", str(run), "--resume", "--max-steps", "6", "--quiet", "--no-sample")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    assert message in proc.stderr
+    argv = ("train", "--out", str(run), "--resume", "--max-steps", "6", "--quiet", "--no-sample")
+    if case == next(iter(CASES)):
+        proc = run_qkv(*argv)
+        rc, err = proc.returncode, proc.stderr
+    else:
+        rc, err = main(list(argv)), capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("qkv: error: ") and err.count("\n") == 1, err
+    assert message in err
     assert snapshot(run) == before
 
 
@@ -148,9 +156,11 @@ def test_a_diverged_model_never_replaces_a_finite_checkpoint(tmp_path):
 @pytest.mark.parametrize("setting", ["train.lr=inf", "train.weight_decay=nan", "model.init_std=inf",
                                      "model.n_layers=100000000000000000000", "data.vocab_size=1000000000",
                                      "model.d_model=100000000"])
-def test_impossible_settings_are_refused_before_any_work(tmp_path, setting):
-    proc = run_qkv("train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", setting)
-    assert proc.returncode == 2 and proc.stderr.startswith("qkv: error: ") and proc.stderr.count("\n") == 1
+def test_impossible_settings_are_refused_before_any_work(tmp_path, capsys, setting):
+    """Through `main` in this process (the damaged-checkpoint test runs one such refusal as a process)."""
+    rc = main(["train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", setting])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("qkv: error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
 
 
