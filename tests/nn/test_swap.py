@@ -87,3 +87,36 @@ def test_a_swap_still_calls_torchs_module_registration_hooks_where_there_are_som
     put = [type(module) for name, module in seen if name == "q_proj"]  # (Scaled's own `inner` is seen too)
     assert put == [Scaled, Scaled, nn.Linear, nn.Linear]
     assert type(model.blocks[0].attn.q_proj) is nn.Linear
+
+
+def test_a_childless_layer_put_in_takes_the_mode_of_the_one_it_replaces_too():
+    """in_mode_of's short way for a layer without children (a DecodingLinear) still sets its mode."""
+    model = tiny()  # eval
+    swap(model, lambda name, m: name == "lm_head", lambda m: nn.Linear(m.in_features, m.out_features))
+    assert not model.lm_head.training
+    model.train()
+    fresh = nn.Linear(16, 16).eval()
+    with swapped(model, lambda name, m: name == "blocks.0.attn.q_proj", lambda m: fresh):
+        assert model.blocks[0].attn.q_proj is fresh and fresh.training
+
+
+class Recording(nn.Module):
+    """A parent whose own __setattr__ must see every module set on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+        self.child = nn.Linear(2, 2)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, nn.Module):
+            self.names.append(name)
+        super().__setattr__(name, value)
+
+
+def test_a_parent_with_its_own_setattr_sees_each_module_put_in_and_back():
+    parent = Recording()
+    parent.names.clear()
+    with swapped(parent, lambda name, m: name == "child", Scaled):
+        assert type(parent.child) is Scaled
+    assert parent.names == ["child", "child"] and type(parent.child) is nn.Linear

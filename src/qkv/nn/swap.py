@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 Pick = Callable[[str, nn.Module], bool]
 Make = Callable[[nn.Module], nn.Module]
@@ -49,16 +50,11 @@ def put(parent: nn.Module, attribute: str, module: nn.Module) -> None:
     """setattr(parent, attribute, module) for an attribute that already holds a module: what nn.Module's
     __setattr__ does there, without its checks (2.5 us a layer, 1 ms of a generate call's 211 swaps in and
     out) where the parent's class and torch's global registration hooks leave nothing else for it to do."""
-    if type(parent).__setattr__ is nn.Module.__setattr__ and not _registration_hooks():
+    hooks = getattr(torch_module, "_global_module_registration_hooks", True)  # (unknown to this torch: assume some)
+    if type(parent).__setattr__ is nn.Module.__setattr__ and not hooks:
         parent._modules[attribute] = module
     else:
         setattr(parent, attribute, module)
-
-
-def _registration_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return bool(getattr(torch_module, "_global_module_registration_hooks", True))
 
 
 def swap(model: nn.Module, pick: Pick, make: Make) -> list[tuple[str, nn.Module]]:
