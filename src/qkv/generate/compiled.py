@@ -46,18 +46,15 @@ from pathlib import Path
 import torch
 import torch.fx.experimental._config as shape_config
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from qkv.generate.step_attention import attend
+from qkv.generate.watch import ModelWatch, hooked, kernel_operands
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
-from qkv.nn.fastpath import has_hooks
-from qkv.nn.fuse import FUSIONS
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm
-from qkv.nn.swap import swaps
 
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
 PROMPT_ROWS = 16  # a prompt of up to this many tokens a row is prefilled by the compiled graph (CompiledStep.prompt)
@@ -94,33 +91,6 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def hooked(model: nn.Module) -> bool:
-    """A hook anywhere on `model` (added before the step was built, or after: usable() asks every step, through
-    HookWatch)."""
-    return any(has_hooks(module) for module in model.modules())
-
-
-class HookWatch:
-    """hooked(model), walked again only when it could have changed: every hook torch registers (forward,
-    backward, pre- or post-, on any module) takes a handle numbered from one counter (torch.utils.hooks.
-    RemovableHandle.next_id), and qkv's swaps of layers are counted (qkv.nn.swap.swaps: a module put back may
-    carry a hook made while it was out), so while both stand, a model seen without hooks has none still. A model
-    seen with hooks is walked every time (removing a hook takes no number). Modules set on the model by hand
-    after its step was built are not covered (the step's graph assumes the modules it was traced with). The
-    walk of SmolLM2's 428 modules took 0.25-0.44 ms, 3-5% of a compiled int8 token (2026-12-05, the AMD EPYC)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.stamp: tuple[int, int] | None = None
-        self.found = True
-
-    def __call__(self) -> bool:
-        stamp = RemovableHandle.next_id, swaps()
-        if self.found or stamp != self.stamp:
-            self.found, self.stamp = hooked(self.model), stamp
-        return self.found
-
-
 def inductor_cache() -> None:
     """Keep inductor's compiled kernels under ~/.cache/qkv/inductor (unless TORCHINDUCTOR_CACHE_DIR says where),
     so that a second start finds them. torch writes its own default (/tmp/torchinductor_<user>, gone at the
@@ -146,13 +116,15 @@ class CompiledStep:
     model(tokens[:, None], cache=cache)[:, -1] gives them; `usable(cache)` says whether it applies."""
 
     def __init__(self, model: nn.Module, summed: bool | None = None):
+        import torch._dynamo  # about a second to import: only a compiled step loads it
+
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the compiled decoding step does not cover {reason}")
         inductor_cache()
         self.model = model
         self.failed: str | None = None
-        self.hooked = HookWatch(model)
+        self.watch = ModelWatch(model)  # no hooks on it, its weights those the graphs hold
         self.operands_fixed = False
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
         # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
@@ -163,8 +135,8 @@ class CompiledStep:
         # fusion, so that the step stays the general step's (to fp32's order of sums).
         # guard_filter_fn: the graph's guards on the model's modules and weights (some 400 tensors' dtypes,
         # sizes and strides) are not checked every token: 1-2 ms of a 9-12 ms SmolLM2 int4 token (2026-12-05, AMD
-        # EPYC). A model whose weights change dtype or kind after enable() (the only changes that would matter:
-        # sizes are fixed by the config), or in training mode, takes the general step instead (usable()).
+        # EPYC). A model whose weights change dtype or kind after enable() (sizes are fixed by the config), are
+        # set anew (qkv.generate.watch), or in training mode, takes the general step instead (usable()).
         options = {"cpp_wrapper": True, "emulate_precision_casts": True}
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # (torch >= 2.8)
         if skip is not None:
@@ -175,11 +147,17 @@ class CompiledStep:
         self.swappable = next((name for name, module in model.named_modules()
                                if isinstance(module, DecodingLinear) or stands_in_for(name, module)), None)
         self.compiled = torch.compile(own_code(self.forward), dynamic=True, options=options)
+        # what tracing takes (a graph is traced in a step's call, whenever its guards fail), patched around each
+        # call (thread-local): no duck shapes for batches (module top), floats fixed, the weights held by the
+        # graphs (install_free_tensors: qkv.generate.watch). Made once: 0.1 ms a token made anew (2026-12-06).
+        held = {"install_free_tensors": True} if hasattr(torch._dynamo.config, "install_free_tensors") else {}
+        traced = torch._dynamo.config.patch(specialize_float=True, **held)  # (the flag: torch >= 2.5)
+        self.tracing = {duck: (shape_config.patch(use_duck_shape=duck), traced) for duck in (True, False)}
         self.compiled_prompt = torch.compile(own_code(self.prompt_forward), dynamic=True, options=options)
 
     def usable(self, cache: KVCache) -> bool:
         return (self.failed is None and not cache.window and not torch.is_grad_enabled()
-                and cache.length < min(cache.max_len, self.positions) and not self.hooked()
+                and cache.length < min(cache.max_len, self.positions) and self.watch()
                 and not self.model.training and weights_signature(self.model) == self.signature)
 
     def takes_prompt(self, ids: Tensor, attention_mask: Tensor | None, cache: KVCache) -> bool:
@@ -200,7 +178,7 @@ class CompiledStep:
         return self.run(self.compiled_prompt, self.prompt_forward, ids, positions, cache, duck=False)
 
     def run(self, compiled, eager, tokens: Tensor, positions: Tensor, cache: KVCache, duck: bool) -> Tensor:
-        import torch._dynamo  # about a second to import: only a compiled step loads it
+        import torch._dynamo
 
         if self.swappable is not None and type(self.model.get_submodule(self.swappable)) is nn.Linear:
             with decoding_linears(self.model):  # (its guards on the layers are skipped: it would read a
@@ -217,10 +195,11 @@ class CompiledStep:
         if not self.operands_fixed:  # (made here if no product made them yet: traced, a prompt's graph would
             for tensor in kernel_operands(self.model, make=True):  # repack int4 weights every call)
                 torch._dynamo.mark_static(tensor)
+            self.watch.hold()  # the tensors the graphs will hold
             self.operands_fixed = True
+        shapes, traced = self.tracing[duck]  # (above: one row shares its columns)
         try:
-            with (shape_config.patch(use_duck_shape=duck),  # (above: one row shares its columns)
-                  torch._dynamo.config.patch(specialize_float=True), summing(self.summed)):
+            with shapes, traced, summing(self.summed):
                 return compiled(tokens, positions, cache.length, keys, values, real)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -280,23 +259,6 @@ def weights_signature(model: nn.Module) -> tuple:
     A few attribute reads: usable() asks every token."""
     head = model.lm_head
     return model.tok_emb.weight.dtype, head.kind if isinstance(head, QuantLinear) else head.weight.dtype
-
-
-def kernel_operands(model: nn.Module, make: bool = False) -> list[Tensor]:
-    """The tensors the quantized layers' kernels read (their own layouts of the codes and scales, made at the
-    first product, or now with `make`, for the model's activations), fused layers included: plain tensors, not
-    parameters, so torch.compile would take their sizes for variables unless told they are fixed."""
-    found, weight = [], model.tok_emb.weight
-    dtype = weight.dtype  # and QuantLinear.forward's choice (compute_dtype) for the activations' dtype
-    fused_parts = {id(getattr(module, part)) for module in model.modules() for fused, parts in FUSIONS
-                   if fused in module.__dict__ for part in parts}  # (layers the fused ones stand in for)
-    for module in model.modules():
-        for held in (module, *(v for v in vars(module).values() if isinstance(v, nn.Module))):
-            if isinstance(held, QuantLinear):
-                if make and id(held) not in fused_parts:
-                    held.kernel_operands((held.compute_dtype if weight.device.type == "cpu" else None) or dtype)
-                found += [t for operands in held.kernel_cache().values() for t in operands]
-    return found
 
 
 def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv import hardware
+from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import decode_rows, left_form_faster, left_product, summed_product, summed_rows
 from qkv.nn.swap import swap
 
@@ -146,6 +147,7 @@ class QuantLinear(nn.Module):
 
     def _state_changed(self) -> None:
         self._kernel.clear()
+        changed()  # (a compiled step holding the dropped operands must not run on: qkv.nn.changes)
 
     def _load_from_state_dict(self, *args, **kwargs):  # new codes: the kernels' copies are stale
         super()._load_from_state_dict(*args, **kwargs)

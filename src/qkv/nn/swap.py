@@ -18,20 +18,10 @@ from typing import Callable, Iterator
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from qkv.nn.changes import changed
+
 Pick = Callable[[str, nn.Module], bool]
 Make = Callable[[nn.Module], nn.Module]
-_swaps = 0  # modules put in place or back by swap / swapped, over all models
-
-
-def swaps() -> int:
-    """How many times swap or swapped changed a model's modules so far (any model): while it stands, no tree
-    was changed this way (qkv.generate.compiled.HookWatch)."""
-    return _swaps
-
-
-def _changed() -> None:
-    global _swaps
-    _swaps += 1
 
 
 def places(model: nn.Module, pick: Pick) -> list[tuple[nn.Module, str, str, nn.Module]]:
@@ -62,7 +52,7 @@ def swap(model: nn.Module, pick: Pick, make: Make) -> list[tuple[str, nn.Module]
     chosen = places(model, pick)
     for parent, attribute, _, child in chosen:
         put(parent, attribute, in_mode_of(child, make(child)))
-    _changed()
+    changed()  # (counted: qkv.nn.changes)
     return [(name, child) for _, _, name, child in chosen]
 
 
@@ -82,9 +72,9 @@ def swapped(model: nn.Module, pick: Pick, make: Make) -> Iterator[nn.Module]:
     try:
         for parent, attribute, _, child in chosen:
             put(parent, attribute, in_mode_of(child, make(child)))
-        _changed()
+        changed()
         yield model
     finally:
         for parent, attribute, _, child in chosen:
             put(parent, attribute, child)
-        _changed()
+        changed()
