@@ -63,7 +63,7 @@ def activations(model: nn.Module):
 
 def held_tensors(model: nn.Module) -> tuple[list[Tensor], bool]:
     """Every tensor a compiled step's graphs hold (each layer's parameters and buffers, and the quantized products'
-    kernel operands), and whether any layer has a hook: one walk (SmolLM2's: 0.7 ms). The same tensors with the
+    kernel operands), and whether any layer has a hook: one walk (ModelWatch). The same tensors with the
     decoding step's layers swapped in or not: a DecodingLinear holds its nn.Linear's parameters, and neither
     registers a bias it lacks."""
     found, dtype_of, hooks = [], activations(model), False
@@ -86,7 +86,8 @@ class ModelWatch:
     every time (removing a hook takes no number). A model whose tensors were set anew takes the general step
     from then on (compiled.enable() again traces graphs for them). Modules set on the model by hand after its
     step was built are not covered (the graphs assume the modules they were traced with). SmolLM2's walk, once
-    a generate call (its layers are swapped in and back): 0.25-0.44 ms for the hooks alone (2026-12-05)."""
+    a generate call (its layers are swapped in and back): 0.7-0.8 ms, 0.33 of it as the hooks' walk alone took
+    (2026-12-06, the AMD EPYC)."""
 
     def __init__(self, model: nn.Module):
         count_registrations()
