@@ -21,20 +21,14 @@ from tests.analysis import run_cli
 from tests.formats.gguf import write_llama
 from tests.train import setup_env, trained_run
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (tests/generate/conftest.py)
 
 LLAMA = dict(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2,
              qk_norm=True)  # GQA, QK-norm, SwiGLU, no biases
 GPT = dict(positional="learned", norm="layernorm", ffn="mlp", activation="gelu_tanh", bias=True)
 PROMPT = [3, 14, 15, 9, 2, 6]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        yield
 
 
 def tiny(quant: str = "none", dtype: str = "fp32", **overrides) -> torch.nn.Module:

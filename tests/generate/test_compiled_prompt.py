@@ -1,7 +1,6 @@
 """A short prompt's compiled prefill (qkv.generate.compiled.CompiledStep.prompt) against the model's own forward:
 the same logits after the prompt, the same cache, the same steps after it and the same greedy text; the
 model's forward wherever it does not apply (padding, a longer prompt, one token)."""
-import shutil
 
 import pytest
 import torch
@@ -9,17 +8,9 @@ import torch
 from qkv.generate import compiled, generate
 from qkv.generate.compiled import PROMPT_ROWS
 from qkv.nn.decoding_linear import decoding_linears
-from tests.generate.test_compiled import MODELS, PROMPT, float64_twin
+from tests.generate.test_compiled import NEEDS_CXX, MODELS, PROMPT, float64_twin
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        yield
+pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (tests/generate/conftest.py)
 
 
 def close(name: str, got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor | None) -> None:

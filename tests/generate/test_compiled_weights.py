@@ -1,7 +1,6 @@
 """The compiled step's graphs hold the model's weights (qkv.generate.watch): a weight written in place is read as
 it is then; one set anew in its place, or a quantized layer's new codes, sends the step to the general path (the
 graphs would still read the old tensors) until compiled.enable() traces graphs for them."""
-import shutil
 
 import pytest
 import torch
@@ -9,17 +8,9 @@ from torch import nn
 
 from qkv.generate import compiled
 from qkv.nn.decoding_linear import decoding_linears
-from tests.generate.test_compiled import LLAMA, PROMPT, tiny
+from tests.generate.test_compiled import NEEDS_CXX, LLAMA, PROMPT, tiny
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        yield
+pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (tests/generate/conftest.py)
 
 
 def steps_against_general(model: nn.Module, count: int = 4, change=None) -> tuple[list[bool], float]:
