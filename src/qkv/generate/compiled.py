@@ -125,7 +125,6 @@ class CompiledStep:
         self.model = model
         self.failed: str | None = None
         self.watch = ModelWatch(model)  # no hooks on it, its weights those the graphs hold
-        self.operands_fixed = False
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
         # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
         self.positions = model.positional.weight.shape[0] if isinstance(model.positional, Learned) else sys.maxsize
@@ -192,11 +191,10 @@ class CompiledStep:
         # the operands are made by the first product (the prompt's) and kept: marked once (a walk of the model
         # each step would cost more than it saves); ones remade later (new weights) keep the graphs already
         # compiled, whose guards check their sizes, and only a new graph would take them for variables
-        if not self.operands_fixed:  # (made here if no product made them yet: traced, a prompt's graph would
-            for tensor in kernel_operands(self.model, make=True):  # repack int4 weights every call)
-                torch._dynamo.mark_static(tensor)
+        if self.watch.held is None:  # no graph traced yet (made here if no product made them yet: traced, a
+            for tensor in kernel_operands(self.model, make=True):  # prompt's graph would repack int4 weights
+                torch._dynamo.mark_static(tensor)  # every call)
             self.watch.hold()  # the tensors the graphs will hold
-            self.operands_fixed = True
         shapes, traced = self.tracing[duck]  # (above: one row shares its columns)
         try:
             with shapes, traced, summing(self.summed):
