@@ -143,3 +143,24 @@ def test_uniform_scores_average_the_values(kernel):
     out = kernel_for(kernel, window=WINDOW)(q, k, v, mask=None, causal=True, bias=None, scale=1.0)
     prefix_means = v.cumsum(2) / torch.arange(1, 5).view(1, 1, 4, 1)
     torch.testing.assert_close(out, prefix_means, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("autocasting", [False, True])
+def test_sdpa_attends_bf16_in_fp32_on_the_cpu(autocasting):
+    """On a CPU, bf16 q, k, v (or fp32 ones under bf16 autocast) are attended in fp32: the output and the
+    gradients are the float64 formula's rounded once to bf16 (relative error <= 2^-9 each, 2^-8 allowed for
+    fp32's own), where torch's bf16 kernel rounds the scores and weights too (errors up to ~1e-2 here)."""
+    torch.manual_seed(0)
+    q, k, v = (t.bfloat16() for t in qkv(B=2, H=2, T=64, S=64, Dh=32))
+    grad = torch.randn(2, 2, 64, 32).bfloat16()
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = sdpa(*exact, mask=None, causal=True, bias=None, scale=32 ** -0.5)
+    want.backward(grad.double())
+    given = [(t.float() if autocasting else t).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocasting):
+        out = sdpa(*given, mask=None, causal=True, bias=None, scale=32 ** -0.5)
+    assert out.dtype == torch.bfloat16
+    out.backward(grad.to(out.dtype))
+    for got, ref in [(out, want)] + [(t.grad, e.grad) for t, e in zip(given, exact)]:
+        ref = ref.detach()
+        assert ((got.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * ref.abs().max()).all()

@@ -43,8 +43,13 @@ def auto_precision(tc) -> str:
     device, and on a CPU that multiplies bf16 natively (qkv.hardware); fp32 elsewhere."""
     if tc.precision != "auto":
         return tc.precision
-    device = "cuda" if tc.device.startswith("cuda") else "cpu"
-    return hardware.auto_precision(device, cuda_bf16=True, cpu_flag=hardware.native_bf16_cpu())[0]
+    return hardware.auto_precision(run_device(tc), cuda_bf16=True, cpu_flag=hardware.native_bf16_cpu())[0]
+
+
+def run_device(tc) -> str:
+    """The device a run's memory is planned for: cuda for train.device=cuda[:N]; cpu for cpu and auto (the
+    calculator does not look for a GPU)."""
+    return "cuda" if tc.device.startswith("cuda") else "cpu"
 
 
 def setup_from(cfg: RunConfig, **given) -> memory.Setup:
@@ -60,7 +65,8 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
                    precision=auto_precision(tc), optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
                    checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
                    microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation,
-                   split_logits=not tc.label_smoothing)  # head_cross_entropy gathers them for smoothing
+                   split_logits=not tc.label_smoothing,  # head_cross_entropy gathers them for smoothing
+                   device=run_device(tc))
     chosen = {key: value for key, value in given.items() if value not in (None, False)}
     return memory.Setup(**{**default, **chosen}).check()
 

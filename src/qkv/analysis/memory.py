@@ -25,6 +25,8 @@ qkv's bf16 / fp16 autocast the residual stream x and the norms stay fp32, the ma
 are 2 bytes, and each multiplied matrix has a 2-byte copy kept for the backward):
     attention block   x, LN(x), Q, K, V (K, V repeated to H heads for GQA), concat(heads), + the
                       kernel's own: out and logsumexp (fused sdpa) or A = softmax(QK^T) (B H T S, naive)
+                      (on a CPU, under autocast, the fused sdpa attends in fp32: it keeps fp32 copies of Q,
+                      K, V and of its output, qkv.nn.kernels.sdpa; Setup.device)
     FFN block         x, LN(x), act input and output (mlp: 2 B T F; glu: gate, act(gate), up, product 4 B T F)
     dropout masks     1 byte per element where dropout > 0
 The LM head keeps LN(x); qkv's training step runs the head and its loss in row chunks (under autocast too,
@@ -86,6 +88,7 @@ class Setup:
     microbatches: int = 1  # pp > 1: the pipeline's micro-batches per schedule (batch is one micro-batch)
     accumulation: int = 1  # micro-batches (or schedules) accumulated per optimizer step: MFU's tokens only
     schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b
+    device: str = "cuda"  # or "cpu", where the fused sdpa keeps fp32 Q, K, V and output under autocast
 
     @property
     def bytes(self) -> tuple[int, int, int, int]:
@@ -95,6 +98,8 @@ class Setup:
     def check(self) -> "Setup":
         if self.precision not in PRECISION_BYTES:
             raise QkvError(f"precision={self.precision!r} is not allowed; choose from: {', '.join(PRECISION_BYTES)}")
+        if self.device not in ("cuda", "cpu"):
+            raise QkvError(f"device={self.device!r} is not allowed; choose from: cuda, cpu")
         if self.optimizer not in OPTIMIZER_BYTES:
             raise QkvError(f"optimizer={self.optimizer!r} is not allowed; choose from: {', '.join(OPTIMIZER_BYTES)}")
         if self.zero not in (0, 1, 2, 3):
@@ -192,10 +197,11 @@ def score_bias_bytes(cfg: ModelConfig, B: int, T: int, S: int, a: int, self_atte
 
 
 def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: int, self_attention: bool = True,
-                     t: int = 1) -> float:
+                     t: int = 1, wide: bool = False) -> float:
     """Bytes one attention sub-layer keeps (self-attention: S = T); `stream`: bytes of the residual stream.
     Over t tensor-parallel ranks (sequence parallel): x holds T/t positions, LN(x) is gathered whole for
-    the column-split projections, each rank keeps H/t heads."""
+    the column-split projections, each rank keeps H/t heads. `wide`: the kernel attends a-byte Q, K, V in
+    fp32 (sdpa on a CPU) and keeps those and its fp32 output beside the a-byte concat(heads)."""
     D, H, Dh = cfg.d_model, cfg.n_heads // t, cfg.head_dim
     kv = 2 * B * S * H * Dh  # K, V as the kernel reads them: repeated to H heads for GQA / MQA
     elements = B * T * D + B * T * H * Dh + kv + B * T * H * Dh  # LN(x), Q, K+V, concat(heads); + x below
@@ -206,6 +212,8 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: i
         kernel = FP32 * B * H * probabilities  # A = softmax(Q K^T / sqrt(Dh)) where computed, fp32
     kernel += score_bias_bytes(cfg, B, T, S, a, self_attention) / t
     masks = (B * T * D / t + B * H * probabilities) if cfg.dropout else 0
+    if wide and not probabilities:
+        kernel += (FP32 - a) * (B * T * H * Dh + kv) + FP32 * B * T * H * Dh
     return stream * B * T * D / t + a * (elements + B * H * Dh * copied) + kernel + masks
 
 
@@ -219,12 +227,12 @@ def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int, t: int = 1
 
 
 def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0, stream: int | None = None,
-                      t: int = 1) -> float:
+                      t: int = 1, wide: bool = False) -> float:
     """One layer's saved activations (on one of t tensor-parallel ranks); a decoder layer of an
     encoder-decoder adds cross-attention."""
     stream = a if stream is None else stream
-    total = _attention_layer(cfg, B, T, T, a, stream, t=t) + _ffn_layer(cfg, B, T, a, stream, t)
-    return total + (_attention_layer(cfg, B, T, source, a, stream, self_attention=False) if source else 0)
+    total = _attention_layer(cfg, B, T, T, a, stream, t=t, wide=wide) + _ffn_layer(cfg, B, T, a, stream, t)
+    return total + (_attention_layer(cfg, B, T, source, a, stream, self_attention=False, wide=wide) if source else 0)
 
 
 def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
@@ -317,7 +325,8 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     decoder = cfg.arch == "decoder"
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
     chunked = chunks_head(cfg, setup)
-    per_layer = [layer_activations(cfg, B, length, a, source, stream, t) for length, source in _layers(cfg, T)]
+    wide = autocast and setup.device == "cpu" and running_kernel(cfg) == "sdpa"  # qkv.nn.kernels.sdpa
+    per_layer = [layer_activations(cfg, B, length, a, source, stream, t, wide) for length, source in _layers(cfg, T)]
     split = t if p == 1 and setup.split_logits else 1  # a pipeline's last stage and label smoothing: whole logits
     head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=split)
     copies = weight_copies(cfg, a, chunked) / t if autocast else 0
