@@ -3,7 +3,7 @@ and what each precision does to the model's predictions.
 
     python benchmarks/real_decode.py [--smollm2 PATH] [--new 128] [--repeats 3] [--threads 2]
         [--precisions fp32 bf16 int8 int4] [--no-llama] [--no-transformers] [--quality-positions 2000]
-        [--batches 1 4 16 32] [--compile] [--json out.json]
+        [--batches 1 4 16 32] [--compile] [--kv-dtype fp16|bf16] [--json out.json]
 
 One GGUF file (SmolLM2-135M-Instruct, Q4_1). qkv loads it once and runs it at each precision (`--dtype`,
 `--quant`: qkv.generate.weights); llama.cpp (llama-cpp-python, built from source: a benchmark dependency, never a
@@ -24,6 +24,8 @@ Alternating, medians of `--repeats`.
 
 `--compile`: each precision also with the compiled decoding step (`qkv generate --compile`,
 qkv.generate.compiled), its first start (compiling, or finding inductor's cache) timed and reported apart.
+`--kv-dtype`: qkv's KV caches in that dtype (`qkv generate --kv-dtype`; llama.cpp keeps fp16 by default), its
+rounding included in qkv's quality figures (the logits then come through the cache).
 
 Quality, over `--quality-positions` positions of held-out text (the start of Hamlet, windows of 512): each
 precision's top-1 agreement with qkv fp32, KL(fp32 || precision) in nats per position, and bits per byte; the
@@ -52,7 +54,7 @@ import qkv
 from qkv import hardware
 from qkv.data.corpus import bundled_documents
 from qkv.generate import compiled, generate
-from qkv.generate.weights import prepare, weight_bytes
+from qkv.generate.weights import prepare, set_kv_dtype, weight_bytes
 
 MIB = 2 ** 20
 PAIRS = {"fp32": ("fp32", "none", "f32"), "bf16": ("bf16", "none", "bf16"), "int8": ("fp32", "int8", "q8_0"),
@@ -81,9 +83,10 @@ def _timed(fn) -> float:
 
 # ------------------------------------------------------------------------------------------------ qkv
 class QkvEngine:
-    def __init__(self, model, tokenizer, dtype: str, quant: str):
+    def __init__(self, model, tokenizer, dtype: str, quant: str, kv: str | None = None):
         self.model = copy.deepcopy(model)
         self.description = prepare(self.model, dtype=dtype, quant=quant)
+        set_kv_dtype(self.model, kv)
         self.tokenizer = tokenizer
         self.bytes = decode_bytes(self.model)
 
@@ -97,8 +100,11 @@ class QkvEngine:
         return len(ids) / first, (new - 1) / max(total - first, 1e-9), out[0, len(ids):].tolist()
 
     def logits(self, ids: list[int]) -> torch.Tensor:
+        """(T, V) logits of a forward over `ids`; through a KV cache when it holds another dtype (its rounding
+        of K and V then shows, as in decoding)."""
+        cache = self.model.new_cache(1, len(ids)) if self.model.kv_dtype is not None else None
         with torch.no_grad():
-            return self.model(torch.tensor([ids]))[0].float()
+            return self.model(torch.tensor([ids]), cache=cache)[0].float()
 
 
 def decode_bytes(model) -> int:
@@ -251,6 +257,7 @@ def main() -> None:
     parser.add_argument("--quality-positions", type=int, default=2000)
     parser.add_argument("--batches", type=int, nargs="*", default=[], help="batched decode at these batch sizes")
     parser.add_argument("--compile", action="store_true", help="also qkv with the compiled step (qkv --compile)")
+    parser.add_argument("--kv-dtype", choices=("fp16", "bf16"), help="qkv's KV caches in this dtype")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -269,9 +276,9 @@ def main() -> None:
         dtype, quant, gguf_type = PAIRS[precision]
         if precision == "bf16" and not hardware.native_bf16_cpu():
             print("note: this CPU has no native bf16; the bf16 rows are emulated")
-        engines[f"qkv {precision}"] = QkvEngine(run.model, tokenizer, dtype, quant)
+        engines[f"qkv {precision}"] = QkvEngine(run.model, tokenizer, dtype, quant, args.kv_dtype)
         if args.compile:  # the first step compiles (or finds inductor's cache): timed apart
-            fast = QkvEngine(run.model, tokenizer, dtype, quant)
+            fast = QkvEngine(run.model, tokenizer, dtype, quant, args.kv_dtype)
             compiled.enable(fast.model)
             fast.compile_seconds = _timed(lambda: fast.run(short_ids, 3))
             print(f"qkv {precision} compiled: first start {fast.compile_seconds:.1f} s", flush=True)
@@ -289,7 +296,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
                or platform.machine(), "native_bf16": hardware.native_bf16_cpu(), "threads": args.threads,
-               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "engines": {}}
+               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "kv_dtype": args.kv_dtype, "engines": {}}
     if not args.no_speed:
         timings = {name: {"short": [], "long": []} for name in engines}
         for name, engine in engines.items():  # warm-up
@@ -309,7 +316,8 @@ def main() -> None:
     if args.batches:
         results["batched"] = batched(engines, args, short_ids, tmp)
     if args.quality_positions:
-        reference = engines.get("qkv fp32") or QkvEngine(run.model, tokenizer, "fp32", "none")
+        reference = (None if args.kv_dtype else engines.get("qkv fp32")) or QkvEngine(run.model, tokenizer, "fp32",
+                                                                                      "none")  # (an fp32 cache)
         for name, engine in list(engines.items()):
             if name.startswith("transformers") or name.endswith("compiled"):  # (compiled: the same full forward)
                 continue
@@ -352,7 +360,8 @@ def batched(engines: dict, args, ids: list[int], tmp: Path) -> dict:
 
 def print_table(results: dict, args) -> None:
     print(f"{results['date']}, {results['machine']}, native bf16: {results['native_bf16']}, {results['threads']} "
-          f"threads, torch {results['torch']}; copy bandwidth {results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+          f"threads, torch {results['torch']}; copy bandwidth {results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+          + (f"; qkv's KV cache in {args.kv_dtype}" if args.kv_dtype else ""))
     print(f"{'engine':<22} {'decode tok/s':>15} {'prefill tok/s':>15} {'MiB read':>9} {'% floor':>8} "
           f"{'top-1':>7} {'KL':>8} {'bits/B':>7}")
     for name, row in results["engines"].items():

@@ -134,6 +134,8 @@ def test_generate_seeds_and_greedy(capsys, run):
     assert rc == 0 and err.strip() == "qkv: warning: --seed does not apply to --strategy greedy (it draws nothing)"
     assert greedy == generate("--strategy", "greedy", "--seed", "2") == generate("--strategy", "greedy")
     assert greedy == greedy_by_hand(run, "The moon", 24) + "\n"
+    rc, _, err = cli(capsys, "generate", run, "--prompt", "x", "--max-new-tokens", "2", "--kv-dtype", "fp16")
+    assert rc == 0 and err.strip() == "qkv: KV cache in fp16 (keys and values rounded as they are written)", err
 
 
 def greedy_by_hand(run_dir: Path, prompt: str, new: int) -> str:
@@ -286,6 +288,7 @@ def test_bad_inputs_for_eval_and_generate(capsys, run, tmp_path):
     assert_one_error_line(*cli(capsys, "generate", run, "--top-p", "0"), "--top-p=0.0")
     assert_one_error_line(*cli(capsys, "generate", run, "--temperature", "0"), "--temperature")
     assert_one_error_line(*cli(capsys, "generate", run, "--strategy", "nucleus"), "invalid choice")
+    assert_one_error_line(*cli(capsys, "generate", run, "--kv-dtype", "fp8"), "invalid choice")
     for strategy, option in (("greedy", "--temperature"), ("greedy", "--top-k"), ("beam", "--top-p"),
                              ("sample", "--top-k"), ("top-p", "--beams"), ("beam", "--temperature")):
         value = "0.5" if option in ("--temperature", "--top-p") else "3"

@@ -325,6 +325,18 @@ def test_greedy_batched_equals_alone_at_every_fp32_precision(dtype, quant):
     check_batched_equals_alone(model)
 
 
+def test_greedy_batched_equals_alone_with_a_half_cache():
+    """`qkv serve --kv-dtype fp16`: each column is rounded alone as it is written, so a request's tokens still do
+    not depend on the rows around it (the padded batch's caches hold fp16 too)."""
+    from qkv.generate.weights import prepare, set_kv_dtype
+
+    model = model_for(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2)
+    prepare(model, quant="int8")
+    set_kv_dtype(model, "fp16")
+    assert model.new_cache(2, 8).layers[0].k.dtype == torch.float16
+    check_batched_equals_alone(model)
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
 def test_the_compiled_step_serves_every_row_as_the_general_step_does(monkeypatch, tmp_path):

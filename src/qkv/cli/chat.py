@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 
 from qkv.cli.generate import GENERATE_DEFAULTS, generation_settings
-from qkv.cli.options import add_compile, add_precision, apply_compile, apply_precision, load_for_inference, positive_int
+from qkv.cli.options import (add_compile, add_kv_dtype, add_precision, apply_compile, apply_precision, load_for_inference,
+                             positive_int)
 from qkv.errors import QkvError
 
 
@@ -24,6 +25,7 @@ def add_parsers(sub) -> None:
     chat.add_argument("--top-k", type=positive_int, help=f"top-k (default {GENERATE_DEFAULTS['top_k']})")
     chat.add_argument("--top-p", type=float, help=f"top-p (default {GENERATE_DEFAULTS['top_p']})")
     add_precision(chat)
+    add_kv_dtype(chat)
     add_compile(chat)
     chat.add_argument("--seed", type=int, help="sampling strategies (default: a fresh seed)")
     chat.set_defaults(beams=None)  # no beam search: a chat streams its reply

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from qkv.cli.options import add_compile, add_precision, apply_compile, apply_precision, load_for_inference, positive_int
+from qkv.cli.options import (add_compile, add_kv_dtype, add_precision, apply_compile, apply_precision, load_for_inference,
+                             positive_int)
 from qkv.errors import QkvError
 
 
@@ -24,6 +25,7 @@ def add_parsers(sub) -> None:
     generate.add_argument("--seed", type=int, help="sampling strategies (default 0)")
     generate.add_argument("--stream", action="store_true", help="print text as it is produced")
     add_precision(generate)
+    add_kv_dtype(generate)
     add_compile(generate)
     generate.add_argument("--steer", action="append", default=[], metavar="FILE@LAYER:SCALE",
                           help="add SCALE x the vector in FILE (qkv probe --minus ... --out FILE) to the residual "

@@ -85,6 +85,13 @@ def add_precision(parser) -> None:
                                                          "adapter_model.safetensors), merged into the model first")
 
 
+def add_kv_dtype(parser) -> None:
+    """--kv-dtype: the dtype a decoder's KV cache holds (qkv.generate.weights.set_kv_dtype)."""
+    parser.add_argument("--kv-dtype", choices=("fp32", "bf16", "fp16"),
+                        help="keys and values in the KV cache (default: the model's dtype; fp16 or bf16 halve what "
+                             "a step reads from a long cache, as llama.cpp's default fp16 cache)")
+
+
 def add_compile(parser) -> None:
     """--compile: decode with a compiled step (qkv.generate.compiled)."""
     parser.add_argument("--compile", action="store_true",
@@ -141,6 +148,9 @@ def apply_precision(run, args, log=None) -> str | None:
     for warning in weights.check(args.dtype, args.quant, device, compiled=bool(getattr(args, "compile", False))):
         log(warning)
     description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
+    kv = weights.set_kv_dtype(run.model, getattr(args, "kv_dtype", None))  # (generate, chat and serve take it)
+    if kv:
+        log(kv)
     if args.dtype == "fp32" and args.quant == "none":
         return None
     log(f"qkv: running at {description}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from qkv.cli.options import add_compile, add_precision, port_number, positive_int
+from qkv.cli.options import add_compile, add_kv_dtype, add_precision, port_number, positive_int
 from qkv.errors import QkvError
 
 
@@ -24,6 +24,7 @@ def add_parsers(sub) -> None:
     serve.add_argument("--name", help="the model's id in the API (default: the directory's name)")
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     add_precision(serve)
+    add_kv_dtype(serve)
     add_compile(serve)
     serve.add_argument("--threads", type=positive_int, help="torch threads of the decoding engine, which runs "
                                                             "on the main thread (default: torch's, the cores)")
@@ -39,7 +40,7 @@ def cmd_serve(args) -> int:
         raise QkvError("--api-key is empty")
     serve(args.run, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device, threads=args.threads,
-          dtype=args.dtype, quant=args.quant, compile=args.compile,
+          dtype=args.dtype, quant=args.quant, compile=args.compile, kv_dtype=args.kv_dtype,
           log=lambda message: print(message, file=sys.stderr, flush=True))
     return 0
 

@@ -35,12 +35,13 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         v_all[:, :, n - 1:n] = v
     else:  # (by index: a slice from n - T would guard on where it starts, n - T <= 0 when traced into an empty cache)
         own = torch.arange(n - T, n, device=k.device)
-        k_all.index_copy_(2, own, k)
-        v_all.index_copy_(2, own, v)
+        k_all.index_copy_(2, own, k.to(k_all.dtype))  # (a cache in fp16 or bf16 under an fp32 model)
+        v_all.index_copy_(2, own, v.to(v_all.dtype))
     if summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
         out = summed_attention(q, k_all[:, :, :n], v_all[:, :, :n], mask, Dh ** -0.5)
     else:
-        out = F.scaled_dot_product_attention(q, k_all[:, :, :n], v_all[:, :, :n], attn_mask=mask, scale=Dh ** -0.5,
+        k_seen, v_seen = k_all[:, :, :n].to(q.dtype), v_all[:, :, :n].to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, scale=Dh ** -0.5,
                                              enable_gqa=H != Hkv)  # (B, H, T, Dh)
     return attn.o_proj(out.reshape(B, 1, H * Dh) if T == 1 else out.transpose(1, 2).reshape(B, T, H * Dh))
 

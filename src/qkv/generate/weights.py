@@ -67,6 +67,27 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
     return warnings
 
 
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def set_kv_dtype(model: nn.Module, name: str | None) -> str | None:
+    """`--kv-dtype`: the decoder's KV caches hold keys and values in fp32, bf16 or fp16 (None: the embedding's
+    dtype, the default). Half the bytes a decoding step reads from the cache, rounded once as they are written
+    (llama.cpp keeps fp16 by default, its `--cache-type-k` / `-v`); the attention itself still computes in
+    fp32. A line saying so, or None when nothing changes; refused for a model without a decoder's cache."""
+    if name is None:
+        return None
+    if name not in KV_DTYPES:
+        raise QkvError(f"--kv-dtype {name!r}: choose from {', '.join(KV_DTYPES)}")
+    if not hasattr(model, "kv_dtype"):
+        raise QkvError(f"--kv-dtype applies to decoder-only models (their KV cache); this is a {type(model).__name__}")
+    weight = model.tok_emb.weight
+    model.kv_dtype = KV_DTYPES[name] if KV_DTYPES[name] != weight.dtype else None
+    if model.kv_dtype is None:
+        return None
+    return f"qkv: KV cache in {name} (keys and values rounded as they are written)"
+
+
 def load(path: str | Path, *, dtype: str = "fp32", quant: str = "none", device: str | torch.device = "cpu",
          stream: bool = True) -> Run:
     """qkv.formats.load(path) for inference at `dtype` / `quant`: where the format streams (GGUF), each block is

@@ -29,6 +29,7 @@ class DecoderLM(Embeddings):
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied
         self.max_seq_len = max_seq_len
+        self.kv_dtype: torch.dtype | None = None  # the caches' dtype when not the embedding's (inference)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 cache: KVCache | None = None, *, head: bool = True, documents: Tensor | None = None,
@@ -62,9 +63,10 @@ class DecoderLM(Embeddings):
 
     def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:
         """A preallocated KV cache for `batch` rows of up to `max_len` tokens; `rolling`: keep only the columns
-        the kernel can still read (a local kernel's last w, any length; qkv.nn.cache)."""
+        the kernel can still read (a local kernel's last w, any length; qkv.nn.cache). Its keys and values are
+        held in the embedding's dtype, or in `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
         return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
-                       dtype=weight.dtype, device=weight.device,
+                       dtype=self.kv_dtype or weight.dtype, device=weight.device,
                        window=rolling_window(attn.kernel_name, attn.window) if rolling else 0)

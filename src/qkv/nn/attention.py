@@ -70,7 +70,8 @@ class Attention(nn.Module):
         q, k = ctx.positional.rotate(q, k, ctx.positions)
         q, k, v = point(self, "q", q), point(self, "k", k), point(self, "v", v)  # qkv.nn.hookpoints
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, Hkv, S, Dh)
+            k, v = cache.append(k, v)  # (B, Hkv, S, Dh), in the cache's dtype (fp16 or bf16 for an fp32 model)
+            k, v = (k, v) if k.dtype == q.dtype else (k.to(q.dtype), v.to(q.dtype))
         # a kernel that takes grouped K/V repeats nothing, unless the score bias is made from K (Shaw, XL)
         if not getattr(self.kernel, "grouped_kv", False) or ctx.positional.score_bias_kind == "content":
             k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, Dh)

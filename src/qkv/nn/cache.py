@@ -76,7 +76,7 @@ class RollingLayerCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Return the kept columns and this call's (B, Hkv, kept + T, Dh); keep the last `window` of them."""
-        k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        k, v = torch.cat((self.k, k.to(self.k.dtype)), dim=2), torch.cat((self.v, v.to(self.v.dtype)), dim=2)
         self.k, self.v = k[:, :, -self.window:], v[:, :, -self.window:]
         self.length = self.k.shape[2]
         return k, v

@@ -37,9 +37,10 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
             dtype: str = "fp32", quant: str = "none", compile: bool = False, main_thread: bool = False,
-            log=print) -> Served:
+            kv_dtype: str | None = None, log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
-    (qkv.generate.weights); `compile`: its decoding step compiled (qkv.generate.compiled) before it serves."""
+    (qkv.generate.weights), its KV caches in `kv_dtype` (default the model's); `compile`: its decoding step
+    compiled (qkv.generate.compiled) before it serves."""
     run = weights.load(path, dtype=dtype, quant=quant, device=device)  # a GGUF file a block at a time
     for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
         log(warning)
@@ -50,6 +51,9 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
     description = weights.prepare(run.model, dtype=dtype, quant=quant)  # fuses Q/K/V and gate/up too
     if (dtype, quant) != ("fp32", "none"):
         log(f"qkv: serving at {description}")
+    kv = weights.set_kv_dtype(run.model, kv_dtype)
+    if kv:
+        log(kv)
     if run.tokenizer is None:
         raise QkvError(f"{path}: has no tokenizer.json; the server reads and writes text")
     for module in run.model.modules():  # capacity drops would make a row's output depend on the others
