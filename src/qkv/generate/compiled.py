@@ -41,6 +41,7 @@ import os
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,6 +57,9 @@ from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm
 
+# inductor's C++ code generation notes a node holding both bf16 and fp16 (it computes such a node in fp32): a
+# quantized layer's bf16 output written into an fp16 KV cache (--kv-dtype fp16); nothing for a user to do
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
 PROMPT_ROWS = 16  # a prompt of up to this many tokens a row is prefilled by the compiled graph (CompiledStep.prompt)
 # Only what varies gets a symbol when a graph is traced (rows, cache columns, n): the cache's heads and head size,
