@@ -89,7 +89,8 @@ def add_kv_dtype(parser) -> None:
     """--kv-dtype: the dtype a decoder's KV cache holds (qkv.generate.weights.set_kv_dtype)."""
     parser.add_argument("--kv-dtype", choices=("fp32", "bf16", "fp16"),
                         help="keys and values in the KV cache (default: the model's dtype; fp16 or bf16 halve what "
-                             "a step reads from a long cache, as llama.cpp's default fp16 cache)")
+                             "a step reads from a long cache, as llama.cpp's default fp16 cache; faster with "
+                             "--compile, slower without)")
 
 
 def add_compile(parser) -> None:
