@@ -67,7 +67,7 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
     return warnings
 
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = {**DTYPES, "fp16": torch.float16}  # a cache may also hold fp16
 
 
 def set_kv_dtype(model: nn.Module, name: str | None) -> str | None:
