@@ -1,6 +1,6 @@
 """The precision a model runs inference at: `--dtype fp32|bf16` (activations, and the weights left unquantized)
 and `--quant none|int8|int4` (the linear layers' weights, qkv.nn.quant), shared by generate, chat, serve, eval
-and explain.
+and explain; and `--kv-dtype fp32|bf16|fp16` (the decoder's KV cache, set_kv_dtype: generate, chat and serve).
 
     fp32, none   as trained or loaded (4 bytes a weight)
     bf16, none   every parameter in bf16; norms, softmax and RoPE still compute in fp32 inside the model
