@@ -12,7 +12,9 @@ and Q8_0, so all hold the same weights up to each format's rounding. Pairs: fp32
 int8 / Q8_0, int4 / Q4_1. transformers (`from_pretrained(gguf_file=...)`, its own `generate`) at fp32 and bf16.
 
 Speed, batch 1, greedy, `--new` tokens after a short prompt and after a ~500-token prompt (a passage of Hamlet):
-prefill tok/s = prompt tokens / time to the first new token; decode tok/s = the other new tokens / their time.
+prefill tok/s = prompt tokens / time to the first new token; decode tok/s = the other new tokens / their time,
+both from one call's clock read at each new token (qkv's on_token, llama.cpp's token stream, a transformers
+streamer).
 Engines alternate within each repeat; medians are reported. The bandwidth floor of a decode step is the bytes
 of weights it reads / the machine's copy bandwidth (read + write of a 256 MiB copy, as benchmarks/run.py).
 
@@ -75,6 +77,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / best
 
 
+def _speeds(prompt: int, start: float, stamps: list[float]) -> tuple[float, float]:
+    """prefill tok/s (the prompt's tokens / the time to the first new token) and decode tok/s (the other new
+    tokens / the time from the first to the last), from one call's clock at each new token."""
+    return prompt / (stamps[0] - start), (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9)
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -91,13 +99,12 @@ class QkvEngine:
         self.bytes = decode_bytes(self.model)
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        prompt = torch.tensor([ids])
+        stamps = []  # after each new token, in one call (as LlamaEngine times llama.cpp's)
         with torch.no_grad():
-            first = _timed(lambda: generate(self.model, prompt, max_new_tokens=1))
             start = time.perf_counter()
-            out = generate(self.model, prompt, max_new_tokens=new)
-            total = time.perf_counter() - start
-        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out[0, len(ids):].tolist()
+            out = generate(self.model, torch.tensor([ids]), max_new_tokens=new,
+                           on_token=lambda step, tokens: stamps.append(time.perf_counter()))
+        return (*_speeds(len(ids), start, stamps), out[0, len(ids):].tolist())
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """(T, V) logits of a forward over `ids`; through a KV cache when it holds another dtype (its rounding
@@ -128,15 +135,13 @@ class LlamaEngine:
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
         self.llm.reset()
-        out, start, first = [], time.perf_counter(), None
+        out, stamps, start = [], [], time.perf_counter()
         for token in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(token)
-            if first is None:
-                first = time.perf_counter() - start
+            stamps.append(time.perf_counter())
             if len(out) == new:
                 break
-        total = time.perf_counter() - start
-        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out
+        return (*_speeds(len(ids), start, stamps), out)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         self.llm.reset()
@@ -213,14 +218,20 @@ class HfEngine:
         self.bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        prompt = torch.tensor([ids])
-        kwargs = dict(do_sample=False, pad_token_id=0)
+        stamps = []
+
+        class Stamps:  # transformers' streamer interface: put(the prompt), then put(each new token), end()
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
         with torch.no_grad():
-            first = _timed(lambda: self.model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs))
             start = time.perf_counter()
-            out = self.model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kwargs)
-            total = time.perf_counter() - start
-        return len(ids) / first, (new - 1) / max(total - first, 1e-9), out[0, len(ids):].tolist()
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                      pad_token_id=0, streamer=Stamps())
+        return (*_speeds(len(ids), start, stamps[1:]), out[0, len(ids):].tolist())
 
 
 # -------------------------------------------------------------------------------------------- quality
