@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from qkv.config import ModelConfig
@@ -62,6 +63,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     """Check `cfg`, build the model and initialise it with `cfg.init`."""
     check_model(cfg)
     model = ARCHITECTURES.get(cfg.arch).build(cfg)
+    if any(p.is_meta for p in model.parameters()):  # built on the meta device for a file's weights (a loader):
+        return model  # nothing to draw (and torch's meta normal_ would import TorchDynamo, about 1 s)
     depth = cfg.encoder_layers if cfg.arch == "encoder" else cfg.decoder_layers
     INITS.get(cfg.init)(model, std=cfg.init_std, n_layers=depth)
     if getattr(model, "bigram_emb", None) is not None:
@@ -143,8 +146,16 @@ def final_norm(cfg: ModelConfig) -> nn.Module:
     return norm(cfg) if RESIDUALS.get(cfg.norm_placement).final_norm else nn.Identity()
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(rows, dim); on the meta device (a loader's model, whose weights come from a file) without
+    torch's N(0, 1) draw, which there runs a Python reference that imports TorchDynamo (about 1 s)."""
+    if torch.empty(0).is_meta:  # (inside `with torch.device("meta")`)
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 def decoder(cfg: ModelConfig) -> DecoderLM:
-    tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    tok_emb = embedding(cfg.vocab_size, cfg.d_model)
     lm_head = (SoftCapHead(cfg.d_model, cfg.vocab_size, cap=cfg.logit_softcap) if cfg.logit_softcap else
                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
     if cfg.tie_embeddings:
@@ -152,7 +163,7 @@ def decoder(cfg: ModelConfig) -> DecoderLM:
     return DecoderLM(tok_emb=tok_emb, positional=positional(cfg),
                      blocks=[block(cfg) for _ in range(cfg.decoder_layers)], final_norm=final_norm(cfg),
                      lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len,
-                     bigram_emb=nn.Embedding(cfg.bigram_vocab, cfg.d_model) if cfg.bigram_vocab else None)
+                     bigram_emb=embedding(cfg.bigram_vocab, cfg.d_model) if cfg.bigram_vocab else None)
 
 
 def embed_norm(cfg: ModelConfig) -> nn.Module | None:
@@ -161,7 +172,7 @@ def embed_norm(cfg: ModelConfig) -> nn.Module | None:
 
 def encoder_stack(cfg: ModelConfig, tok_emb: nn.Embedding) -> Encoder:
     """The bare encoder: bidirectional blocks (note 000 §7), token types when type_vocab_size > 0."""
-    type_emb = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+    type_emb = embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
     return Encoder(tok_emb=tok_emb, positional=positional(cfg, causal=False),
                    blocks=[block(cfg) for _ in range(cfg.encoder_layers)], final_norm=final_norm(cfg),
                    dropout=cfg.dropout, type_emb=type_emb, embed_norm=embed_norm(cfg),
@@ -169,7 +180,7 @@ def encoder_stack(cfg: ModelConfig, tok_emb: nn.Embedding) -> Encoder:
 
 
 def encoder(cfg: ModelConfig) -> nn.Module:
-    return HEADS.get(cfg.head)(cfg, encoder_stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model)))
+    return HEADS.get(cfg.head)(cfg, encoder_stack(cfg, embedding(cfg.vocab_size, cfg.d_model)))
 
 
 @HEADS.register("none")
@@ -198,8 +209,8 @@ def classifier_head(cfg: ModelConfig, stack: Encoder) -> EncoderClassifier:
 def encoder_decoder(cfg: ModelConfig) -> EncoderDecoder:
     """Vaswani et al. §3.4: with tie_embeddings one W_E serves the source and target embeddings and the
     output projection."""
-    tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-    src_emb = tok_emb if cfg.tie_embeddings else nn.Embedding(cfg.vocab_size, cfg.d_model)
+    tok_emb = embedding(cfg.vocab_size, cfg.d_model)
+    src_emb = tok_emb if cfg.tie_embeddings else embedding(cfg.vocab_size, cfg.d_model)
     lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.tie_embeddings:
         lm_head.weight = tok_emb.weight

@@ -94,3 +94,45 @@ def test_a_template_that_raises_is_one_error_line(capsys, tmp_path, monkeypatch)
     path = write_llama(tmp_path / "r.gguf", template="{{ raise_exception('only user turns') }}")
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n"))
     assert_one_error_line(*cli(capsys, "chat", path, "--max-new-tokens", "2"), "only user turns")
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_plain_reader_reads_what_the_gguf_package_reads(good, tmp_path, endian):
+    """GgufFile's reader (plain ndarray slices of the memory map, qkv.formats.gguf.reader.plain_reader) against
+    the package's own: every field's name, types, parts and contents, every tensor's name, type, shape and bytes,
+    on a model file and on one holding each kind of value, in both byte orders."""
+    import numpy as np
+
+    from qkv.formats.gguf.reader import plain_reader
+
+    kinds = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(kinds, "llama", endianess=endian)
+    writer.add_uint8("k.u8", 7)
+    writer.add_int16("k.i16", -3)
+    writer.add_uint64("k.u64", 2 ** 40)
+    writer.add_float64("k.f64", 0.1)
+    writer.add_bool("k.b", True)
+    writer.add_string("k.s", "h\u00e9llo")
+    writer.add_array("k.strings", ["a", "", "\u00fc" * 3])
+    writer.add_array("k.ints", [1, -2, 3])
+    writer.add_array("k.floats", [0.5, 1.5])
+    writer.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (good, kinds) if endian == gguf.GGUFEndian.LITTLE else (kinds,):
+        theirs, ours = gguf.GGUFReader(path), plain_reader(gguf)(path)
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            mine = ours.fields[name]
+            assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+            assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts], name
+            assert [p.dtype for p in mine.parts] == [p.dtype for p in field.parts], name
+            assert mine.contents() == field.contents(), name
+        assert len(ours.tensors) == len(theirs.tensors)
+        for mine, tensor in zip(ours.tensors, theirs.tensors):
+            assert (mine.name, mine.tensor_type, mine.shape.tolist(), mine.data_offset) == \
+                   (tensor.name, tensor.tensor_type, tensor.shape.tolist(), tensor.data_offset)
+            assert mine.data.dtype == tensor.data.dtype and mine.data.tobytes() == tensor.data.tobytes()
+    assert plain_reader(gguf)(kinds).fields["k.strings"].contents() == ["a", "", "\u00fc" * 3]
