@@ -49,21 +49,34 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         raise QkvError(f"{path}: has no checkpoint yet ({MODEL_FILE} is missing)")
     tokenizer = Tokenizer.load(path / TOKENIZER_FILE)
     check_vocabulary(tokenizer, config.model.vocab_size, path / TOKENIZER_FILE)
-    model = build_model(config.model)
     tensors = files.read_tensors(model_file)
     quant = read_quant(path)
-    if quant is not None:  # the saved codes and scales go into layers of their shapes: nothing is requantized
-        kind, group, head = quant
-        quantize_model(model, kind, group, empty=True, head=head)
-        load_quantized(model, tensors, str(model_file))
-    if config.train.lora:  # a LoRA run's checkpoint holds the frozen layers and their adapters: merged here
-        lora_model(model, parse_spec(config.train.lora), empty=True)
-        load_quantized(model, tensors, str(model_file))  # QLoRA's frozen codes
-    files.load_model_tensors(model, tensors, str(model_file))
+    model = plain_model(config, tensors, str(model_file)) if quant is None and not config.train.lora else None
+    if model is None:
+        model = build_model(config.model)
+        if quant is not None:  # the saved codes and scales go into layers of their shapes: nothing is requantized
+            kind, group, head = quant
+            quantize_model(model, kind, group, empty=True, head=head)
+            load_quantized(model, tensors, str(model_file))
+        if config.train.lora:  # a LoRA run's checkpoint holds the frozen layers and their adapters: merged here
+            lora_model(model, parse_spec(config.train.lora), empty=True)
+            load_quantized(model, tensors, str(model_file))  # QLoRA's frozen codes
+        files.load_model_tensors(model, tensors, str(model_file))
     if merge_lora(model):
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))  # what it now is
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer,
                chat=read_chat(path, tokenizer.vocab_size))
+
+
+def plain_model(config: RunConfig, tensors: dict[str, torch.Tensor], origin: str) -> torch.nn.Module | None:
+    """The model built on the meta device with the file's tensors as its weights (nothing drawn first: SmolLM2's
+    random initialisation took 1.0 s of a 1.2 s load); None for a model with buffers, which would stay there."""
+    with torch.device("meta"):
+        model = build_model(config.model)
+    if any(True for _ in model.buffers()):
+        return None
+    files.assign_model_tensors(model, tensors, origin)
+    return model
 
 
 def config(path: str | Path) -> RunConfig:
