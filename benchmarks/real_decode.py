@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -218,19 +219,12 @@ class HfEngine:
         self.bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        stamps = []
-
-        class Stamps:  # transformers' streamer interface: put(the prompt), then put(each new token), end()
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
+        stamps = []  # a streamer (transformers' interface): put(the prompt), then put(each new token), end()
+        streamer = types.SimpleNamespace(put=lambda value: stamps.append(time.perf_counter()), end=lambda: None)
         with torch.no_grad():
             start = time.perf_counter()
             out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      pad_token_id=0, streamer=Stamps())
+                                      pad_token_id=0, streamer=streamer)
         return (*_speeds(len(ids), start, stamps[1:]), out[0, len(ids):].tolist())
 
 

@@ -113,3 +113,23 @@ def test_every_family_loads_its_saved_weights_and_logits(run_copy, tmp_path, ove
         args = (ids, ids) if cfg.arch == "encoder-decoder" else (ids,)
         want, got = model(*args), loaded(*args)
     assert torch.equal(got, want)
+
+
+def test_one_tensor_given_to_two_untied_parameters_becomes_two():
+    """model_with assigns the file's tensors rather than copying them: where a mapping gives one tensor to two
+    parameters that are not tied (T5's shared embedding), each still gets a storage of its own."""
+    import dataclasses
+
+    from qkv.config import ModelConfig
+    from qkv.formats.base import model_with
+
+    cfg = dataclasses.replace(ModelConfig(), vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_layers=1,
+                              max_seq_len=16, tie_embeddings=False)
+    tensors = files.model_tensors(build_model(cfg))
+    tensors["lm_head.weight"] = tensors["tok_emb.weight"]
+    model = model_with(cfg, tensors, "test")
+    head, embedding = model.lm_head.weight, model.tok_emb.weight
+    assert torch.equal(head, embedding) and head.data_ptr() != embedding.data_ptr()
+    with torch.no_grad():
+        head.add_(1.0)
+    assert torch.equal(embedding, tensors["tok_emb.weight"])

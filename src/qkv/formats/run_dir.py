@@ -20,7 +20,7 @@ from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
-from qkv.formats.base import Chat, Run, check_vocabulary
+from qkv.formats.base import Chat, Run, check_vocabulary, model_with
 from qkv.formats import chat as model_dir_chat
 from qkv.models import build_model
 from qkv.models.build import check_model
@@ -51,8 +51,9 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
     check_vocabulary(tokenizer, config.model.vocab_size, path / TOKENIZER_FILE)
     tensors = files.read_tensors(model_file)
     quant = read_quant(path)
-    model = plain_model(config, tensors, str(model_file)) if quant is None and not config.train.lora else None
-    if model is None:
+    if quant is None and not config.train.lora:  # the file's tensors become the weights
+        model = model_with(config.model, tensors, str(model_file))
+    else:
         model = build_model(config.model)
         if quant is not None:  # the saved codes and scales go into layers of their shapes: nothing is requantized
             kind, group, head = quant
@@ -66,17 +67,6 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))  # what it now is
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer,
                chat=read_chat(path, tokenizer.vocab_size))
-
-
-def plain_model(config: RunConfig, tensors: dict[str, torch.Tensor], origin: str) -> torch.nn.Module | None:
-    """The model built on the meta device with the file's tensors as its weights (nothing drawn first: SmolLM2's
-    random initialisation took 1.0 s of a 1.2 s load); None for a model with buffers, which would stay there."""
-    with torch.device("meta"):
-        model = build_model(config.model)
-    if any(True for _ in model.buffers()):
-        return None
-    files.assign_model_tensors(model, tensors, origin)
-    return model
 
 
 def config(path: str | Path) -> RunConfig:

@@ -22,8 +22,8 @@ from torch import nn
 
 from qkv.config import RunConfig
 from qkv.errors import QkvError
-from qkv.files import assign_model_tensors, load_model_tensors
-from qkv.formats.base import Chat, Run, check_vocabulary
+from qkv.files import assign_model_tensors
+from qkv.formats.base import Chat, Run, check_vocabulary, model_with
 from qkv.formats.gguf.archs import GGUF_ARCHS
 from qkv.formats.gguf.reader import GgufFile, is_gguf
 from qkv.formats.gguf.tokenizer import gguf_tokenizer, token_of
@@ -62,11 +62,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
             tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
         except QkvError as exc:
             raise QkvError(f"{path}: {exc}") from None
-        if buffers:  # a buffer would stay on the meta device: build and copy instead
-            model = build_model(cfg)
-            load_model_tensors(model, tensors, str(path))  # its errors name the file
-        else:
-            assign_model_tensors(model, tensors, str(path))  # one fp32 copy of the weights in memory, not two
+        model = model_with(cfg, tensors, str(path))  # one fp32 copy of the weights in memory, not two
         del tensors
     tokenizer = gguf_tokenizer(file.metadata, str(path))
     check_vocabulary(tokenizer, cfg.vocab_size, path)

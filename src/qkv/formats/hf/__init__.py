@@ -16,17 +16,16 @@ from torch import nn
 
 from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
-from qkv.files import load_model_tensors, model_tensors
+from qkv.files import model_tensors
 from qkv.formats.hf import bart, bert, gpt2, llama, qwen2, t5  # noqa: F401  (each registers its family: the package assembles them)
 from qkv.formats.chat import read_chat
 from qkv.formats.hf.common import HF_FAMILIES, HfFamily, check_types
 from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
 from qkv.formats.hf.tokenizer import ORIGINAL, hf_tokenizer_files, read_tokenizer
-from qkv.models import build_model
 from qkv.models.build import check_model
 from qkv.nn.quant import quantize_model
 from qkv.formats import run_dir
-from qkv.formats.base import Run, check_vocabulary
+from qkv.formats.base import Run, check_vocabulary, model_with
 
 __all__ = ["convert_from_hf", "is_hf_dir", "load", "save", "supported"]
 
@@ -66,8 +65,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
         tensors = family.to_qkv(weights, cfg)
     except QkvError as exc:
         raise QkvError(f"{path}: {exc}") from None
-    model = build_model(cfg)
-    load_model_tensors(model, tensors, str(path / WEIGHTS))
+    model = model_with(cfg, tensors, str(path / WEIGHTS))
     tokenizer, _ = read_tokenizer(path, hf)
     check_vocabulary(tokenizer, cfg.vocab_size, path / "tokenizer.json")
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
