@@ -17,6 +17,8 @@ from torch import nn
 from qkv.config import ModelConfig, RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
+from qkv.files import assign_model_tensors, load_model_tensors
+from qkv.models import build_model
 from qkv.registry import Registry
 
 
@@ -73,9 +75,6 @@ def model_with(cfg: ModelConfig, tensors: dict[str, torch.Tensor], origin: str) 
     the meta device and given the tensors themselves, so nothing is drawn or held twice (SmolLM2: its random
     initialisation was 1.0 s of a 1.2 s load); a model with buffers (which would stay on the meta device) is
     built on the CPU and copied into."""
-    from qkv.files import assign_model_tensors, load_model_tensors
-    from qkv.models import build_model
-
     with torch.device("meta"):
         model = build_model(cfg)
     if any(True for _ in model.buffers()):
