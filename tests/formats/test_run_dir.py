@@ -133,3 +133,17 @@ def test_one_tensor_given_to_two_untied_parameters_becomes_two():
     with torch.no_grad():
         head.add_(1.0)
     assert torch.equal(embedding, tensors["tok_emb.weight"])
+
+
+def test_weights_written_in_place_never_reach_the_file(run_copy):
+    """The loaded weights are the file's tensors (safetensors maps the file privately): training or merging into
+    them in place copies the pages it writes and leaves model.safetensors as it was."""
+    before = (run_copy / MODEL_FILE).read_bytes()
+    run = load(run_copy)
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.add_(1.0)
+    assert (run_copy / MODEL_FILE).read_bytes() == before
+    assert all(torch.equal(p.detach(), saved + 1.0) for p, saved in
+               zip(run.model.parameters(), (read_tensors(run_copy / MODEL_FILE)[n] for n, _ in
+                                             run.model.named_parameters())))
