@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qkv.config import TrainConfig
+from qkv.errors import QkvError
 from qkv import schedules
 from qkv.schedules import LR_SCALING, SCHEDULES, batch_rows
 
@@ -208,3 +209,36 @@ def test_train_decay_fraction_reaches_the_schedule():
     tc = TrainConfig(schedule="wsd", lr=1.0, min_lr=0.0, warmup_steps=0, decay_fraction=0.5)
     values = [schedules.learning_rate(tc, s, horizon=101, d_model=8) for s in range(101)]
     assert values[:51] == [1.0] * 51 and values[75] == pytest.approx(0.5) and values[-1] == 0.0
+
+
+@given(warmup=st.integers(0, 40), extra=st.integers(2, 300), fraction=st.floats(0.05, 1.0))
+def test_wsd_sqrt_cooldown_is_lr_minus_the_square_root_of_its_progress(warmup, extra, fraction):
+    """decay_shape "sqrt": the same flat part, then lr + (min_lr - lr) sqrt((s - D) / (total - 1 - D)) (Hägele et
+    al. 2024's 1 - sqrt cooldown): min_lr at the last step, never rising, never above the straight line's value
+    below it, and never below min_lr."""
+    total = warmup + extra
+    decay_start = max(warmup, total - 1 - round(fraction * (total - warmup)))
+    wsd = SCHEDULES.get("wsd")
+    values = []
+    for step in range(warmup, total):
+        value = wsd(step, lr=LR, min_lr=MIN_LR, warmup=warmup, total=total, d_model=D_MODEL, decay_fraction=fraction,
+                    decay_shape="sqrt")
+        progress = (step - decay_start) / (total - 1 - decay_start) if step > decay_start else 0.0
+        assert value == pytest.approx(LR + (MIN_LR - LR) * math.sqrt(progress), rel=1e-12)
+        straight = wsd(step, lr=LR, min_lr=MIN_LR, warmup=warmup, total=total, d_model=D_MODEL,
+                       decay_fraction=fraction)
+        assert MIN_LR - 1e-15 <= value <= straight + 1e-15
+        values.append(value)
+    if decay_start < total - 1:  # (a run too short for its fraction has no cooldown step)
+        assert values[-1] == pytest.approx(MIN_LR, rel=1e-12)
+    assert all(b <= a + 1e-15 for a, b in zip(values, values[1:]))
+
+
+def test_train_decay_shape_reaches_the_schedule_and_applies_to_wsd_only():
+    tc = TrainConfig(schedule="wsd", lr=1.0, min_lr=0.0, warmup_steps=0, decay_fraction=0.5, decay_shape="sqrt")
+    values = [schedules.learning_rate(tc, s, horizon=101, d_model=8) for s in range(101)]
+    assert values[:51] == [1.0] * 51 and values[75] == pytest.approx(1 - math.sqrt(0.5)) and values[-1] == 0.0
+    with pytest.raises(QkvError, match="train.decay_shape='sqrt' applies to train.schedule='wsd'"):
+        TrainConfig(schedule="cosine", decay_shape="sqrt").validate()
+    with pytest.raises(QkvError, match="choose linear or sqrt"):
+        TrainConfig(schedule="wsd", decay_shape="cosine").validate()

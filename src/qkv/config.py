@@ -154,6 +154,7 @@ class TrainConfig:
     muon_lr: float = 0.02  # optimizer muon: the hidden matrices' peak rate (train.lr stays the AdamW groups')
     muon_momentum: float = 0.95
     decay_fraction: float = 0.3  # schedule wsd: the share of the run spent decaying to min_lr
+    decay_shape: str = "linear"  # schedule wsd: the cooldown's shape, linear | sqrt (Hägele et al. 2024)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -207,6 +208,11 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if not 0.0 < self.decay_fraction <= 1.0:
             raise QkvError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if self.decay_shape not in ("linear", "sqrt"):
+            raise QkvError(f"train.decay_shape={self.decay_shape!r}: choose linear or sqrt")
+        if self.decay_shape != "linear" and self.schedule != "wsd":
+            raise QkvError(f"train.decay_shape={self.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
+                           f"not {self.schedule!r}")
         for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise QkvError(f"train.{name}={getattr(self, name)} must be in [0, 1)")

@@ -43,13 +43,14 @@ def tiny() -> RunConfig:
 def shakespeare() -> RunConfig:
     """The default job: a BPE decoder LM trained for 5 minutes on the bundled modern-spelling works."""
     # Sized for 300 s on 2 CPU cores (about 2.1M tokens): a 128-wide, 4-layer model with rotary positions;
-    # Muon on the hidden matrices with AdamW on the rest, a warmup-stable-decay schedule and batches of
+    # Muon on the hidden matrices with AdamW on the rest, a warmup-stable-decay schedule (its cooldown 1 - sqrt)
+    # and batches of
     # 8 x 256 tokens after a ramp from 2 rows over the first 300 updates (about 1,150 updates). Each choice
     # was measured at fixed steps and at equal time (docs/recipe.md).
     return RunConfig(
         model=ModelConfig(d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=256, dropout=0.0,
                           positional="rope"),
-        train=TrainConfig(batch_size=8, seq_len=256, max_steps=100_000, max_time=300.0, **RECIPE,
+        train=TrainConfig(batch_size=8, seq_len=256, max_steps=100_000, max_time=300.0, **RECIPE, decay_shape="sqrt",
                           precision="auto", warmup_steps=30, batch_warmup_start=2, batch_warmup_steps=300, eval_every=0,
                           eval_batches=8, log_every=10),
         data=DataConfig(vocab_size=2048),

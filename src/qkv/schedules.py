@@ -68,25 +68,31 @@ def noam(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_mode
     return lr * d_model ** -0.5 * min(s ** -0.5, s * max(1, warmup) ** -1.5)
 
 
+# wsd's cooldown as a function of its progress p in [0, 1] (train.decay_shape): lr + (min_lr - lr) shape(p)
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {"linear": lambda p: p, "sqrt": math.sqrt}
+
+
 @SCHEDULES.register("wsd")
 def wsd(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_model: int,
-        decay_fraction: float = 0.3) -> float:
-    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): warmup, the flat peak lr, then a
-    straight line from lr down to min_lr over the last `decay_fraction` of the run (train.decay_fraction),
-    reaching min_lr at the last step `total - 1`."""
+        decay_fraction: float = 0.3, decay_shape: str = "linear") -> float:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): warmup, the flat peak lr, then from lr
+    down to min_lr over the last `decay_fraction` of the run (train.decay_fraction), reaching min_lr at the last
+    step `total - 1`: a straight line, or with decay_shape "sqrt" lr + (min_lr - lr) sqrt(p) (Hägele et al.'s
+    "1 - sqrt" cooldown, which leaves the rate lower for longer; p the cooldown's progress)."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     decay_start = max(warmup, total - 1 - round(decay_fraction * (total - warmup)))
     if step <= decay_start:
         return lr
-    return lr + (min_lr - lr) * _decay_progress(step, decay_start, total)
+    return lr + (min_lr - lr) * DECAY_SHAPES[decay_shape](_decay_progress(step, decay_start, total))
 
 
 def schedule_of(tc) -> Schedule:
-    """train.schedule's function with the options only some schedules take (wsd: train.decay_fraction)."""
+    """train.schedule's function with the options only some schedules take (wsd: train.decay_fraction and
+    train.decay_shape)."""
     fn = SCHEDULES.get(tc.schedule)
     if "decay_fraction" in inspect.signature(fn).parameters:
-        return functools.partial(fn, decay_fraction=tc.decay_fraction)
+        return functools.partial(fn, decay_fraction=tc.decay_fraction, decay_shape=tc.decay_shape)
     return fn
 
 
