@@ -29,7 +29,8 @@ def genre_classification(cfg: RunConfig) -> RunConfig:
     # fine-tuning keeps AdamW with cosine decay (the pretraining preset's Muon and WSD are not measured here)
     train = dataclasses.replace(cfg.train, objective="classify", batch_size=16, seq_len=128, max_steps=100_000,
                                 max_time=180.0, optimizer="adamw", lr=5e-4, min_lr=2e-5, schedule="cosine",
-                                warmup_steps=30, weight_decay=0.01, eval_batches=8, label_smoothing=0.0)
+                                decay_shape="linear", warmup_steps=30, weight_decay=0.01, eval_batches=8,
+                                label_smoothing=0.0)
     data = dataclasses.replace(cfg.data, split="genre", spelling="modern")
     return dataclasses.replace(cfg, model=model, train=train, data=data)
 
@@ -43,7 +44,8 @@ def supervised_fine_tuning(cfg: RunConfig) -> RunConfig:
     AdamW at a fine-tuning rate with a short warmup and cosine decay, no weight decay, packed rows of 256 tokens,
     bf16 where the CPU multiplies it natively; 10 minutes or 200 steps."""
     train = dataclasses.replace(cfg.train, objective="sft", batch_size=8, seq_len=256, max_steps=200, max_time=600.0,
-                                optimizer="adamw", lr=1e-4, min_lr=1e-5, schedule="cosine", warmup_steps=10,
+                                optimizer="adamw", lr=1e-4, min_lr=1e-5, schedule="cosine", decay_shape="linear",
+                                warmup_steps=10,
                                 weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
                                 seq_warmup_steps=0, batch_warmup_steps=0)
     return dataclasses.replace(cfg, train=train)
@@ -57,7 +59,8 @@ def preference_tuning(cfg: RunConfig) -> RunConfig:
     """DPO of an --init model on --data PAIRS.jsonl ({"prompt", "chosen", "rejected"}; qkv.train.dpo): beta 0.1,
     a small learning rate (the reference is the init itself), pairs of up to 256 tokens a side."""
     train = dataclasses.replace(cfg.train, objective="dpo", batch_size=8, seq_len=256, max_steps=100, max_time=600.0,
-                                optimizer="adamw", lr=5e-6, min_lr=5e-7, schedule="cosine", warmup_steps=5,
+                                optimizer="adamw", lr=5e-6, min_lr=5e-7, schedule="cosine", decay_shape="linear",
+                                warmup_steps=5,
                                 weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
                                 seq_warmup_steps=0, batch_warmup_steps=0, dpo_beta=0.1)
     return dataclasses.replace(cfg, train=train)
