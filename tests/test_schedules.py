@@ -1,5 +1,6 @@
 """Learning-rate schedules against their closed forms (SPEC claim 26) and torch's OneCycleLR; the batch-size
 ramp and the LR scaling rules (SPEC B3, B9)."""
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qkv.config import TrainConfig
+from qkv.presets import get as get_preset
+from qkv.train.checks import check_run
 from qkv.errors import QkvError
 from qkv import schedules
 from qkv.schedules import LR_SCALING, SCHEDULES, batch_rows
@@ -240,5 +243,6 @@ def test_train_decay_shape_reaches_the_schedule_and_applies_to_wsd_only():
     assert values[:51] == [1.0] * 51 and values[75] == pytest.approx(1 - math.sqrt(0.5)) and values[-1] == 0.0
     with pytest.raises(QkvError, match="train.decay_shape='sqrt' applies to train.schedule='wsd'"):
         TrainConfig(schedule="cosine", decay_shape="sqrt").validate()
-    with pytest.raises(QkvError, match="choose linear or sqrt"):
-        TrainConfig(schedule="wsd", decay_shape="cosine").validate()
+    bad = dataclasses.replace(get_preset("shakespeare"), train=TrainConfig(schedule="wsd", decay_shape="cosine"))
+    with pytest.raises(QkvError, match="train.decay_shape='cosine' is not allowed; choose from: linear, sqrt"):
+        check_run(bad)

@@ -208,8 +208,6 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if not 0.0 < self.decay_fraction <= 1.0:
             raise QkvError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
-        if self.decay_shape not in ("linear", "sqrt"):
-            raise QkvError(f"train.decay_shape={self.decay_shape!r}: choose linear or sqrt")
         if self.decay_shape != "linear" and self.schedule != "wsd":
             raise QkvError(f"train.decay_shape={self.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
                            f"not {self.schedule!r}: --set train.decay_shape=linear with another schedule")

@@ -44,9 +44,9 @@ def shakespeare() -> RunConfig:
     """The default job: a BPE decoder LM trained for 5 minutes on the bundled modern-spelling works."""
     # Sized for 300 s on 2 CPU cores (about 2.1M tokens): a 128-wide, 4-layer model with rotary positions;
     # Muon on the hidden matrices with AdamW on the rest, a warmup-stable-decay schedule (its cooldown 1 - sqrt)
-    # and batches of
-    # 8 x 256 tokens after a ramp from 2 rows over the first 300 updates (about 1,150 updates). Each choice
-    # was measured at fixed steps and at equal time (docs/recipe.md).
+    # and batches of 8 x 256 tokens after a ramp from 2 rows over the first 300 updates (about 1,150 updates).
+    # Each choice was measured at fixed steps and at equal time (docs/recipe.md; the cooldown's shape at fixed
+    # steps only: it costs no time).
     return RunConfig(
         model=ModelConfig(d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=256, dropout=0.0,
                           positional="rope"),

@@ -69,7 +69,9 @@ def noam(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_mode
 
 
 # wsd's cooldown as a function of its progress p in [0, 1] (train.decay_shape): lr + (min_lr - lr) shape(p)
-DECAY_SHAPES: dict[str, Callable[[float], float]] = {"linear": lambda p: p, "sqrt": math.sqrt}
+DECAY_SHAPES: Registry[Callable[[float], float]] = Registry("decay_shape")
+DECAY_SHAPES.register("linear")(lambda p: p)
+DECAY_SHAPES.register("sqrt")(math.sqrt)  # Hägele et al. 2024's "1 - sqrt" cooldown
 
 
 @SCHEDULES.register("wsd")
@@ -84,7 +86,7 @@ def wsd(step: int, *, lr: float, min_lr: float, warmup: int, total: int, d_model
     decay_start = max(warmup, total - 1 - round(decay_fraction * (total - warmup)))
     if step <= decay_start:
         return lr
-    return lr + (min_lr - lr) * DECAY_SHAPES[decay_shape](_decay_progress(step, decay_start, total))
+    return lr + (min_lr - lr) * DECAY_SHAPES.get(decay_shape)(_decay_progress(step, decay_start, total))
 
 
 def schedule_of(tc) -> Schedule:

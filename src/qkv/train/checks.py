@@ -25,10 +25,11 @@ from qkv.train import objectives
 from qkv.train.objectives import OBJECTIVES, Objective
 from qkv.train.optim import OPTIMIZERS
 from qkv.parallel.pipeline import PIPELINE_SCHEDULES
-from qkv.schedules import LR_SCALING, SCHEDULES
+from qkv.schedules import DECAY_SHAPES, LR_SCALING, SCHEDULES
 
 NAMED: dict[str, Registry] = {  # section.field -> the registry that names its choices (model: check_model)
     "train.schedule": SCHEDULES,
+    "train.decay_shape": DECAY_SHAPES,
     "train.optimizer": OPTIMIZERS,
     "train.lr_scaling": LR_SCALING,
     "data.seq2seq_task": SEQ2SEQ_TASKS,
