@@ -241,8 +241,9 @@ def test_train_decay_shape_reaches_the_schedule_and_applies_to_wsd_only():
     tc = TrainConfig(schedule="wsd", lr=1.0, min_lr=0.0, warmup_steps=0, decay_fraction=0.5, decay_shape="sqrt")
     values = [schedules.learning_rate(tc, s, horizon=101, d_model=8) for s in range(101)]
     assert values[:51] == [1.0] * 51 and values[75] == pytest.approx(1 - math.sqrt(0.5)) and values[-1] == 0.0
+    cosine = dataclasses.replace(get_preset("shakespeare"), train=TrainConfig(schedule="cosine", decay_shape="sqrt"))
     with pytest.raises(QkvError, match="train.decay_shape='sqrt' applies to train.schedule='wsd'"):
-        TrainConfig(schedule="cosine", decay_shape="sqrt").validate()
+        check_run(cosine)
     bad = dataclasses.replace(get_preset("shakespeare"), train=TrainConfig(schedule="wsd", decay_shape="cosine"))
     with pytest.raises(QkvError, match="train.decay_shape='cosine' is not allowed; choose from: linear, sqrt"):
         check_run(bad)

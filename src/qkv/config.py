@@ -208,9 +208,6 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if not 0.0 < self.decay_fraction <= 1.0:
             raise QkvError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
-        if self.decay_shape != "linear" and self.schedule != "wsd":
-            raise QkvError(f"train.decay_shape={self.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
-                           f"not {self.schedule!r}: --set train.decay_shape=linear with another schedule")
         for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise QkvError(f"train.{name}={getattr(self, name)} must be in [0, 1)")

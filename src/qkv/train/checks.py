@@ -45,6 +45,9 @@ def check_run(cfg: RunConfig) -> RunConfig:
     for key, registry in NAMED.items():
         section, name = key.split(".")
         registry.check(key, getattr(getattr(cfg, section), name))
+    if cfg.train.decay_shape != "linear" and cfg.train.schedule != "wsd":
+        raise QkvError(f"train.decay_shape={cfg.train.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
+                       f"not {cfg.train.schedule!r}: --set train.decay_shape=linear with another schedule")
     # auto: the objective of model.arch (its qkv.models.build.ARCHITECTURES entry)
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
