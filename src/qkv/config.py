@@ -153,6 +153,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | adam | sgd | muon (Muon on the hidden matrices, AdamW on the rest)
     muon_lr: float = 0.02  # optimizer muon: the hidden matrices' peak rate (train.lr stays the AdamW groups')
     muon_momentum: float = 0.95
+    muon_iteration: str = "jordan"  # optimizer muon: the Newton-Schulz coefficients, jordan | polar_express
     decay_fraction: float = 0.3  # schedule wsd: the share of the run spent decaying to min_lr
     decay_shape: str = "linear"  # schedule wsd: the cooldown's shape, linear | sqrt (Hägele et al. 2024)
     weight_decay: float = 0.1

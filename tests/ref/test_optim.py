@@ -58,15 +58,17 @@ def test_clip_grad_norm_matches_torch(max_norm):
         np.testing.assert_allclose(g, t.grad.numpy(), rtol=0, atol=1e-15)
 
 
-def test_muon_matches_the_torch_engines_muon_for_six_steps():
+@pytest.mark.parametrize("iteration", ["polar_express", "jordan"])
+def test_muon_matches_the_torch_engines_muon_for_six_steps(iteration):
     """The NumPy Muon (hidden matrices) + AdamW (the rest) against qkv.train.muon in float64, through a
-    changing rate applied as the Trainer applies it (each group's lr_scale)."""
+    changing rate applied as the Trainer applies it (each group's lr_scale), with each Newton-Schulz iteration."""
     from qkv.train.muon import muon
 
     torch.manual_seed(0)
     cfg = qkv.ModelConfig(vocab_size=20, d_model=8, n_heads=2, n_layers=2, d_ff=24, max_seq_len=8)
     model = qkv.build_model(cfg).double()
-    tc = TrainConfig(optimizer="muon", lr=0.01, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1)
+    tc = TrainConfig(optimizer="muon", lr=0.01, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1,
+                     muon_iteration=iteration)
     params = to_numpy(model)
     reference, ours = muon(model, tc), OPTIMIZERS.get("muon")(tc)
     rng = np.random.default_rng(0)

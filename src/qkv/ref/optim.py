@@ -65,16 +65,29 @@ class SGD:
             theta -= lr * buf
 
 
-NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5  # as qkv.train.muon
+# Muon's Newton-Schulz iteration (train.muon_iteration): X <- a_k X + (b_k A + c_k A^2) X, A = X X^T, k = 1..5,
+# from X = U / (s ||U||_F). Each entry: the five (a_k, b_k, c_k) and the safety factor s. qkv.train.muon reads
+# the same table.
+NS_ITERATIONS: Registry[tuple[tuple[tuple[float, float, float], ...], float]] = Registry("muon_iteration")
+# Jordan et al. 2024 (Muon): one quintic, five times; it lands the singular values in about [0.7, 1.2], not at 1
+NS_ITERATIONS.register("jordan")((((3.4445, -4.7750, 2.0315),) * 5, 1.0))
+# Amsel et al. 2025 ("The Polar Express"): each step's quintic the minimax one for the interval the previous
+# steps leave, from singular values down to about 1e-3; s = 1.02 keeps the largest inside the first interval
+# (the values modded-nanogpt iterates with)
+NS_ITERATIONS.register("polar_express")((((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                                          (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                                          (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                                          (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                                          (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)), 1.02))
 
 
-def newton_schulz(u: np.ndarray) -> np.ndarray:
-    """X <- a X + (b A + c A^2) X, A = X X^T, from X = U / ||U||_F, 5 times, on the wide orientation."""
-    a, b, c = NS_COEFFICIENTS
+def newton_schulz(u: np.ndarray, iteration: str = "jordan") -> np.ndarray:
+    """The iteration's five steps on the wide orientation (NS_ITERATIONS)."""
+    steps, safety = NS_ITERATIONS.get(iteration)
     tall = u.shape[0] > u.shape[1]
     x = u.T if tall else u
-    x = x / (np.linalg.norm(x) + 1e-7)
-    for _ in range(NS_STEPS):
+    x = x / (safety * np.linalg.norm(x) + 1e-7)
+    for a, b, c in steps:
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x.T if tall else x
@@ -86,6 +99,7 @@ class Muon:
 
     def __init__(self, tc):
         self.momentum, self.scale, self.weight_decay = tc.muon_momentum, tc.muon_lr / tc.lr, tc.weight_decay
+        self.iteration = tc.muon_iteration
         self.adamw = Adam(betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, decoupled=True)
         self.buf: dict[str, np.ndarray] = {}
 
@@ -100,7 +114,7 @@ class Muon:
             if name in rest:
                 continue
             buf = self.buf[name] = self.momentum * self.buf.get(name, 0.0) + grads[name]  # B = mu B + G
-            update = newton_schulz(grads[name] + self.momentum * buf)  # Nesterov, then NS5
+            update = newton_schulz(grads[name] + self.momentum * buf, self.iteration)  # Nesterov, then NS
             rate = lr * self.scale
             theta *= 1.0 - rate * self.weight_decay
             theta -= rate * math.sqrt(max(1.0, theta.shape[0] / theta.shape[1])) * update

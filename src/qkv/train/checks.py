@@ -25,12 +25,14 @@ from qkv.train import objectives
 from qkv.train.objectives import OBJECTIVES, Objective
 from qkv.train.optim import OPTIMIZERS
 from qkv.parallel.pipeline import PIPELINE_SCHEDULES
+from qkv.ref.optim import NS_ITERATIONS
 from qkv.schedules import DECAY_SHAPES, LR_SCALING, SCHEDULES
 
 NAMED: dict[str, Registry] = {  # section.field -> the registry that names its choices (model: check_model)
     "train.schedule": SCHEDULES,
     "train.decay_shape": DECAY_SHAPES,
     "train.optimizer": OPTIMIZERS,
+    "train.muon_iteration": NS_ITERATIONS,
     "train.lr_scaling": LR_SCALING,
     "data.seq2seq_task": SEQ2SEQ_TASKS,
     "data.split": SPLITS,
@@ -48,6 +50,9 @@ def check_run(cfg: RunConfig) -> RunConfig:
     if cfg.train.decay_shape != "linear" and cfg.train.schedule != "wsd":
         raise QkvError(f"train.decay_shape={cfg.train.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
                        f"not {cfg.train.schedule!r}: --set train.decay_shape=linear with another schedule")
+    if cfg.train.muon_iteration != "jordan" and cfg.train.optimizer != "muon":
+        raise QkvError(f"train.muon_iteration={cfg.train.muon_iteration!r} applies to train.optimizer='muon' (its "
+                       f"Newton-Schulz iteration), not {cfg.train.optimizer!r}")
     # auto: the objective of model.arch (its qkv.models.build.ARCHITECTURES entry)
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)

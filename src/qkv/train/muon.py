@@ -8,10 +8,13 @@ matrices, experts, routers):
     O <- NS5(U)                                     ~ the polar factor U (U^T U)^(-1/2): singular values -> ~1
     W <- W - lr_m (O sqrt(max(1, rows / cols)) + wd W)
 The other parameters take torch's AdamW update (torch.optim.adamw.adamw) in the same optimizer.
-NS5 is the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T, from X = U / ||U||_F,
-with (a, b, c) = (3.4445, -4.7750, 2.0315) and 5 steps. The iteration is a polynomial in U U^T, so it keeps
-U's singular vectors and maps each singular value s / ||U||_F through the scalar iteration
-p(x) = a x + b x^3 + c x^5 (tests/train/test_muon.py checks both against an SVD). It runs in float32, or in
+NS5 is the quintic Newton-Schulz iteration X <- a_k X + (b_k A + c_k A^2) X, A = X X^T, k = 1..5, from
+X = U / (s ||U||_F), with train.muon_iteration's coefficients (qkv.ref.optim.NS_ITERATIONS): "jordan", Muon's
+own (a, b, c) = (3.4445, -4.7750, 2.0315) five times (s = 1); or "polar_express" (Amsel et al. 2025), a
+minimax quintic of its own for each step (s = 1.02), which lands the singular values closer to 1 with the
+same five steps and products (on the default job no better at equal steps over five seeds: docs/recipe.md). The iteration is a polynomial in U U^T, so it keeps U's singular vectors and
+maps each singular value x = sigma / (s ||U||_F) through the scalar iteration p_k(x) = a_k x + b_k x^3 +
+c_k x^5 (tests/train/test_muon.py checks both against an SVD). It runs in float32, or in
 bfloat16 when the run trains in bf16 (train.precision bf16, or auto on a device that multiplies bf16 natively),
 as torch.optim.Muon (torch >= 2.9) and modded-nanogpt iterate: the normalisation stays fp32, the products bf16.
 On a CPU that emulates bf16 that would be slow, and auto never picks bf16 there.
@@ -27,33 +30,35 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
+from qkv.ref.optim import NS_ITERATIONS
 from qkv.train.fused import fused_applies
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 
 
 @torch.no_grad()
-def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype | None = None) -> torch.Tensor:
+def newton_schulz(update: torch.Tensor, dtype: torch.dtype | None = None,
+                  iteration: str = "jordan") -> torch.Tensor:
     """NS5(U) for a 2-D U (or a batch of them), in float32 at least (float64 stays float64); with `dtype`
-    (bfloat16) the iteration's products run in it and the result comes back in U's precision."""
-    a, b, c = NS_COEFFICIENTS
+    (bfloat16) the iteration's products run in it and the result comes back in U's precision. `iteration`:
+    the coefficients (qkv.ref.optim.NS_ITERATIONS)."""
+    steps, safety = NS_ITERATIONS.get(iteration)
     wide = torch.promote_types(update.dtype, torch.float32)
     x = update.to(wide)
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    x = x / (safety * torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
     if dtype is not None:
         x = x.to(dtype)
-    for _ in range(steps):
+    for a, b, c in steps:
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     x = x.to(wide)
     return x.mT if tall else x
 
 
-def orthogonalised(updates: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def orthogonalised(updates: list[torch.Tensor], dtype: torch.dtype | None = None,
+                   iteration: str = "jordan") -> list[torch.Tensor]:
     """NS5 of each update, the matrices of one shape stacked into one batched iteration: the same polynomial
     per matrix (tests/train/test_muon.py), one call per shape instead of one per matrix (the default preset's
     24 matrices are 3 calls; its optimizer step 16.6-18.6 -> 12.6-12.9 ms on 2 cores, docs/recipe.md)."""
@@ -62,7 +67,7 @@ def orthogonalised(updates: list[torch.Tensor], dtype: torch.dtype | None = None
         by_shape.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
     out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
     for indices in by_shape.values():
-        stacked = newton_schulz(torch.stack([updates[i] for i in indices]), dtype=dtype)
+        stacked = newton_schulz(torch.stack([updates[i] for i in indices]), dtype, iteration)
         for i, o in zip(indices, stacked.unbind(0)):
             out[i] = o
     return out
@@ -78,10 +83,12 @@ class MuonAdamW(torch.optim.Optimizer):
     """Groups with "muon": True take the Muon update; the others AdamW. One state dict for both."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float, ns_dtype: torch.dtype | None = None):
+                 momentum: float, ns_dtype: torch.dtype | None = None,
+                 iteration: str = "jordan"):
         defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, weight_decay=0.0, muon=False)
         super().__init__(groups, defaults)
         self.ns_dtype = ns_dtype  # the Newton-Schulz products' precision (None: fp32); not in the state dict
+        self.iteration = iteration  # the Newton-Schulz coefficients (NS_ITERATIONS); a setting, not state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,7 +108,7 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(p.grad)
             updates.append(p.grad.add(buf, alpha=mu))  # Nesterov
-        for p, update in zip(params, orthogonalised(updates, self.ns_dtype)):
+        for p, update in zip(params, orthogonalised(updates, self.ns_dtype, self.iteration)):
             scale = math.sqrt(max(1.0, p.shape[-2] / p.shape[-1]))
             p.mul_(1.0 - lr * wd).add_(update.to(p.dtype), alpha=-lr * scale)
 
@@ -134,7 +141,7 @@ def muon(model: nn.Module, cfg) -> torch.optim.Optimizer:
     ]
     ns_dtype = torch.bfloat16 if cfg.precision == "bf16" else None  # the run's precision (auto resolved)
     return MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.muon_momentum,
-                     ns_dtype=ns_dtype)
+                     ns_dtype=ns_dtype, iteration=cfg.muon_iteration)
 
 
 muon.whole_matrices = True  # the update orthogonalises whole matrices: no ZeRO / FSDP or tensor-parallel shards
