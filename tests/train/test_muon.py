@@ -67,9 +67,12 @@ def test_muon_iteration_is_checked_and_applies_to_muon_only():
                                                                  d_ff=16, max_seq_len=8)), tc)
     assert opt.iteration == "polar_express"
     bad = RunConfig(train=TrainConfig(optimizer="muon", muon_iteration="cubic"))
-    with pytest.raises(QkvError, match="train.muon_iteration='cubic' is not allowed; choose from: jordan, polar_express"):
+    choices = "train.muon_iteration='cubic' is not allowed; choose from: jordan, polar_express"
+    with pytest.raises(QkvError, match=choices):
         check_run(bad)
-    with pytest.raises(QkvError, match="train.muon_iteration='polar_express' applies to train.optimizer='muon'"):
+    refusal = (r"train.muon_iteration='polar_express' applies to train.optimizer='muon' \(its Newton-Schulz "
+               r"iteration\), not 'adamw': --set train.muon_iteration=jordan to run without it")
+    with pytest.raises(QkvError, match=refusal):
         check_run(RunConfig(train=TrainConfig(optimizer="adamw", muon_iteration="polar_express")))
     check_run(RunConfig(train=TrainConfig(optimizer="adamw")))  # the default is never refused
 

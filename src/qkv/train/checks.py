@@ -40,6 +40,24 @@ NAMED: dict[str, Registry] = {  # section.field -> the registry that names its c
 }
 
 
+# train options that shape one choice of another train field: option -> (that field, the choice, what it shapes)
+APPLIES_TO = {
+    "decay_shape": ("schedule", "wsd", "its cooldown"),
+    "muon_iteration": ("optimizer", "muon", "its Newton-Schulz iteration"),
+    "dpo_beta": ("objective", "dpo", "its preference margin"),
+}
+
+
+def check_applies(tc: TrainConfig) -> None:
+    """An option set away from its default on a run without the choice it shapes is refused, saying how to set
+    it back (a preset's own setting included: the shakespeare preset's decay_shape under another schedule)."""
+    for option, (field, wanted, shapes) in APPLIES_TO.items():
+        value, default = getattr(tc, option), getattr(TrainConfig, option)
+        if value != default and getattr(tc, field) != wanted:
+            raise QkvError(f"train.{option}={value!r} applies to train.{field}={wanted!r} ({shapes}), not "
+                           f"{getattr(tc, field)!r}: --set train.{option}={default} to run without it")
+
+
 def check_run(cfg: RunConfig) -> RunConfig:
     """cfg.validate(), then every name of every section by its registry; returns cfg."""
     cfg.validate()
@@ -47,12 +65,7 @@ def check_run(cfg: RunConfig) -> RunConfig:
     for key, registry in NAMED.items():
         section, name = key.split(".")
         registry.check(key, getattr(getattr(cfg, section), name))
-    if cfg.train.decay_shape != "linear" and cfg.train.schedule != "wsd":
-        raise QkvError(f"train.decay_shape={cfg.train.decay_shape!r} applies to train.schedule='wsd' (its cooldown), "
-                       f"not {cfg.train.schedule!r}: --set train.decay_shape=linear with another schedule")
-    if cfg.train.muon_iteration != "jordan" and cfg.train.optimizer != "muon":
-        raise QkvError(f"train.muon_iteration={cfg.train.muon_iteration!r} applies to train.optimizer='muon' (its "
-                       f"Newton-Schulz iteration), not {cfg.train.optimizer!r}")
+    check_applies(cfg.train)
     # auto: the objective of model.arch (its qkv.models.build.ARCHITECTURES entry)
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
@@ -84,9 +97,6 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.train.objective in ("sft", "dpo") and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         raise QkvError(f"train.objective={cfg.train.objective!r} runs on data-parallel layouts (parallel.dp, "
                        "parallel.zero); its packed or paired rows do not go through tensor or pipeline stages")
-    if cfg.train.dpo_beta != TrainConfig.dpo_beta and cfg.train.objective != "dpo":
-        raise QkvError(f"train.dpo_beta={cfg.train.dpo_beta} applies to train.objective='dpo' (this run: "
-                       f"{cfg.train.objective!r})")
     if cfg.train.objective in ("sft", "dpo") and cfg.train.batch_warmup_steps:
         raise QkvError(f"train.batch_warmup_steps: train.objective={cfg.train.objective!r} weighs each batch's "
                        "tokens whole; set it to 0")

@@ -12,9 +12,10 @@ NS5 is the quintic Newton-Schulz iteration X <- a_k X + (b_k A + c_k A^2) X, A =
 X = U / (s ||U||_F), with train.muon_iteration's coefficients (qkv.ref.optim.NS_ITERATIONS): "jordan", Muon's
 own (a, b, c) = (3.4445, -4.7750, 2.0315) five times (s = 1); or "polar_express" (Amsel et al. 2025), a
 minimax quintic of its own for each step (s = 1.02), which lands the singular values closer to 1 with the
-same five steps and products (on the default job no better at equal steps over five seeds: docs/recipe.md). The iteration is a polynomial in U U^T, so it keeps U's singular vectors and
-maps each singular value x = sigma / (s ||U||_F) through the scalar iteration p_k(x) = a_k x + b_k x^3 +
-c_k x^5 (tests/train/test_muon.py checks both against an SVD). It runs in float32, or in
+same five steps and products (on the default job no better at equal steps over five seeds: docs/recipe.md).
+The iteration is a polynomial in U U^T, so it keeps U's singular vectors and maps each singular value
+x = sigma / (s ||U||_F) through the scalar iteration p_k(x) = a_k x + b_k x^3 + c_k x^5
+(tests/train/test_muon.py checks both against an SVD). It runs in float32, or in
 bfloat16 when the run trains in bf16 (train.precision bf16, or auto on a device that multiplies bf16 natively),
 as torch.optim.Muon (torch >= 2.9) and modded-nanogpt iterate: the normalisation stays fp32, the products bf16.
 On a CPU that emulates bf16 that would be slow, and auto never picks bf16 there.
@@ -32,7 +33,6 @@ from torch.optim.adamw import adamw
 
 from qkv.ref.optim import NS_ITERATIONS
 from qkv.train.fused import fused_applies
-
 
 
 @torch.no_grad()
@@ -83,8 +83,7 @@ class MuonAdamW(torch.optim.Optimizer):
     """Groups with "muon": True take the Muon update; the others AdamW. One state dict for both."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float, ns_dtype: torch.dtype | None = None,
-                 iteration: str = "jordan"):
+                 momentum: float, ns_dtype: torch.dtype | None = None, iteration: str = "jordan"):
         defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, weight_decay=0.0, muon=False)
         super().__init__(groups, defaults)
         self.ns_dtype = ns_dtype  # the Newton-Schulz products' precision (None: fp32); not in the state dict

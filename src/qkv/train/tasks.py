@@ -45,9 +45,8 @@ def supervised_fine_tuning(cfg: RunConfig) -> RunConfig:
     bf16 where the CPU multiplies it natively; 10 minutes or 200 steps."""
     train = dataclasses.replace(cfg.train, objective="sft", batch_size=8, seq_len=256, max_steps=200, max_time=600.0,
                                 optimizer="adamw", lr=1e-4, min_lr=1e-5, schedule="cosine", decay_shape="linear",
-                                warmup_steps=10,
-                                weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
-                                seq_warmup_steps=0, batch_warmup_steps=0)
+                                warmup_steps=10, weight_decay=0.0, eval_batches=4, label_smoothing=0.0,
+                                precision="auto", seq_warmup_steps=0, batch_warmup_steps=0)
     return dataclasses.replace(cfg, train=train)
 
 
@@ -60,8 +59,7 @@ def preference_tuning(cfg: RunConfig) -> RunConfig:
     a small learning rate (the reference is the init itself), pairs of up to 256 tokens a side."""
     train = dataclasses.replace(cfg.train, objective="dpo", batch_size=8, seq_len=256, max_steps=100, max_time=600.0,
                                 optimizer="adamw", lr=5e-6, min_lr=5e-7, schedule="cosine", decay_shape="linear",
-                                warmup_steps=5,
-                                weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
+                                warmup_steps=5, weight_decay=0.0, eval_batches=4, label_smoothing=0.0, precision="auto",
                                 seq_warmup_steps=0, batch_warmup_steps=0, dpo_beta=0.1)
     return dataclasses.replace(cfg, train=train)
 
