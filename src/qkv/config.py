@@ -34,6 +34,7 @@ class ModelConfig:
     vocab_size: int = 256  # V
     d_model: int = 128  # D
     n_heads: int = 4  # H
+    head_size: int = 0  # Dh where it is not D / H (Qwen3: 1,024 wide, 16 heads of 128); 0 means D / H
     n_kv_heads: int = 0  # Hkv; 0 means n_heads (MHA), 1 is MQA, in between GQA
     n_layers: int = 2  # L (decoder-only and encoder-only)
     n_encoder_layers: int = 0  # encoder-decoder; 0 means n_layers
@@ -42,6 +43,22 @@ class ModelConfig:
     max_seq_len: int = 256
     positional: str = "learned"
     rope_theta: float = 10000.0
+    # RoPE's frequencies stretched for a longer context (qkv.nn.rope_scaling, docs/derivations/rope-scaling.md):
+    # none | linear | llama3 | yarn, by rope_factor s over the rope_original_context it was trained at
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0  # llama3, yarn: the context before scaling (Llama 3.1: 8,192)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are divided by s
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
+    rope_beta_fast: float = 32.0  # yarn: rotations in the original context above which a pair is kept
+    rope_beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by s)
+    rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
+    # one entry per decoder layer (qkv.models.plan): global | sliding (the last sliding_window keys) | nope
+    # (global, no rotation: SmolLM3); () means every layer global
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0  # keys a sliding layer sees, itself included (Mistral 4,096; Gemma 3 270M 512)
+    query_scale: float = 0.0  # scores q.k / sqrt(query_scale) (Gemma's query_pre_attn_scalar); 0 means Dh
+    attn_softcap: float = 0.0  # c > 0: scores c tanh(s / c) before the mask and softmax (Gemma 2); 0 = none
     max_distance: int = 16  # relative positions: clip distance (Shaw) / bucket range (T5)
     t5_buckets: int = 32  # T5's relative_attention_num_buckets (half for each direction in an encoder)
     norm: str = "layernorm"
@@ -68,12 +85,12 @@ class ModelConfig:
     n_classes: int = 0  # head = classifier: number of classes
     pooling: str = "first"  # head = classifier: first | mean (over unpadded tokens)
     embed_norm: bool = False  # norm the summed embeddings (BERT); encoder / encoder-decoder only
-    embed_scale: bool = False  # token embeddings * sqrt(D) (Vaswani et al. §3.4); encoder / encoder-decoder only
+    embed_scale: bool = False  # token embeddings * sqrt(D) (Vaswani et al. §3.4; Gemma's decoders)
     labels: tuple[str, ...] = ()  # head = classifier: the class names, index = class id (HF's id2label)
 
     @property
     def head_dim(self) -> int:  # Dh
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:  # Hkv
@@ -92,10 +109,12 @@ class ModelConfig:
         _finite_and_bounded("model", self)  # types too: also for a config built in code (an imported HF config)
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
-        for name in ("n_kv_heads", "n_encoder_layers", "n_decoder_layers", "moe_experts", "window"):
+        for name in ("n_kv_heads", "n_encoder_layers", "n_decoder_layers", "moe_experts", "window", "head_size",
+                     "sliding_window", "rope_original_context"):
             _at_least(f"model.{name}", getattr(self, name), 0)
-        if self.d_model % self.n_heads:
-            raise QkvError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        if not self.head_size and self.d_model % self.n_heads:
+            raise QkvError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads} "
+                           "(or set model.head_size)")
         if self.n_heads % self.kv_heads:
             raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
@@ -109,10 +128,25 @@ class ModelConfig:
         _at_least("model.t5_buckets", self.t5_buckets, 2)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
         _at_least("model.logit_softcap", self.logit_softcap, 0)
+        for name in ("attn_softcap", "query_scale", "rope_local_theta"):
+            _at_least(f"model.{name}", getattr(self, name), 0)
+        _positive("model.rope_factor", self.rope_factor)
+        self._validate_layers()
         if self.bigram_vocab < 0 or self.bigram_vocab == 1:
             raise QkvError(f"model.bigram_vocab={self.bigram_vocab} must be 0 (none) or at least 2 rows")
         self._validate_family()
         return self
+
+    def _validate_layers(self) -> None:
+        """The per-layer plan's sizes (its names are qkv.models.plan's to check)."""
+        if self.layer_types and len(self.layer_types) != self.decoder_layers:
+            raise QkvError(f"model.layer_types has {len(self.layer_types)} entries for "
+                           f"{self.decoder_layers} layers: one per layer")
+        if self.layer_types and self.arch != "decoder":
+            raise QkvError(f"model.layer_types needs model.arch='decoder', got model.arch={self.arch!r}")
+        if "sliding" in self.layer_types and self.sliding_window < 1:
+            raise QkvError(f"model.layer_types has sliding layers: model.sliding_window must be >= 1, "
+                           f"got {self.sliding_window}")
 
     def _validate_family(self) -> None:
         """The fields that only some architectures use (encoder heads, token types, embedding options)."""
@@ -129,10 +163,8 @@ class ModelConfig:
         if self.arch != "decoder" and self.bigram_vocab:
             raise QkvError(f"model.bigram_vocab={self.bigram_vocab} needs model.arch='decoder', "
                            f"got model.arch={self.arch!r}")
-        if self.arch == "decoder":
-            for name in ("embed_norm", "embed_scale"):
-                if getattr(self, name):
-                    raise QkvError(f"model.{name}=True needs model.arch='encoder' or 'encoder-decoder'")
+        if self.arch == "decoder" and self.embed_norm:
+            raise QkvError("model.embed_norm=True needs model.arch='encoder' or 'encoder-decoder'")
         if self.head == "classifier" and self.n_classes < 2:
             raise QkvError(f"model.n_classes={self.n_classes} must be at least 2 with model.head='classifier'")
         if self.labels and len(self.labels) != self.n_classes:

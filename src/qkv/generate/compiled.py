@@ -90,6 +90,8 @@ def unsupported(model: nn.Module) -> str | None:
             return "a block other than pre-norm self-attention + FFN"
         if attn.kernel_name not in DENSE_KERNELS or attn.window:
             return f"the {attn.kernel_name} attention kernel"
+        if attn.sliding or attn.softcap or attn.positional is not None or attn.scale != attn.head_dim ** -0.5:
+            return "a layer plan other than global layers rotated alike (qkv.models.plan)"
     if hooked(model):
         return "hooks on the model (they must see their layers run)"
     return None
@@ -217,7 +219,7 @@ class CompiledStep:
         x = model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
         rope = None
         if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), at least fp32
-            rope = rotary_cos_sin(positions[:, None], model.positional.head_dim, model.positional.theta,
+            rope = rotary_cos_sin(positions[:, None], model.positional.frequencies, model.positional.attention_factor,
                                   torch.promote_types(x.dtype, torch.float32))
         mask = real[:, None, None, :n]  # (B, 1, 1, n): the keys each row may see
         for block, k_all, v_all in zip(model.blocks, keys, values):
@@ -234,7 +236,7 @@ class CompiledStep:
         x = model.embed(tokens, positions)  # (B, T, D)
         rope = None
         if isinstance(model.positional, Rotary):  # (B, 1, T, Dh)
-            rope = rotary_cos_sin(positions, model.positional.head_dim, model.positional.theta,
+            rope = rotary_cos_sin(positions, model.positional.frequencies, model.positional.attention_factor,
                                   torch.promote_types(x.dtype, torch.float32))
         columns = torch.arange(n, device=tokens.device)
         own = n - T + torch.arange(T, device=tokens.device)  # (T,) the new tokens' columns

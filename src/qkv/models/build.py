@@ -14,6 +14,7 @@ from qkv.models.decoder import DecoderLM
 from qkv.models.encoder import Encoder
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.models.heads import POOLINGS, ClassifierHead, EncoderClassifier, EncoderMLM, MLMHead
+from qkv.models.plan import LayerPlan, check_plan, layer_plans, rope_scaling
 from qkv.nn import registries
 from qkv.nn.attention import Attention
 from qkv.nn.block import Block
@@ -22,7 +23,7 @@ from qkv.nn.linear_cross_entropy import SoftCapHead
 from qkv.nn.init import INITS
 from qkv.nn.kernels import KERNELS
 from qkv.nn.norms import NORMS
-from qkv.nn.positional import POSITIONALS
+from qkv.nn.positional import POSITIONALS, Positional, Rotary
 from qkv.nn.moe import MoE
 from qkv.nn.residual import RESIDUALS, sublayer_norm
 from qkv.registry import Registry
@@ -56,6 +57,10 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
         raise QkvError(f"model.positional={cfg.positional!r} needs an even head width, got {cfg.head_dim}")
     if KERNELS.get(cfg.attention).windowed and cfg.window < 1:
         raise QkvError(f"model.attention={cfg.attention!r} needs model.window >= 1, got {cfg.window}")
+    if (cfg.attn_softcap or cfg.layer_types) and cfg.attention not in ("sdpa", "naive"):
+        raise QkvError(f"model.attention={cfg.attention!r}: soft-capped scores and a per-layer plan need a dense "
+                       "kernel (sdpa or naive)")
+    check_plan(cfg)
     return cfg
 
 
@@ -103,7 +108,8 @@ def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -
     form depends on it may read it, the others ignore it. `name` overrides cfg.positional."""
     return POSITIONALS.get(name or cfg.positional)(
         d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, t5_buckets=cfg.t5_buckets, causal=causal)
+        rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, t5_buckets=cfg.t5_buckets, causal=causal,
+        rope_scaling=rope_scaling(cfg))
 
 
 def decoder_positional(cfg: ModelConfig) -> nn.Module:
@@ -112,12 +118,17 @@ def decoder_positional(cfg: ModelConfig) -> nn.Module:
     return positional(cfg, causal=True, name=POSITIONALS.get(cfg.positional).decoder_twin)
 
 
-def attention(cfg: ModelConfig, cross: bool = False) -> Attention:
-    """Self-attention with `cfg.attention`. Cross-attention always attends to the whole source (note 000
+def attention(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = None,
+              own_positions: Positional | None = None) -> Attention:
+    """Self-attention with `cfg.attention`, as `plan` says for its layer (its window; `own_positions`: its
+    rotation where it is not the model's). Cross-attention always attends to the whole source (note 000
     §8.4): a local window or a linear approximation of it has no meaning between two sequences."""
     kernel = cfg.attention if not cross or KERNELS.get(cfg.attention).full else "sdpa"
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
-                     dropout=cfg.dropout, window=cfg.window, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
+                     dropout=cfg.dropout, window=cfg.window, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+                     head_dim=cfg.head_dim, sliding=plan.window if plan is not None else 0,
+                     scale=cfg.query_scale ** -0.5 if cfg.query_scale else 0.0, softcap=cfg.attn_softcap,
+                     positional=own_positions)
 
 
 def ffn(cfg: ModelConfig) -> nn.Module:
@@ -135,8 +146,25 @@ def sublayer_norm_of(cfg: ModelConfig) -> nn.Module:
     return sublayer_norm(cfg.norm_placement, lambda: norm(cfg))
 
 
-def block(cfg: ModelConfig, cross: bool = False) -> Block:
-    return Block(attn=attention(cfg), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
+def layer_positions(cfg: ModelConfig, plans: tuple[LayerPlan, ...]) -> list[Positional | None]:
+    """Each layer's own rotation (None: the model's encoding), one module for the layers that share one."""
+    made: dict[tuple, Positional] = {}
+    own = []
+    for plan in plans:
+        if not plan.own_positions:
+            own.append(None)
+            continue
+        key = (plan.kind, plan.rope_theta)
+        if key not in made:
+            made[key] = (Positional() if plan.kind == "nope" else
+                         Rotary(head_dim=cfg.head_dim, rope_theta=plan.rope_theta, rope_scaling=plan.rope_scaling))
+        own.append(made[key])
+    return own
+
+
+def block(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = None,
+          own_positions: Positional | None = None) -> Block:
+    return Block(attn=attention(cfg, plan=plan, own_positions=own_positions), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
                  residual=RESIDUALS.get(cfg.norm_placement).apply, cross_attn=attention(cfg, cross=True) if cross else None,
                  cross_norm=sublayer_norm_of(cfg) if cross else None)
 
@@ -160,10 +188,12 @@ def decoder(cfg: ModelConfig) -> DecoderLM:
                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
     if cfg.tie_embeddings:
         lm_head.weight = tok_emb.weight  # W_out = W_E (note 003: the vocabulary projection is shared)
-    return DecoderLM(tok_emb=tok_emb, positional=positional(cfg),
-                     blocks=[block(cfg) for _ in range(cfg.decoder_layers)], final_norm=final_norm(cfg),
+    plans = layer_plans(cfg)  # what each layer is (qkv.models.plan)
+    blocks = [block(cfg, plan=plan, own_positions=own) for plan, own in zip(plans, layer_positions(cfg, plans))]
+    return DecoderLM(tok_emb=tok_emb, positional=positional(cfg), blocks=blocks, final_norm=final_norm(cfg),
                      lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len,
-                     bigram_emb=embedding(cfg.bigram_vocab, cfg.d_model) if cfg.bigram_vocab else None)
+                     bigram_emb=embedding(cfg.bigram_vocab, cfg.d_model) if cfg.bigram_vocab else None,
+                     embed_scale=cfg.embed_scale)
 
 
 def embed_norm(cfg: ModelConfig) -> nn.Module | None:

@@ -1,6 +1,7 @@
 """Decoder-only language model (GPT/LLaMA style; note 000 LLM part §1-2, note 003).
 
-    H0 = E[x] + P          (token embedding = one-hot(x) W_E, note 000 LLM §2.1; qkv.nn.embedding)
+    H0 = E[x] s + P        (token embedding = one-hot(x) W_E, note 000 LLM §2.1; qkv.nn.embedding; s = sqrt(D)
+                           with model.embed_scale (Gemma), else 1)
                            (+ E_2[h(x_{t-1}, x_t)] with model.bigram_vocab: the hashed bigram table)
     H^l = Block^l(H^{l-1})  for l = 1..L  (causal self-attention + FFN)
     logits = LN(H^L) W_out  (W_out = W_E^T when tied)
@@ -22,9 +23,9 @@ class DecoderLM(Embeddings):
     hook_points = ("embed", "final_norm", "logits")  # qkv.nn.hookpoints (the blocks add theirs)
     def __init__(self, *, tok_emb: nn.Embedding, positional: Positional, blocks: list[Block],
                  final_norm: nn.Module, lm_head: nn.Linear, dropout: float, max_seq_len: int,
-                 bigram_emb: nn.Embedding | None = None):
+                 bigram_emb: nn.Embedding | None = None, embed_scale: bool = False):
         super().__init__()
-        self.set_embeddings(tok_emb, positional, dropout, bigram_emb=bigram_emb)
+        self.set_embeddings(tok_emb, positional, dropout, bigram_emb=bigram_emb, embed_scale=embed_scale)
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
         self.lm_head = lm_head  # W_out (V, D), the same tensor as W_E when tied

@@ -14,6 +14,7 @@ from qkv.nn.cache import LayerCache
 from qkv.nn.fastpath import fused_or_none
 from qkv.nn.hookpoints import point, wants
 from qkv.nn.kernels import kernel_for, weighted_values, weights_for
+from qkv.nn.masks import causal_mask
 from qkv.nn.norms import RMSNorm
 from qkv.nn.positional import Positional
 
@@ -32,10 +33,17 @@ class AttentionContext:
 class Attention(nn.Module):
     hook_points = ("q", "k", "v", "scores", "pattern", "z", "out")  # qkv.nn.hookpoints
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
-                 dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None):
+                 dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None, head_dim: int = 0,
+                 sliding: int = 0, scale: float = 0.0, softcap: float = 0.0, positional: Positional | None = None):
+        """`head_dim`: Dh where it is not D / H; `sliding` W > 0: each query sees its last W keys (itself
+        included: a sliding layer of qkv.models.plan); `scale`: the scores' factor where it is not Dh^-1/2;
+        `softcap` c > 0: scores c tanh(s / c) before the mask (Gemma 2); `positional`: the layer's own rotation
+        where it differs from the model's (a local RoPE base, or none: qkv.models.plan)."""
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.sliding, self.scale, self.softcap = sliding, scale or self.head_dim ** -0.5, softcap
+        self.positional = positional  # None: the model's encoding (ctx.positional)
         self.kernel_name, self.window = kernel, window  # record_attention rebuilds the kernel's weights
         self.kernel = kernel_for(kernel, window=window)  # the sparse kinds get their window bound here
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)  # W^Q (H*Dh, D)
@@ -67,7 +75,7 @@ class Attention(nn.Module):
             v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, which keeps the norm
-        q, k = ctx.positional.rotate(q, k, ctx.positions)
+        q, k = (self.positional or ctx.positional).rotate(q, k, ctx.positions)
         q, k, v = point(self, "q", q), point(self, "k", k), point(self, "v", v)  # qkv.nn.hookpoints
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, Dh), in the cache's dtype (fp16 or bf16 for an fp32 model)
@@ -78,19 +86,26 @@ class Attention(nn.Module):
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0
-        if wants(self, "scores") or wants(self, "pattern"):  # S and A formed explicitly, seen by the hooks
+        mask, causal = (ctx.mask, ctx.causal) if not self.sliding else (sliding_mask(ctx, self.sliding, q.device), False)
+        if wants(self, "scores") or wants(self, "pattern") or self.softcap:  # S and A formed explicitly
             if k.shape[1] != q.shape[1]:
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
-            pattern = weights_for(self.kernel_name, window=self.window)(
-                q, k, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=self.head_dim ** -0.5,
-                on_scores=lambda scores: point(self, "scores", scores))  # (B, H, T, S)
+            weights = weights_for(self.kernel_name, window=self.window)
+            capped = {"softcap": self.softcap} if self.softcap else {}  # (a dense kernel: qkv.models.build)
+            pattern = weights(q, k, mask=mask, causal=causal, bias=bias, scale=self.scale,
+                              on_scores=lambda scores: point(self, "scores", scores), **capped)  # (B, H, T, S)
             out = weighted_values(point(self, "pattern", pattern), v, value_bias, dropout)
         else:
-            out = self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, value_bias=value_bias,
-                              scale=self.head_dim ** -0.5, dropout=dropout)  # (B, H, T, Dh)
+            out = self.kernel(q, k, v, mask=mask, causal=causal, bias=bias, value_bias=value_bias,
+                              scale=self.scale, dropout=dropout)  # (B, H, T, Dh)
         out = point(self, "z", out)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # concat heads (B, T, H*Dh)
         return self.dropout(point(self, "out", self.o_proj(out)))  # (B, T, D)
+
+    def extra_repr(self) -> str:
+        parts = [f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"]
+        parts += [f"sliding={self.sliding}"] if self.sliding else []
+        return ", ".join(parts + ([f"softcap={self.softcap}"] if self.softcap else []))
 
     def split_heads(self, x: Tensor, heads: int) -> Tensor:  # (B, T, heads*Dh) -> (B, heads, T, Dh)
         B, T, _ = x.shape
@@ -99,3 +114,12 @@ class Attention(nn.Module):
     def repeat_kv(self, x: Tensor) -> Tensor:  # (B, Hkv, S, Dh) -> (B, H, S, Dh)
         groups = self.n_heads // self.n_kv_heads
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def sliding_mask(ctx: AttentionContext, window: int, device) -> Tensor:
+    """(B, 1, T, S) the context's mask (or causal triangle) with each query's keys cut to the last `window`
+    positions, itself included: key position p_j > p_i - W (qkv.models.plan's sliding layer)."""
+    T, S = ctx.positions.shape[1], ctx.key_positions.shape[1]
+    near = ctx.key_positions[:, None, None, :] > ctx.positions[:, None, :, None] - window  # (B, 1, T, S)
+    base = ctx.mask if ctx.mask is not None else causal_mask(T, S, device) if ctx.causal else None
+    return near if base is None else base & near

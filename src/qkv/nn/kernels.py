@@ -98,13 +98,16 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool,
                       bias: Tensor | None, scale: float,
-                      on_scores: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                      on_scores: Callable[[Tensor], Tensor] | None = None, softcap: float = 0.0) -> Tensor:
     """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)
 
     `on_scores` sees the scores S = Q K^T * scale + bias + M before the softmax and may replace them (the
-    `attn.scores` hook point: setting an entry to -inf removes that key from the query's softmax)."""
+    `attn.scores` hook point: setting an entry to -inf removes that key from the query's softmax). `softcap`
+    c > 0: the scores are c tanh(S / c) before the mask (Gemma 2's bound on the logits)."""
     T, S = q.shape[-2], k.shape[-2]
     scores = (q @ k.transpose(-2, -1)).to(wide_dtype(q.dtype)) * scale  # (B, H, T, S)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias
     if mask is None and causal:

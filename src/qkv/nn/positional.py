@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.nn.kernels import RelativeValues
+from qkv.nn.rope_scaling import NO_SCALING, RopeScaling, frequencies
 from qkv.registry import Registry
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
@@ -128,15 +129,19 @@ class Rotary(Positional):
 
     Pairs are (i, i + Dh/2) (the "rotate half" layout of GPT-NeoX and LLaMA in Hugging Face) rather
     than the note's (2i, 2i+1); the two differ by a fixed permutation of the head dimensions, which
-    leaves every dot product unchanged (docs/DEVIATIONS.md).
+    leaves every dot product unchanged (docs/DEVIATIONS.md). `rope_scaling` stretches the frequencies for a
+    long context (qkv.nn.rope_scaling: linear, llama3, yarn).
     """
 
     even_head_dim = True  # rotates pairs of head coordinates
 
-    def __init__(self, *, head_dim: int, rope_theta: float, **dims):
+    def __init__(self, *, head_dim: int, rope_theta: float, rope_scaling: RopeScaling = NO_SCALING, **dims):
         super().__init__()
         self.head_dim = head_dim
-        self.theta = rope_theta
+        self.theta, self.scaling = rope_theta, rope_scaling
+        # theta_i (Dh/2,) in float64 on the CPU and m: a plain attribute, not a buffer (a loader's meta-device
+        # model has none to fill), moved to the positions' device and dtype when used
+        self.frequencies, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling)
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,24 +149,26 @@ class Rotary(Positional):
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin of pos * theta_i, (B, 1, T, Dh) each, in fp32 at least: at position 1e4, bf16 angles
-        would be off by whole radians (fp64 models keep fp64). Every layer of one forward rotates by the same
-        positions tensor: they are computed once and reused while that tensor is unchanged (a decoding step
-        of a 30-layer model: 180 small ops fewer)."""
+        """cos and sin of pos * theta_i (times m), (B, 1, T, Dh) each, in fp32 at least: at position 1e4, bf16
+        angles would be off by whole radians (fp64 models keep fp64). Every layer of one forward rotates by the
+        same positions tensor: they are computed once and reused while that tensor is unchanged (a decoding
+        step of a 30-layer model: 180 small ops fewer)."""
         last = self._last
         version = -1 if positions.is_inference() else positions._version  # inference tensors keep no version
         if (last is not None and last[0] is positions and last[1] == version and last[2] == dtype
                 and not torch.is_grad_enabled()):
             return last[3], last[4]
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, dtype)
+        cos, sin = rotary_cos_sin(positions, self.frequencies, self.attention_factor, dtype)
         self._last = None if torch.is_grad_enabled() else (positions, version, dtype, cos, sin)
         return cos, sin
 
 
-def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin of pos * theta_i for (B, T) positions, each (B, 1, T, Dh) in `dtype` (the rotate-half layout)."""
-    angles = sinusoid_angles(positions, head_dim, theta, dtype)  # (B, T, Dh/2)
-    return angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
+def rotary_cos_sin(positions: Tensor, theta: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """factor cos and factor sin of pos * theta_i for (B, T) positions and (Dh/2,) frequencies, each
+    (B, 1, T, Dh) in `dtype` (the rotate-half layout)."""
+    angles = positions.to(dtype)[..., None] * theta.to(positions.device, dtype)  # (B, T, Dh/2)
+    cos, sin = angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

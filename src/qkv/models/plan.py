@@ -1,0 +1,94 @@
+"""The per-layer plan: what each layer of a decoder is, read from its ModelConfig in this one place.
+
+Models of 2024-25 do not repeat one layer: Gemma 2 alternates a sliding window of 4,096 keys with global
+attention, Gemma 3 puts five 512-key sliding layers before each global one and turns its sliding layers' RoPE
+on a base of 10,000 against the global layers' 1,000,000, SmolLM3 leaves RoPE out of every fourth layer
+(NoPE), Mistral slides every layer. `model.layer_types` names each layer's kind:
+
+    global   attention over every key before it, rotated by the model's encoding (its scaling included)
+    sliding  attention over the last model.sliding_window keys (itself included: key j of query i where
+             i - W < j <= i, as transformers and llama.cpp mask it), rotated at model.rope_local_theta where set
+             (unscaled, Gemma 3), else as a global layer
+    nope     attention over every key before it, with no rotation (SmolLM3's no_rope_layers)
+
+`layer_plans(cfg)` gives one `LayerPlan` per layer; the builder (qkv.models.build), the KV cache
+(qkv.nn.cache: a sliding layer's columns), the compiled decoding step, the calculators (qkv.analysis) and the
+checks read it, and nothing else asks "which layer is this". The model-wide facts sit beside it in the config:
+head_size (Dh not D / H), query_scale, attn_softcap, logit_softcap, qk_norm, embed_scale, norm_placement
+(Gemma's four norms a block are the sandwich placement).
+
+Adding an architecture: docs/ARCHITECTURE.md, "How to add an architecture".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+from qkv.nn.rope_scaling import NO_SCALING, RopeScaling
+
+LAYER_KINDS = ("global", "sliding", "nope")  # model.layer_types' entries
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer: its kind, the keys it sees and how it is rotated."""
+
+    kind: str  # LAYER_KINDS
+    window: int  # keys it sees, itself included; 0: every key before it
+    rope_theta: float | None  # its own RoPE base, or None: the model's encoding (none at all for a nope layer)
+    rope_scaling: RopeScaling  # its own RoPE's scaling (with rope_theta)
+
+    @property
+    def own_positions(self) -> bool:
+        """Rotated otherwise than by the model's encoding (its own base, or not at all)."""
+        return self.kind == "nope" or self.rope_theta is not None
+
+
+def rope_scaling(cfg: ModelConfig) -> RopeScaling:
+    """model.rope_* as one RopeScaling, checked."""
+    return RopeScaling(kind=cfg.rope_scaling, factor=cfg.rope_factor, original_context=cfg.rope_original_context,
+                       low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                       beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow).check()
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """Each layer's kind: model.layer_types, or every layer global."""
+    kinds = cfg.layer_types or ("global",) * cfg.decoder_layers
+    for i, kind in enumerate(kinds):
+        if kind not in LAYER_KINDS:
+            raise QkvError(f"model.layer_types[{i}]={kind!r} is not a layer kind; choose from: {', '.join(LAYER_KINDS)}")
+    return kinds
+
+
+def layer_plans(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
+    """One LayerPlan per decoder layer (module docstring)."""
+    rope = cfg.positional == "rope"
+    if cfg.layer_types and not rope:
+        raise QkvError(f"model.layer_types needs model.positional='rope' (its kinds differ in their rotation), "
+                       f"got {cfg.positional!r}")
+    plans = []
+    for kind in layer_kinds(cfg):
+        if kind == "sliding":
+            local = cfg.rope_local_theta or None
+            plans.append(LayerPlan(kind, cfg.sliding_window, local, NO_SCALING))
+        else:
+            plans.append(LayerPlan(kind, 0, None, NO_SCALING))
+    return tuple(plans)
+
+
+def check_plan(cfg: ModelConfig) -> None:
+    """The plan's facts against the rest of the config (check_model calls it)."""
+    rope_scaling(cfg)
+    plans = layer_plans(cfg)
+    if cfg.rope_scaling != "none" and cfg.positional != "rope":
+        raise QkvError(f"model.rope_scaling={cfg.rope_scaling!r} needs model.positional='rope', got {cfg.positional!r}")
+    if cfg.sliding_window and not any(plan.window for plan in plans):
+        raise QkvError(f"model.sliding_window={cfg.sliding_window} but no layer is sliding: set model.layer_types")
+    if cfg.rope_local_theta and not any(plan.kind == "sliding" for plan in plans):
+        raise QkvError(f"model.rope_local_theta={cfg.rope_local_theta} but no layer is sliding: set model.layer_types")
+
+
+def cached_columns(plan: LayerPlan, length: int) -> int:
+    """Key columns a layer's cache must hold for `length` tokens: a sliding layer only its window's."""
+    return min(plan.window, length) if plan.window else length
