@@ -17,7 +17,7 @@ from torch import nn
 from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.files import model_tensors
-from qkv.formats.hf import bart, bert, gpt2, llama, qwen2, t5  # noqa: F401  (each registers its family: the package assembles them)
+from qkv.formats.hf import bart, bert, gemma, gpt2, llama, qwen2, qwen3, t5  # noqa: F401  (each registers its family: the package assembles them)
 from qkv.formats.chat import read_chat
 from qkv.formats.hf.common import HF_FAMILIES, HfFamily, check_types
 from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
@@ -104,18 +104,18 @@ def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
 
 
 def exporter(cfg: ModelConfig) -> HfFamily:
-    if cfg.qk_norm:
-        raise QkvError("model.qk_norm=true: none of the exported Hugging Face families (GPT-2, LLaMA, BERT, BART, "
-                       "T5) normalises q and k; this model cannot be written as one")
-    if cfg.logit_softcap:
-        raise QkvError(f"model.logit_softcap={cfg.logit_softcap}: none of the exported Hugging Face families (GPT-2, "
-                       "LLaMA, BERT, BART, T5) caps its logits; this model cannot be written as one")
-    if cfg.bigram_vocab:
-        raise QkvError(f"model.bigram_vocab={cfg.bigram_vocab}: none of the exported Hugging Face families (GPT-2, "
-                       "LLaMA, BERT, BART, T5) has a bigram embedding; this model cannot be written as one")
     for name in HF_FAMILIES.names():
         if HF_FAMILIES.get(name).exports(cfg):
             return HF_FAMILIES.get(name)
+    if cfg.qk_norm:
+        raise QkvError("model.qk_norm=true: of the exported Hugging Face families only Qwen3 (LLaMA's layout) and "
+                       "Gemma 3 normalise q and k, and this model is neither; it cannot be written as one")
+    if cfg.logit_softcap:
+        raise QkvError(f"model.logit_softcap={cfg.logit_softcap}: of the exported Hugging Face families only Gemma 2 "
+                       "caps its logits, and this model is not Gemma 2's shape; it cannot be written as one")
+    if cfg.bigram_vocab:
+        raise QkvError(f"model.bigram_vocab={cfg.bigram_vocab}: none of the exported Hugging Face families has a "
+                       "bigram embedding; this model cannot be written as one")
     kinds = "; ".join(HF_FAMILIES.get(name).exports_doc for name in HF_FAMILIES.names())
     raise QkvError(f"no Hugging Face family matches this model (arch={cfg.arch}, positional={cfg.positional}, "
                    f"norm={cfg.norm}, ffn={cfg.ffn}); exportable: {kinds}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from qkv.config import ModelConfig
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
-                           ensure, import_tensors, is_zero, linear, need, refuse, rename)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf,
+                                   block_rules, ensure, import_tensors, is_zero, linear, need, plain, refuse, rename)
 
 ARCHITECTURE = "BartForConditionalGeneration"
 OFFSET = 2  # BartLearnedPositionalEmbedding.offset
@@ -85,7 +85,7 @@ def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return (cfg.arch == "encoder-decoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
+    return plain(cfg) and (cfg.arch == "encoder-decoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
             and cfg.norm_placement == "post" and cfg.ffn == "mlp" and cfg.bias and cfg.embed_norm
             and cfg.tie_embeddings and cfg.kv_heads == cfg.n_heads and not cfg.moe_experts)
 

@@ -9,8 +9,9 @@ prefix; the task models do.
 from __future__ import annotations
 
 from qkv.config import ModelConfig
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
-                           ensure, import_tensors, linear, need, refuse, rename, strip_prefix)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf,
+                                   block_rules, ensure, import_tensors, linear, need, plain, refuse, rename,
+                                   strip_prefix)
 
 HEADS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classifier"}
 ARCHITECTURE = {head: arch for arch, head in HEADS.items()}
@@ -87,7 +88,7 @@ def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return (cfg.arch == "encoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
+    return plain(cfg) and (cfg.arch == "encoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
             and cfg.norm_placement == "post" and cfg.ffn == "mlp" and cfg.bias and cfg.embed_norm
             and not cfg.embed_scale and cfg.type_vocab_size > 0 and cfg.kv_heads == cfg.n_heads
             and not cfg.moe_experts and (cfg.head != "classifier" or cfg.pooling == "first"))

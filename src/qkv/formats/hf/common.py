@@ -131,6 +131,14 @@ def linear(qkv: str, hf: str, bias: bool) -> list[tuple[str, str]]:
     return [(f"{qkv}.weight", f"{hf}.weight")] + ([(f"{qkv}.bias", f"{hf}.bias")] if bias else [])
 
 
+def plain(cfg: ModelConfig) -> bool:
+    """None of the per-layer plan's or the newer families' choices (qkv.models.plan): every layer global and
+    alike, Dh = D / H, no q/k norm, no soft caps or own score scale, unscaled RoPE, no bigram table. What the
+    families of 2019-23 (GPT-2, BERT, BART, T5, LLaMA 2) can say."""
+    return (not cfg.layer_types and not cfg.head_size and not cfg.qk_norm and not cfg.attn_softcap
+            and not cfg.logit_softcap and not cfg.query_scale and cfg.rope_scaling == "none" and not cfg.bigram_vocab)
+
+
 def is_zero(tensor: Tensor | None) -> bool:
     return tensor is None or not bool(torch.any(tensor != 0))
 

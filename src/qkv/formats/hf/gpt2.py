@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from qkv.config import ModelConfig
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
-                           ensure, import_tensors, linear, need, refuse, rename, strip_prefix)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf,
+                                   block_rules, ensure, import_tensors, linear, need, plain, refuse, rename,
+                                   strip_prefix)
 
 ARCHITECTURE = "GPT2LMHeadModel"
 PREFIX = "transformer."  # GPT2LMHeadModel's base model; checkpoints of GPT2Model (and OpenAI's) lack it
@@ -85,7 +86,7 @@ def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return (cfg.arch == "decoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
+    return plain(cfg) and (cfg.arch == "decoder" and cfg.positional == "learned" and cfg.norm == "layernorm"
             and cfg.norm_placement == "pre" and cfg.ffn == "mlp" and cfg.bias and cfg.kv_heads == cfg.n_heads
             and not cfg.moe_experts)
 

@@ -5,44 +5,41 @@ RoPE (rotate-half layout, the same as qkv's: no permutation of q/k rows), RMSNor
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
-                           ensure, import_tensors, linear, need, refuse, rename)
+                           ensure, import_tensors, linear, need, plain, refuse, rename)
+from qkv.formats.hf.rope import rope_fields, rope_parameters
 
 ARCHITECTURE = "LlamaForCausalLM"
 
 
-def rope_theta(hf: dict) -> float:
-    """transformers 5 keeps RoPE settings in `rope_parameters`; 4.x had `rope_theta` / `rope_scaling`."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise QkvError(f"rope_parameters / rope_scaling={params!r} must be an object")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise QkvError(f"rope_type={kind!r}: scaled RoPE is not supported by qkv (only 'default')")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def config(hf: dict, architecture: str) -> ModelConfig:
+def config(hf: dict, architecture: str, **fields) -> ModelConfig:
+    """LLaMA's config (Llama 2 and 3.x with its RoPE scaling; SmolLM2, TinyLlama, Mistral's layout without
+    its window); `fields`: what a family built on it sets beyond (Qwen3's q/k norm)."""
     d_model, n_heads = need(hf, "hidden_size"), need(hf, "num_attention_heads")
     head_dim = hf.get("head_dim") or d_model // n_heads
-    ensure(head_dim * n_heads == d_model, f"head_dim={head_dim} x num_attention_heads={n_heads} "
-                                          f"!= hidden_size={d_model}: qkv needs D = H * Dh")
     bias = hf.get("attention_bias", False)
     ensure(bias == hf.get("mlp_bias", False), "attention_bias != mlp_bias: qkv has one model.bias")
     refuse(hf, "pretraining_tp", 1, "tensor-parallel pretraining slices")
-    return ModelConfig(
-        arch="decoder", vocab_size=need(hf, "vocab_size"), d_model=d_model, n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, n_layers=need(hf, "num_hidden_layers"),
-        d_ff=need(hf, "intermediate_size"), max_seq_len=hf.get("max_position_embeddings", 2048),
-        positional="rope", rope_theta=rope_theta(hf), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        norm_placement="pre", ffn="glu", activation=activation_from_hf(hf.get("hidden_act", "silu"), "hidden_act"),
-        bias=bias, tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0)
+    return ModelConfig(**{
+        "arch": "decoder", "vocab_size": need(hf, "vocab_size"), "d_model": d_model, "n_heads": n_heads,
+        "head_size": head_dim if head_dim * n_heads != d_model else 0,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads, "n_layers": need(hf, "num_hidden_layers"),
+        "d_ff": need(hf, "intermediate_size"), "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "positional": "rope", "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "norm_placement": "pre", "ffn": "glu",
+        "activation": activation_from_hf(hf.get("hidden_act", "silu"), "hidden_act"),
+        "bias": bias, "tie_embeddings": hf.get("tie_word_embeddings", False), "dropout": 0.0,
+        **rope_fields(hf), **fields})
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
     attn = [pair for name in "qkvo" for pair in linear(f"attn.{name}_proj", f"self_attn.{name}_proj", cfg.bias)]
+    attn += [pair for name in "qk" for pair in linear(f"attn.{name}_norm", f"self_attn.{name}_norm", False)
+             if cfg.qk_norm]  # Qwen3, OLMo 2
     ffn = [pair for name in ("gate", "up", "down") for pair in linear(f"ffn.{name}_proj", f"mlp.{name}_proj", cfg.bias)]
     pairs = (linear("attn_norm", "input_layernorm", False) + attn
              + linear("ffn_norm", "post_attention_layernorm", False) + ffn)
@@ -68,7 +65,8 @@ def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 def exports(cfg: ModelConfig) -> bool:
     return (cfg.arch == "decoder" and cfg.positional == "rope" and cfg.norm == "rmsnorm"
-            and cfg.norm_placement == "pre" and cfg.ffn == "glu" and not cfg.moe_experts)
+            and cfg.norm_placement == "pre" and cfg.ffn == "glu" and not cfg.moe_experts and not cfg.embed_scale
+            and plain(replace(cfg, head_size=0, rope_scaling="none")))  # LLaMA's config says both
 
 
 def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
@@ -78,8 +76,8 @@ def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": activation_to_hf(cfg),
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta,  # transformers 4.x reads this one
+        "rope_parameters": rope_parameters(cfg), "rope_theta": cfg.rope_theta,  # transformers 4.x reads rope_theta
+        **({"rope_scaling": rope_parameters(cfg)} if cfg.rope_scaling != "none" else {}),  # and this
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
         "tie_word_embeddings": cfg.tie_embeddings}
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from qkv.config import ModelConfig
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_to_hf, block_rules, ensure, import_tensors,
-                           linear, need, rename)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_to_hf, block_rules, ensure,
+                                   import_tensors, linear, need, plain, rename)
 from qkv.nn.relative import T5_BUCKETS
 
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -109,7 +109,7 @@ def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return (cfg.arch == "encoder-decoder" and cfg.positional == "t5" and cfg.norm == "rmsnorm"
+    return plain(cfg) and (cfg.arch == "encoder-decoder" and cfg.positional == "t5" and cfg.norm == "rmsnorm"
             and cfg.norm_placement == "pre" and not cfg.bias and not cfg.embed_norm and not cfg.embed_scale
             and (cfg.ffn, cfg.activation) in FFNS.values() and cfg.kv_heads == cfg.n_heads and not cfg.moe_experts)
 

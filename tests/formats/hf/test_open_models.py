@@ -1,0 +1,78 @@
+"""The open models of 2024-25 from Hugging Face dirs, each a tiny random model built with transformers' own class:
+Llama 3.x with its scaled RoPE (llama3, linear, yarn), Qwen3 (q/k norms, head_dim apart from D / H), Gemma 2
+(alternating windows, soft-capped scores and logits), Gemma 3 (five sliding layers to one global, two RoPE
+bases, four norms a block), Mistral (every layer sliding). Logits on right-padded rows within 1e-5 of
+transformers' in fp32, written back where qkv writes the family, and greedy generation token for token.
+Sizes exercise what differs: head_dim not D / H, GQA, windows shorter than the rows, 6+ layers for Gemma 3."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.formats.hf import V, check_decoder, check_greedy  # noqa: E402
+
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, max_position_embeddings=64,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def perturbed(model):
+    """Norm gains away from their init (Gemma's start at 0 for 1 + w): reading them is tested too."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def llama(rope):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope))
+
+
+def qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=12, tie_word_embeddings=False))
+
+
+def gemma3(window=5):
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SMALL, num_hidden_layers=7, num_key_value_heads=2, head_dim=16, sliding_window=window,
+        query_pre_attn_scalar=20, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+
+
+def gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **SMALL, num_hidden_layers=4, num_key_value_heads=1, head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
+        attn_logit_softcapping=3.0, final_logit_softcapping=2.0))
+
+
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=7))
+
+
+MODELS = {
+    "llama3-rope": lambda: llama({"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear-rope": lambda: llama({"rope_type": "linear", "rope_theta": 100.0, "factor": 4.0}),
+    "yarn-rope": lambda: llama({"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                "original_max_position_embeddings": 16}),
+    "qwen3": qwen3,
+    "gemma3": gemma3,
+    "gemma2": gemma2,
+    "mistral": mistral,
+}
+READ_ONLY = {"mistral", "yarn-rope"}  # written as another family (mistral) or checked by reading alone
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name, tmp_path):
+    torch.manual_seed(0)
+    check_decoder(perturbed(MODELS[name]()), tmp_path, export=name not in READ_ONLY)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3-rope", "gemma2"])
+def test_greedy_generation_matches_transformers(name, tmp_path):
+    torch.manual_seed(1)
+    check_greedy(perturbed(MODELS[name]()), tmp_path)
