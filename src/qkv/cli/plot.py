@@ -60,7 +60,7 @@ def attention(args) -> list[Path]:
     run = load(args.run)
     if not args.text:
         raise QkvError("--text must not be empty")
-    ids = [run.tokenizer.eos_id] + run.tokenizer.encode(args.text)  # streams start with <|endoftext|>
+    ids = [run.tokenizer.start_id] + run.tokenizer.encode(args.text)  # streams start with <|endoftext|> (or <bos>)
     limit = run.config.model.max_seq_len
     if len(ids) > limit:
         raise QkvError(f"--text is {len(ids)} tokens with the start token; the model reads at most {limit}")

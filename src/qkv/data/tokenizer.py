@@ -8,6 +8,7 @@ asks for `eos_id` puts the EOS token into a stream.
 from __future__ import annotations
 
 import codecs
+import json
 import os
 from functools import cached_property
 from pathlib import Path
@@ -85,6 +86,21 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size()
+
+    @cached_property
+    def start_id(self) -> int:
+        """The token a language model's text starts with: the special token the tokenizer's post-processor puts
+        first (Gemma's and Llama's <bos>, written there by qkv.formats.gguf.tokenizer or the HF dir's
+        tokenizer.json), else the end-of-text token (qkv's own tokenizers, GPT-2, SmolLM2)."""
+        processor = json.loads(self._hf.to_str()).get("post_processor") or {}
+        processors = processor.get("processors", [processor]) if isinstance(processor, dict) else []
+        for step in processors:
+            first = (step.get("single") or [None])[0] if step.get("type") == "TemplateProcessing" else None
+            if isinstance(first, dict) and "SpecialToken" in first:
+                found = self._hf.token_to_id(first["SpecialToken"].get("id", ""))
+                if found is not None:
+                    return found
+        return self.eos_id
 
     def encode(self, text: str) -> list[int]:
         _check_text(text)

@@ -69,7 +69,7 @@ def choice_scores(run: Run, rows) -> list[np.ndarray]:
             context_ids, continuation_ids = encode_pair(tokenizer, context, choice)
             if not continuation_ids:
                 raise QkvError("a choice encodes to no tokens")
-            context_ids = context_ids or [tokenizer.eos_id]  # an empty context: the start-of-text token
+            context_ids = context_ids or [tokenizer.start_id]  # an empty context: the start-of-text token
             sequences.append((context_ids + continuation_ids)[-(window + 1):])
             counts.append(len(continuation_ids))
         width = max(len(ids) for ids in sequences) - 1

@@ -13,8 +13,8 @@ from qkv.evaluate.tokens import score_tokens
 
 
 def text_tokens(run: Run, text: str) -> np.ndarray:
-    """[end-of-text] + BPE(text): the start token lets the first real token be scored too."""
-    return np.asarray([run.tokenizer.eos_id] + run.tokenizer.encode(text), dtype=np.int64)
+    """[start] + BPE(text) (start_id: end-of-text, or <bos>): the start lets the first real token be scored too."""
+    return np.asarray([run.tokenizer.start_id] + run.tokenizer.encode(text), dtype=np.int64)
 
 
 def score_run(run: Run, data_paths: list[str], stride: int | None = None) -> dict:

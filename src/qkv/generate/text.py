@@ -62,11 +62,11 @@ class TextStream:
 
 
 def start_of(tokenizer, prompt: str) -> list[int]:
-    """What a language model continues: [end-of-text] + the prompt; with no prompt, [end-of-text] + a line
-    break. End-of-text alone is a poor start: training sees it once a document (the default job's corpus: a
+    """What a language model continues: [start] + the prompt; with no prompt, [start] + a line break. The start
+    is the tokenizer's start_id: its end-of-text token, or the <bos> its model file asks for (Gemma). End-of-text alone is a poor start: training sees it once a document (the default job's corpus: a
     few dozen times in 300 s), so what a small model puts after it is noise ('IOLAN@@@@' after the default
     job), while a line break, seen thousands of times, is followed by what the text's lines begin with."""
-    return [tokenizer.eos_id] + tokenizer.encode(prompt or "\n")
+    return [tokenizer.start_id] + tokenizer.encode(prompt or "\n")
 
 
 def generate_text(run: Run, prompt: str, *, max_new_tokens: int, strategy: str, temperature: float,

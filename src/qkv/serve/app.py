@@ -161,7 +161,7 @@ def make_app(served: Served) -> Starlette:
     async def completions(request: Request) -> Response:
         raw = await read_body(request, served)
         generator_only()
-        start = () if served.limits.seq2seq else (served.tokenizer.eos_id,)
+        start = () if served.limits.seq2seq else (served.tokenizer.start_id,)
         req = api.read_completion(raw, served.name, served.tokenizer, served.limits, start)
         return await respond(request, req, chat=False)
 

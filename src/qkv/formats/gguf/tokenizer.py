@@ -4,10 +4,14 @@
     model "gpt2":  byte-level BPE: `tokens` (in the byte alphabet; any other spelling is mapped to it) with
                    `merges`; the pre-tokenizer splits as the vocabulary was trained (`pre`: GPT-2's regex, or
                    Qwen2's / Llama 3's split before the byte mapping).
-    model "llama": SentencePiece's BPE (TinyLlama, Llama 2): pieces spelled with "▁" for a space, byte
-                   fallback to the <0xNN> tokens, a "▁" put before the text; the merges the file gives, or
-                   those its scores imply (`implied_merges`).
-    Either way tokens typed CONTROL (3) are special tokens, USER_DEFINED (4) added tokens, both matched whole.
+    model "llama": SentencePiece's BPE (TinyLlama, Llama 2, Gemma): pieces spelled with "▁" for a space, byte
+                   fallback to the <0xNN> tokens, a "▁" put before the text unless `add_space_prefix` is false
+                   (Gemma); the merges the file gives, or those its scores imply (`implied_merges`). Gemma's
+                   files store the pieces of 2+ spaces as spaces and rank merges by the pieces' order, not
+                   their scores: both as transformers' GGUF loader reads them.
+    Either way tokens typed CONTROL (3) are special tokens, USER_DEFINED (4) added tokens, both matched whole, and
+    a file that adds its BOS token (`add_bos_token`; SentencePiece files that do not say) gets a post-processor
+    naming it, which qkv's Tokenizer.start_id reads: every prompt then starts with <bos>.
 
 The end-of-text token qkv needs (`<|endoftext|>`) is the file's own when it has one, else its EOS token
 respelled, as for Hugging Face dirs (qkv.formats.hf.tokenizer, docs/DEVIATIONS.md).
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from qkv.data.tokenizer import EOS, Tokenizer, bytes_to_unicode
 from qkv.errors import QkvError
@@ -53,6 +57,12 @@ def gguf_tokenizer(meta: dict, origin: str) -> Tokenizer:
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind_ in zip(tokens, types)
                    if kind_ == USER_DEFINED and t in vocab])
     raw = json.loads(hf.to_str())
+    bos = token_of(meta, "bos", tokens)
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None and bos != token_of(meta, "eos", tokens):
+        raw["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                                                        {"Sequence": {"id": "A", "type_id": 0}}],
+                                 "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                                 "special_tokens": {bos: {"id": bos, "ids": [tokens.index(bos)], "tokens": [bos]}}}
     if not spells(raw, EOS):
         eos = token_of(meta, "eos", tokens)
         if eos is None or not spells(raw, eos):
@@ -82,16 +92,25 @@ def byte_level(meta: dict, tokens: list[str]):
 
 def sentencepiece(meta: dict, tokens: list[str]):
     """(tokenizer, vocab, which CONTROL tokens to add) of SentencePiece's BPE (`llama`)."""
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if gemma:  # pieces of spaces alone are stored as spaces: spelled with "▁" as the merges need them
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
     merges = meta.get("tokenizer.ggml.merges")
-    pairs = ([tuple(merge.split(" ")) for merge in merges] if merges is not None else
-             implied_merges(vocab, dict(zip(tokens, meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))))))
-    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(content=" ", left=1, right=0)])
+    scores = ({token: -float(index) for index, token in enumerate(tokens)} if gemma else  # ranked by their order
+              dict(zip(tokens, meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))))
+    pairs = [tuple(merge.split(" ")) for merge in merges] if merges is not None else implied_merges(vocab, scores)
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                         unk_token=token_of(meta, "unknown", tokens)))
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        strip = [decoders.Strip(content=" ", left=1, right=0)]
+    else:  # every space a "▁", none put before the text (Gemma)
+        hf.normalizer = normalizers.Replace(" ", "▁")
+        strip = []
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return hf, vocab, lambda token: True
 
 
@@ -111,6 +130,6 @@ BUILDERS = {"gpt2": byte_level, "llama": sentencepiece}  # tokenizer.ggml.model 
 
 
 def token_of(meta: dict, which: str, tokens: list[str]) -> str | None:
-    """The token `tokenizer.ggml.{which}_token_id` names (bos, eos, padding), or None."""
+    """The token `tokenizer.ggml.{which}_token_id` names (bos, eos, unknown, padding), or None."""
     index = meta.get(f"tokenizer.ggml.{which}_token_id")
     return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
