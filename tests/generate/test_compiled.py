@@ -28,13 +28,16 @@ pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (test
 LLAMA = dict(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, n_kv_heads=2,
              qk_norm=True)  # GQA, QK-norm, SwiGLU, no biases
 GPT = dict(positional="learned", norm="layernorm", ffn="mlp", activation="gelu_tanh", bias=True)
+GEMMA = dict(LLAMA, activation="gelu_tanh", norm_placement="sandwich", embed_scale=True, head_size=24, query_scale=20.0,
+             attn_softcap=3.0, logit_softcap=5.0, n_layers=4, layer_types=("sliding", "global", "nope", "sliding"),
+             sliding_window=4, rope_local_theta=100.0)  # qkv.models.plan: every kind of layer, Gemma's model-wide facts
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 
 def tiny(quant: str = "none", dtype: str = "fp32", **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = qkv.ModelConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=40,
-                          init_std=0.3, **overrides)
+    cfg = qkv.ModelConfig(**{**dict(vocab_size=64, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=40,
+                                    init_std=0.3), **overrides})
     model = qkv.build_model(cfg).eval()
     prepare(model, dtype=dtype, quant=quant)  # fused Q/K/V and gate/up, as a loaded model decodes
     return model
@@ -43,7 +46,8 @@ def tiny(quant: str = "none", dtype: str = "fp32", **overrides) -> torch.nn.Modu
 # name: (quant, dtype, family, one row's products as summed_product's sums or torch's kernels): both forms on
 # every machine, whichever this CPU would choose (qkv.nn.decoding_linear.summed_form_faster)
 MODELS = {"llama-int4": ("int4", "fp32", LLAMA, False), "gpt": ("none", "fp32", GPT, True),
-          "llama-int8": ("int8", "fp32", LLAMA, True), "llama-bf16": ("none", "bf16", LLAMA, True)}
+          "llama-int8": ("int8", "fp32", LLAMA, True), "llama-bf16": ("none", "bf16", LLAMA, True),
+          "gemma": ("none", "fp32", GEMMA, True)}
 
 
 def compiled_models() -> dict[str, torch.nn.Module]:
@@ -129,7 +133,7 @@ def test_generate_with_the_compiled_step_gives_the_same_tokens(models, name):
     assert with_step.tolist() == without.tolist()
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "gpt"])
+@pytest.mark.parametrize("name", ["llama-int4", "gpt", "gemma"])
 def test_compiled_step_on_a_left_padded_batch(models, name):
     """Rows of different lengths, left-padded (as generate pads prompts and qkv serve gathers its rows): each
     row's positions are its own and no query sees a padding column; the logits equal the general step's."""

@@ -98,8 +98,11 @@ class ChatSession:
         keep = common_prefix(self.cached, ids)
         if keep == len(ids):  # everything fed already: feed the last token again to get its logits
             keep -= 1
-        if self.cache is None:
-            self.cache, keep = model.new_cache(1, model.max_seq_len), 0
+        if self.cache is not None and keep < self.cache.length and not self.cache.can_truncate(keep):
+            self.cache = None  # (a sliding layer's ring no longer holds what a query at `keep` sees)
+        if self.cache is None:  # sliding layers in rings: a long chat's memory grows with the global ones
+            rolling = model.blocks[0].attn.window == 0 if hasattr(model, "blocks") else False
+            self.cache, keep = model.new_cache(1, model.max_seq_len, rolling=rolling), 0
         elif keep < self.cache.length:
             self.cache.truncate(keep, ids[keep - 1] if keep else None)
         new = torch.tensor([ids[keep:]], device=self.device)

@@ -51,17 +51,18 @@ from torch import Tensor, nn
 from qkv.generate.step_attention import attend
 from qkv.generate.watch import ModelWatch, hooked, kernel_operands
 from qkv.models.decoder import DecoderLM
-from qkv.nn.cache import KVCache
+from qkv.nn.cache import RING_SPARE, KVCache, RingLayerCache
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
-from qkv.nn.residual import pre_norm
+from qkv.nn.residual import pre_norm, sandwich_norm
 
 # inductor's C++ code generation notes a node holding both bf16 and fp16 (it computes such a node in fp32): a
 # quantized layer's bf16 output written into an fp16 KV cache (--kv-dtype fp16); nothing for a user to do
 warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
 DENSE_KERNELS = ("sdpa", "naive", "flash")  # softmax(q K^T / sqrt(Dh)) V over every allowed key
 PROMPT_ROWS = 16  # a prompt of up to this many tokens a row is prefilled by the compiled graph (CompiledStep.prompt)
+assert PROMPT_ROWS <= RING_SPARE + 1  # its columns written in place into a ring never hide a key one of them sees
 # Only what varies gets a symbol when a graph is traced (rows, cache columns, n): the cache's heads and head size,
 # every weight's sizes (the quantized layers' kernel operands are plain tensors, which dynamic=True would make
 # symbolic) and the norms' eps (a float: symbolic under dynamic=True) are fixed. Each symbol is an argument the
@@ -86,12 +87,13 @@ def unsupported(model: nn.Module) -> str | None:
         return f"the {type(positional).__name__} encoding"
     for block in model.blocks:
         attn = block.attn
-        if block.cross_attn is not None or block.residual is not pre_norm:
-            return "a block other than pre-norm self-attention + FFN"
+        if block.cross_attn is not None or block.residual not in (pre_norm, sandwich_norm):
+            return "a block other than pre-norm (or sandwich) self-attention + FFN"
         if attn.kernel_name not in DENSE_KERNELS or attn.window:
             return f"the {attn.kernel_name} attention kernel"
-        if attn.sliding or attn.softcap or attn.positional is not None or attn.scale != attn.head_dim ** -0.5:
-            return "a layer plan other than global layers rotated alike (qkv.models.plan)"
+        if attn.positional is not None and not isinstance(attn.positional, Rotary) and (
+                type(attn.positional).rotate is not Positional.rotate):
+            return f"a layer's {type(attn.positional).__name__} encoding"
     if hooked(model):
         return "hooks on the model (they must see their layers run)"
     return None
@@ -129,6 +131,7 @@ class CompiledStep:
             raise ValueError(f"the compiled decoding step does not cover {reason}")
         inductor_cache()
         self.model = model
+        self.rings = (0,) * len(model.blocks)  # each layer's ring or 0, as run() finds the cache (window_mask)
         self.failed: str | None = None
         self.watch = ModelWatch(model)  # no hooks on it, its weights those the graphs hold
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
@@ -201,50 +204,91 @@ class CompiledStep:
             for tensor in kernel_operands(self.model, make=True):  # prompt's graph would repack int4 weights
                 torch._dynamo.mark_static(tensor)  # every call)
             self.watch.hold()  # the tensors the graphs will hold
+        # each layer's ring (a sliding layer's slots, qkv.nn.cache) or 0: read by the graphs as a constant (a
+        # change, which only a cache of another kind brings, traces the graph again)
+        self.rings = tuple(layer.slots if isinstance(layer, RingLayerCache) else 0 for layer in cache.layers)
         shapes, traced = self.tracing[duck]  # (above: one row shares its columns)
         try:
             with shapes, traced, summing(self.summed):
-                return compiled(tokens, positions, cache.length, keys, values, real)
+                return compiled(tokens, positions, cache.length, keys, values, real, cache.positions)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: decode eagerly from now on
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             print(f"qkv: warning: --compile: torch.compile failed ({self.failed[:200]}); decoding without it",
                   file=sys.stderr)
-            return eager(tokens, positions, cache.length, keys, values, real)
+            return eager(tokens, positions, cache.length, keys, values, real, cache.positions)
 
     def forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
-                values: list[Tensor], real: Tensor) -> Tensor:
+                values: list[Tensor], real: Tensor, key_positions: Tensor) -> Tensor:
         """The step (module docstring): tokens and positions (B,), n the cache's columns with this one; `real`
-        (B, columns) False at a left-padded batch's padding columns, which no query may attend to."""
-        model = self.model
-        x = model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
-        rope = None
-        if isinstance(model.positional, Rotary):  # cos, sin of position * theta_i (B, 1, 1, Dh), at least fp32
-            rope = rotary_cos_sin(positions[:, None], model.positional.frequencies, model.positional.attention_factor,
-                                  torch.promote_types(x.dtype, torch.float32))
+        (B, columns) False at a left-padded batch's padding columns, which no query may attend to;
+        `key_positions` (B, columns) each column's position (a sliding layer's window)."""
+        x = self.model.embed(tokens[:, None], positions[:, None])  # (B, 1, D)
         mask = real[:, None, None, :n]  # (B, 1, 1, n): the keys each row may see
-        for block, k_all, v_all in zip(model.blocks, keys, values):
-            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
-            x = x + block.ffn(block.ffn_norm(x))
-        return model.lm_head(model.final_norm(x))[:, 0]  # (B, V)
+        x = self.layers(x, positions[:, None], n, keys, values, mask, key_positions, real)
+        return self.model.lm_head(self.model.final_norm(x))[:, 0]  # (B, V)
 
     def prompt_forward(self, tokens: Tensor, positions: Tensor, n: int, keys: list[Tensor],
-                       values: list[Tensor], real: Tensor) -> Tensor:
+                       values: list[Tensor], real: Tensor, key_positions: Tensor) -> Tensor:
         """forward for T tokens a row (B, T) at `positions` (B, T): columns n - T .. n - 1 written, token t
         attending to the columns up to its own (causal), the head on the last token only."""
-        model = self.model
         T = tokens.shape[1]
-        x = model.embed(tokens, positions)  # (B, T, D)
-        rope = None
-        if isinstance(model.positional, Rotary):  # (B, 1, T, Dh)
-            rope = rotary_cos_sin(positions, model.positional.frequencies, model.positional.attention_factor,
-                                  torch.promote_types(x.dtype, torch.float32))
+        x = self.model.embed(tokens, positions)  # (B, T, D)
         columns = torch.arange(n, device=tokens.device)
         own = n - T + torch.arange(T, device=tokens.device)  # (T,) the new tokens' columns
         mask = real[:, None, None, :n] & (columns <= own[:, None])  # (B, 1, T, n)
-        for block, k_all, v_all in zip(model.blocks, keys, values):
-            x = x + attend(block.attn, block.attn_norm(x), rope, k_all, v_all, n, mask)
-            x = x + block.ffn(block.ffn_norm(x))
-        return model.lm_head(model.final_norm(x[:, -1:]))[:, 0]  # (B, V)
+        x = self.layers(x, positions, n, keys, values, mask, key_positions, real)
+        return self.model.lm_head(self.model.final_norm(x[:, -1:]))[:, 0]  # (B, V)
+
+    def layers(self, x: Tensor, positions: Tensor, n: int, keys: list[Tensor], values: list[Tensor], mask: Tensor,
+               key_positions: Tensor, real: Tensor) -> Tensor:
+        """Every block on the new columns (B, T, D) at `positions` (B, T), as each layer's plan says
+        (qkv.models.plan): its rotation (the model's, its own base, or none), its keys (all it may see under
+        `mask` (B, 1, T, n), or a sliding layer's last W positions, in a ring of slots where its cache is one)
+        and its residual placement."""
+        model = self.model
+        wide = torch.promote_types(x.dtype, torch.float32)
+        ropes: dict[int, tuple[Tensor, Tensor] | None] = {}  # cos, sin (B, 1, T, Dh) of each rotation, at least fp32
+        windows: dict[tuple[int, int], Tensor] = {}  # each (window, ring)'s mask (B, 1, T, n or slots)
+        for block, k_all, v_all, ring in zip(model.blocks, keys, values, self.rings):
+            attn = block.attn
+            rotation = attn.positional if attn.positional is not None else model.positional
+            if id(rotation) not in ropes:
+                ropes[id(rotation)] = (rotary_cos_sin(positions, rotation.frequencies, rotation.attention_factor, wide)
+                                       if isinstance(rotation, Rotary) else None)
+            seen = mask
+            if attn.sliding:
+                if (attn.sliding, ring) not in windows:
+                    windows[attn.sliding, ring] = window_mask(attn.sliding, ring, positions, n, mask, key_positions,
+                                                              real)
+                seen = windows[attn.sliding, ring]
+            rope = ropes[id(rotation)]
+            x = residual(block, block.attn_norm, x, lambda h: attend(attn, h, rope, k_all, v_all, n, seen, ring))
+            x = residual(block, block.ffn_norm, x, block.ffn)
+        return x
+
+
+def window_mask(window: int, ring: int, positions: Tensor, n: int, mask: Tensor, key_positions: Tensor,
+                real: Tensor) -> Tensor:
+    """A sliding layer's keys: those `mask` allows whose position is within the last `window` of the query's
+    (B, 1, T, n); in a ring of `ring` slots (qkv.nn.cache), slot j holds the newest column c <= n - 1 with
+    c = j mod ring, seen where written, not padding, not after the query's own column, and within its window:
+    (B, 1, T, ring)."""
+    if not ring:
+        return mask & (key_positions[:, None, None, :n] > positions[:, None, :, None] - window)
+    T = positions.shape[1]
+    slot = torch.arange(ring, device=positions.device)
+    column = (n - 1) - torch.remainder(n - 1 - slot, ring)  # (ring,)
+    held = column.clamp(min=0)
+    own = n - T + torch.arange(T, device=positions.device)  # (T,) the queries' columns
+    near = key_positions[:, None, None, held] > positions[:, None, :, None] - window  # (B, 1, T, ring)
+    return near & real[:, None, None, held] & (column >= 0) & (column <= own[:, None])
+
+
+def residual(block: nn.Module, norm: nn.Module, x: Tensor, sublayer) -> Tensor:
+    """x + F(norm(x)) (pre-norm) or x + outer(F(inner(x))) (sandwich: Gemma's four norms a block)."""
+    if block.residual is sandwich_norm:
+        return x + norm.outer(sublayer(norm.inner(x)))
+    return x + sublayer(norm(x))
 
 
 def own_code(method):

@@ -13,8 +13,10 @@ from qkv.nn.positional import rotate_half
 
 
 def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
-           n: int, mask: Tensor) -> Tensor:
-    """One layer's self-attention for the new columns n - T .. n - 1: (B, T, D) -> (B, T, D)."""
+           n: int, mask: Tensor, ring: int = 0) -> Tensor:
+    """One layer's self-attention for the new columns n - T .. n - 1: (B, T, D) -> (B, T, D). `ring` > 0: the
+    cache is a sliding layer's ring of that many slots (column c in slot c mod ring, qkv.nn.cache), every slot
+    attended under `mask` (B, 1, T, ring)."""
     B, T = h.shape[:2]
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
     fused = fused_or_none(attn, "fused_qkv", attn.q_proj, attn.k_proj, attn.v_proj)
@@ -30,20 +32,35 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rope is not None:
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-    if T == 1:  # into the preallocated cache, in place
+    if ring:  # into the ring's slots, in place
+        slots = torch.arange(n - T, n, device=k.device) % ring
+        k_all.index_copy_(2, slots, k.to(k_all.dtype))
+        v_all.index_copy_(2, slots, v.to(v_all.dtype))
+    elif T == 1:  # into the preallocated cache, in place
         k_all[:, :, n - 1:n] = k
         v_all[:, :, n - 1:n] = v
     else:  # (by index: a slice from n - T would guard on where it starts, n - T <= 0 when traced into an empty cache)
         own = torch.arange(n - T, n, device=k.device)
         k_all.index_copy_(2, own, k.to(k_all.dtype))  # (a cache in fp16 or bf16 under an fp32 model)
         v_all.index_copy_(2, own, v.to(v_all.dtype))
-    if summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
-        out = summed_attention(q, k_all[:, :, :n], v_all[:, :, :n], mask, Dh ** -0.5)
+    k_seen, v_seen = (k_all, v_all) if ring else (k_all[:, :, :n], v_all[:, :, :n])
+    if attn.softcap:  # scores c tanh(s / c) before the mask (Gemma 2): formed explicitly
+        out = capped_attention(q, k_seen, v_seen, mask, attn.scale, attn.softcap)
+    elif summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)
+        out = summed_attention(q, k_seen, v_seen, mask, attn.scale)
     else:
-        k_seen, v_seen = k_all[:, :, :n].to(q.dtype), v_all[:, :, :n].to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, scale=Dh ** -0.5,
+        k_seen, v_seen = k_seen.to(q.dtype), v_seen.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, scale=attn.scale,
                                              enable_gqa=H != Hkv)  # (B, H, T, Dh)
     return attn.o_proj(out.reshape(B, 1, H * Dh) if T == 1 else out.transpose(1, 2).reshape(B, T, H * Dh))
+
+
+def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
+    """softmax(c tanh(q K^T scale / c), masked) V with the K/V heads repeated for the query heads; fp32 inside."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1).float(), v.repeat_interleave(groups, 1).float()
+    scores = cap * torch.tanh((q.float() @ k.transpose(-2, -1)) * scale / cap)  # (B, H, T, n)
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
 
 
 def summed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

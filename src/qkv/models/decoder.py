@@ -64,10 +64,11 @@ class DecoderLM(Embeddings):
 
     def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:
         """A preallocated KV cache for `batch` rows of up to `max_len` tokens; `rolling`: keep only the columns
-        the kernel can still read (a local kernel's last w, any length; qkv.nn.cache). Its keys and values are
+        the kernel can still read (a local kernel's last w, any length; a sliding layer's ring; qkv.nn.cache). Its keys and values are
         held in the embedding's dtype, or in `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
+        windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.models.plan)
         return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
                        dtype=self.kv_dtype or weight.dtype, device=weight.device,
-                       window=rolling_window(attn.kernel_name, attn.window) if rolling else 0)
+                       window=rolling_window(attn.kernel_name, attn.window) if rolling else 0, layer_windows=windows)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
+from qkv.nn.cache import RING_SPARE
 from qkv.nn.rope_scaling import NO_SCALING, RopeScaling
 
 LAYER_KINDS = ("global", "sliding", "nope")  # model.layer_types' entries
@@ -90,5 +91,7 @@ def check_plan(cfg: ModelConfig) -> None:
 
 
 def cached_columns(plan: LayerPlan, length: int) -> int:
-    """Key columns a layer's cache must hold for `length` tokens: a sliding layer only its window's."""
-    return min(plan.window, length) if plan.window else length
+    """Key columns a layer's cache holds for `length` tokens: a sliding layer's ring, W + RING_SPARE slots, where
+    that is fewer (qkv.nn.cache.KVCache keeps it so)."""
+    ring = plan.window + RING_SPARE
+    return ring if plan.window and ring < length else length

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from qkv.nn.cache import LayerCache
 from qkv.nn.fastpath import fused_or_none
 from qkv.nn.hookpoints import point, wants
 from qkv.nn.kernels import kernel_for, weighted_values, weights_for
-from qkv.nn.masks import causal_mask
 from qkv.nn.norms import RMSNorm
 from qkv.nn.positional import Positional
 
@@ -86,7 +86,9 @@ class Attention(nn.Module):
         bias = ctx.positional.score_bias(ctx.positions, ctx.key_positions, q, k)  # (B, H, T, S) or None
         value_bias = ctx.positional.value_bias(ctx.positions, ctx.key_positions)
         dropout = self.attn_dropout if self.training else 0.0
-        mask, causal = (ctx.mask, ctx.causal) if not self.sliding else (sliding_mask(ctx, self.sliding, q.device), False)
+        columns = getattr(cache, "columns", None)  # a ring's kept columns and this call's (qkv.nn.cache)
+        mask, causal = ((ctx.mask, ctx.causal) if not self.sliding else
+                        (sliding_mask(ctx, self.sliding, q.device, columns), False))
         if wants(self, "scores") or wants(self, "pattern") or self.softcap:  # S and A formed explicitly
             if k.shape[1] != q.shape[1]:
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
@@ -116,10 +118,15 @@ class Attention(nn.Module):
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def sliding_mask(ctx: AttentionContext, window: int, device) -> Tensor:
+def sliding_mask(ctx: AttentionContext, window: int, device, columns: Tensor | None = None) -> Tensor:
     """(B, 1, T, S) the context's mask (or causal triangle) with each query's keys cut to the last `window`
-    positions, itself included: key position p_j > p_i - W (qkv.models.plan's sliding layer)."""
+    positions, itself included: key position p_j > p_i - W (qkv.models.plan's sliding layer). `columns` (S',): the
+    columns of the keys a ring cache returned (qkv.nn.cache), of all S the context covers: (B, 1, T, S')."""
     T, S = ctx.positions.shape[1], ctx.key_positions.shape[1]
-    near = ctx.key_positions[:, None, None, :] > ctx.positions[:, None, :, None] - window  # (B, 1, T, S)
-    base = ctx.mask if ctx.mask is not None else causal_mask(T, S, device) if ctx.causal else None
-    return near if base is None else base & near
+    cols = torch.arange(S, device=device) if columns is None else columns
+    near = ctx.key_positions[:, None, None, cols] > ctx.positions[:, None, :, None] - window  # (B, 1, T, S')
+    if ctx.mask is not None:
+        return ctx.mask[..., cols] & near
+    if ctx.causal:
+        return (cols[None, :] <= torch.arange(S - T, S, device=device)[:, None]) & near
+    return near

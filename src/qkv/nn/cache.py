@@ -15,6 +15,14 @@ stays O(w) however long generation runs, and `max_len` no longer bounds the leng
 window)` says which kernels allow it (KernelSpec.reach); the models' `new_cache(..., rolling=True)` asks
 it (generation does; Transformer-XL segment training keeps the full cache).
 
+Ring cache (a sliding layer of qkv.models.plan, `layer_windows`): a layer that sees only its last W keys keeps
+W + RING_SPARE columns in a ring, column c in slot c mod slots, so a long chat's memory grows with the global
+layers only (Gemma 3 270M at 8,192 tokens: 3 of its 18 layers). The KVCache still records every column's
+position and padding (a few bytes a column); a ring's `append` returns its kept columns in order, then this
+call's, with `columns` their indices among all of them, and the attention masks by those (qkv.nn.attention).
+The spare columns let a compiled prompt of up to RING_SPARE + 1 tokens write in place without overwriting a key
+one of its own queries still sees (qkv.generate.compiled).
+
 The keys and values are allocated, not zeroed: a column is read only after it is written (append returns
 the first `length` columns; a batch gathered with left padding zeroes its padding columns), so the memory a
 long context reserves becomes resident only as tokens fill it (`qkv chat` reserves the model's whole
@@ -89,6 +97,47 @@ class RollingLayerCache:
         self.length = self.k.shape[2]
 
 
+RING_SPARE = 16  # a ring's columns beyond its window (module docstring)
+
+
+class RingLayerCache:
+    """A sliding layer's keys and values: the last `slots` columns, column c in slot c mod slots (B, Hkv, slots, Dh).
+    Zeroed: the compiled step attends over every slot, an unwritten one masked (with weight 0, which NaN would
+    turn into NaN)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, slots: int, head_dim: int, *, dtype, device):
+        self.slots = slots
+        self.k = torch.zeros(batch, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0  # columns written so far, all of them (the ring holds the last `slots`)
+        self.columns: Tensor | None = None  # the columns of what the last append returned (S',)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The kept columns in order, then this call's: (B, Hkv, kept + T, Dh); the last `slots` are kept."""
+        T, start = k.shape[2], self.length
+        kept = min(start, self.slots)
+        old = torch.arange(start - kept, start, device=k.device)
+        seen_k = torch.cat((self.k[:, :, old % self.slots], k.to(self.k.dtype)), dim=2)
+        seen_v = torch.cat((self.v[:, :, old % self.slots], v.to(self.v.dtype)), dim=2)
+        written = min(T, self.slots)
+        new = torch.arange(start + T - written, start + T, device=k.device)
+        self.k[:, :, new % self.slots] = k[:, :, T - written:].to(self.k.dtype)
+        self.v[:, :, new % self.slots] = v[:, :, T - written:].to(self.v.dtype)
+        self.length = start + T
+        self.columns = torch.arange(start - kept, start + T, device=k.device)
+        return seen_k, seen_v
+
+    def reorder(self, rows: Tensor) -> None:
+        self.k, self.v = self.k[rows], self.v[rows]
+
+    detach = LayerCache.detach
+
+    def holds(self, n: int, window: int) -> bool:
+        """Whether, cut back to n columns, the ring still holds the last `window` - 1 of them (a query at
+        column n sees back to n - window + 1)."""
+        return self.length <= self.slots or n - window + 1 >= self.length - self.slots
+
+
 def rolling_window(kernel: str, window: int) -> int:
     """How many past columns a cache must keep for `kernel` (0: all of them, no rolling): its spec's reach."""
     reach = KERNELS.get(kernel).reach
@@ -97,15 +146,19 @@ def rolling_window(kernel: str, window: int) -> int:
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 *, dtype=torch.float32, device=None, window: int = 0):
-        """`window` > 0: a rolling cache (module docstring): only the last `window` columns are kept."""
+                 *, dtype=torch.float32, device=None, window: int = 0, layer_windows: tuple[int, ...] = ()):
+        """`window` > 0: a rolling cache (module docstring): only the last `window` columns are kept.
+        `layer_windows`: each layer's sliding window W (0: global), a ring of W + RING_SPARE columns where W > 0."""
         self.window = window
+        self.layer_windows = tuple(layer_windows) or (0,) * n_layers
         if window:
             self.layers = [RollingLayerCache(batch, n_kv_heads, window, head_dim, dtype=dtype, device=device)
                            for _ in range(n_layers)]
         else:
-            self.layers = [LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-                           for _ in range(n_layers)]
+            self.layers = [RingLayerCache(batch, n_kv_heads, min(w + RING_SPARE, max_len), head_dim, dtype=dtype,
+                                          device=device) if w and w + RING_SPARE < max_len else
+                           LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                           for w in self.layer_windows]
         self.max_len = max_len
         self.length = 0
         columns = 0 if window else max_len  # rolling: the kept columns only, grown by extend
@@ -175,11 +228,18 @@ class KVCache:
             self.positions, self.padding = self.positions.roll(-start, dims=1), self.padding.roll(-start, dims=1)
         self.length -= start
 
+    def can_truncate(self, n: int) -> bool:
+        """Whether truncate(n) applies: an unpadded, non-rolling cache, n columns it holds (every ring still
+        holding the window a query at column n sees)."""
+        rings_hold = all(layer.holds(n, w) for layer, w in zip(self.layers, self.layer_windows)
+                         if isinstance(layer, RingLayerCache))
+        return not self.window and not self.padded and 0 <= n <= self.length and rings_hold
+
     def truncate(self, n: int, last_token: int | None = None) -> None:
         """Forget every column after the first n of an unpadded cache (a chat whose next prompt shares only
         its first n tokens with what was fed): the next call continues at position n. `last_token`: the
         token at n - 1 (the hashed bigram embedding's previous token)."""
-        if self.window or self.padded or not 0 <= n <= self.length:
+        if not self.can_truncate(n):
             raise ValueError("only an unpadded, non-rolling cache can be cut back, and to a length it holds")
         for layer in self.layers:
             layer.length = n

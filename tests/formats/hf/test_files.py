@@ -153,12 +153,12 @@ def test_eos_token_of_another_name_stands_in_for_endoftext(tmp_path):
 
 
 def test_unsupported_architecture_exits_2_naming_it_and_the_supported_ones(tmp_path):
-    path = tmp_path / "mistral"
+    path = tmp_path / "falcon"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
     code, _, err = cli("convert", "--from-hf", str(path), "--out", str(tmp_path / "run"))
     assert code == 2 and err.count("\n") == 1 and err.startswith("qkv: error:")
-    assert "MistralForCausalLM" in err and "GPT2LMHeadModel" in err and "T5ForConditionalGeneration" in err
+    assert "FalconForCausalLM" in err and "GPT2LMHeadModel" in err and "T5ForConditionalGeneration" in err
     assert not (tmp_path / "run").exists()
 
 

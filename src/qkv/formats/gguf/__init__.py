@@ -77,7 +77,7 @@ def block_readers(file: GgufFile, arch, hf: dict, family, cfg,
     (gpt2's Q/K/V split), which are then read all at once."""
     placeholders, sources = {}, {}
     try:
-        for name in file.names:
+        for name in weights(file, arch):
             hf_name = hf_name_of(arch, name, hf)
             shape = tuple(int(n) for n in reversed(file.tensors[name].shape.tolist()))
             placeholders[hf_name] = torch.empty(shape, device="meta")
@@ -139,7 +139,8 @@ def read_model_config(path: Path):
     if "token_embd.weight" not in shapes:
         raise QkvError(f"{path}: has no token_embd.weight tensor")
     try:
-        hf = arch.hf_config(file.metadata, shapes)
+        settings = {name: file.tensor(name) for name in arch.settings if name in file.tensors}  # rope_freqs
+        hf = arch.hf_config({**file.metadata, **settings}, shapes)
         family = HF_FAMILIES.get(hf["model_type"])
         cfg = check_model(family.config(hf, hf["architectures"][0]))
     except QkvError as exc:
@@ -150,10 +151,15 @@ def read_model_config(path: Path):
 def hf_tensors(file: GgufFile, arch, hf: dict) -> dict[str, torch.Tensor]:
     """Every tensor of the file, dequantized to fp32, under its Hugging Face name."""
     out = {}
-    for name in file.names:
+    for name in weights(file, arch):
         hf_name = hf_name_of(arch, name, hf)
         out[hf_name] = read_tensor(file, arch, hf, name, hf_name)
     return out
+
+
+def weights(file: GgufFile, arch) -> list[str]:
+    """The file's tensors that are weights (not settings its architecture reads into the config)."""
+    return [name for name in file.names if name not in arch.settings]
 
 
 def hf_name_of(arch, name: str, hf: dict) -> str:

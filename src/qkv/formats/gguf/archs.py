@@ -29,6 +29,10 @@ class GgufArch:
     gguf_name: Callable[[str], str] | None = None  # HF name -> GGUF name
     from_hf: Callable[[str, np.ndarray, dict], np.ndarray] | None = None  # (HF name, HF tensor, HF config) -> stored
     metadata: Callable[[dict], dict] | None = None  # HF config.json dict -> {GGUF key without the arch prefix: value}
+    # tensors that are settings rather than weights, handed to hf_config among the metadata as arrays (llama's
+    # rope_freqs.weight), and settings(hf) -> {name: array} writes them
+    settings: tuple[str, ...] = ()
+    write_settings: Callable[[dict], dict] | None = None
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
@@ -46,9 +50,6 @@ def need(meta: dict, key: str):
 
 
 def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise QkvError(f"{arch}.rope.scaling.type={scaling!r}: scaled RoPE is not supported by qkv (only none)")
     d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
     vocab = shapes["token_embd.weight"][0]
     model_type, architecture = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -61,7 +62,58 @@ def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
             "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
             "rms_norm_eps": float(need(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
             "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)), "hidden_act": "silu",
-            "tie_word_embeddings": "output.weight" not in shapes}
+            "tie_word_embeddings": "output.weight" not in shapes, **rope_scaling(meta, arch)}
+
+
+LLAMA3_SETTINGS = [(8192, 1.0, 4.0)]  # (original context, low, high) of Llama 3.1-3.3 and 3.2's releases
+
+
+def rope_scaling(meta: dict, arch: str) -> dict:
+    """config.json's rope_scaling from `{arch}.rope.scaling.*`, or from llama.cpp's rope_freqs.weight: the
+    divisor f_i of each pair's frequency (Llama 3.x's llama3 scaling, written by the converter as a tensor and
+    no metadata), matched against the llama3 settings of the releases (qkv.nn.rope_scaling.llama3)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_scaling": {"rope_type": "linear", "factor": float(need(meta, f"{arch}.rope.scaling.factor"))}}
+    if kind == "yarn":
+        return {"rope_scaling": {"rope_type": "yarn", "factor": float(need(meta, f"{arch}.rope.scaling.factor")),
+                                 "original_max_position_embeddings":
+                                     int(need(meta, f"{arch}.rope.scaling.original_context_length"))}}
+    if kind not in ("none", None):
+        raise QkvError(f"{arch}.rope.scaling.type={kind!r}: this RoPE scaling is not supported by qkv "
+                       "(none, linear, yarn, llama3 by rope_freqs.weight)")
+    divisors = meta.get("rope_freqs.weight")
+    if divisors is None:
+        return {}
+    from qkv.nn.rope_scaling import RopeScaling, base_frequencies, llama3
+
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    head_dim = int(meta.get(f"{arch}.rope.dimension_count", 0)) or 2 * divisors.size
+    if divisors.size != head_dim // 2 or not np.all(np.isfinite(divisors)) or divisors.min() <= 0:
+        raise QkvError(f"rope_freqs.weight has {divisors.size} entries for a head of {head_dim}: one positive "
+                       "divisor per rotated pair")
+    theta = base_frequencies(head_dim, float(meta.get(f"{arch}.rope.freq_base", 10000.0)))
+    factor = float(divisors.max())
+    for context, low, high in LLAMA3_SETTINGS:
+        expected = (theta / llama3(theta, RopeScaling("llama3", factor, context, low, high))).numpy()
+        if np.allclose(divisors, expected, rtol=1e-5, atol=0):
+            return {"rope_scaling": {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                     "high_freq_factor": high, "original_max_position_embeddings": context}}
+    raise QkvError("rope_freqs.weight is not Llama 3.x's llama3 scaling at any of its released settings; "
+                   "qkv reads only those")
+
+
+def llama_settings(hf: dict) -> dict:
+    """rope_freqs.weight for a llama model with llama3 scaling (llama.cpp reads no llama3 metadata)."""
+    params = hf.get("rope_scaling") or {}
+    if params.get("rope_type") != "llama3":
+        return {}
+    from qkv.nn.rope_scaling import RopeScaling, base_frequencies, llama3
+
+    theta = base_frequencies(hf["head_dim"], float(hf["rope_theta"]))
+    scaled = llama3(theta, RopeScaling("llama3", params["factor"], params["original_max_position_embeddings"],
+                                       params["low_freq_factor"], params["high_freq_factor"]))
+    return {"rope_freqs.weight": (theta / scaled).numpy().astype(np.float32)}
 
 
 def renaming(top: dict, block: dict, layers: str) -> Callable[[str], str | None]:
@@ -125,7 +177,13 @@ def llama_from_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
 
 
 def llama_metadata(hf: dict) -> dict:
-    return {"context_length": hf["max_position_embeddings"], "embedding_length": hf["hidden_size"],
+    scaling = hf.get("rope_scaling") or {}
+    extra = {}
+    if scaling.get("rope_type") in ("linear", "yarn"):
+        extra = {"rope.scaling.type": scaling["rope_type"], "rope.scaling.factor": float(scaling["factor"])}
+    if scaling.get("rope_type") == "yarn":
+        extra["rope.scaling.original_context_length"] = scaling["original_max_position_embeddings"]
+    return {**extra, "context_length": hf["max_position_embeddings"], "embedding_length": hf["hidden_size"],
             "block_count": hf["num_hidden_layers"], "feed_forward_length": hf["intermediate_size"],
             "attention.head_count": hf["num_attention_heads"], "attention.head_count_kv": hf["num_key_value_heads"],
             "rope.dimension_count": hf["head_dim"], "rope.freq_base": float(hf["rope_theta"]),
@@ -134,7 +192,8 @@ def llama_metadata(hf: dict) -> dict:
 
 GGUF_ARCHS.register("llama")(GgufArch(
     hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf,
-    gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata))
+    gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata,
+    settings=("rope_freqs.weight",), write_settings=llama_settings))
 
 
 def qwen2_config(meta: dict, shapes: dict) -> dict:
@@ -193,8 +252,13 @@ def qwen3_config(meta: dict, shapes: dict) -> dict:
     return {**hf, "head_dim": int(meta.get("qwen3.attention.key_length", hf["head_dim"]))}
 
 
-GGUF_ARCHS.register("qwen3")(GgufArch(hf_config=qwen3_config, hf_name=renaming(LLAMA_TOP, QWEN3_BLOCK, "model.layers."),
-                                      to_hf=lambda name, w, hf: w))
+def qwen3_metadata(hf: dict) -> dict:
+    return {**llama_metadata(hf), "attention.key_length": hf["head_dim"], "attention.value_length": hf["head_dim"]}
+
+
+GGUF_ARCHS.register("qwen3")(GgufArch(
+    hf_config=qwen3_config, hf_name=renaming(LLAMA_TOP, QWEN3_BLOCK, "model.layers."), to_hf=lambda name, w, hf: w,
+    gguf_name=inverse(LLAMA_TOP, QWEN3_BLOCK, "model.layers."), from_hf=lambda name, w, hf: w, metadata=qwen3_metadata))
 
 
 # Gemma 2 and 3 in llama.cpp (convert_hf_to_gguf.py): four norms a block, stored as 1 + w (HF keeps w); NEOX rope;

@@ -60,6 +60,8 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
         for name, tensor in tensors.items():
             w = arch.from_hf(name, tensor.detach().float().cpu().numpy(), hf)
             add_tensor(writer, arch.gguf_name(name), w, kind)
+        for name, w in (arch.write_settings(hf) if arch.write_settings else {}).items():  # llama's rope_freqs
+            add_tensor(writer, name, w, kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -73,6 +75,8 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
 def value_type(value):
     import gguf
 
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
     return gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
 
 
