@@ -131,7 +131,7 @@ class CompiledStep:
             raise ValueError(f"the compiled decoding step does not cover {reason}")
         inductor_cache()
         self.model = model
-        self.rings = (0,) * len(model.blocks)  # each layer's ring or 0, as run() finds the cache (window_mask)
+        self.rings = (False,) * len(model.blocks)  # whether each layer's cache is a ring, as run() finds it
         self.failed: str | None = None
         self.watch = ModelWatch(model)  # no hooks on it, its weights those the graphs hold
         # a learned table has rows for max_seq_len positions (the general step refuses the next; this one must not
@@ -204,9 +204,14 @@ class CompiledStep:
             for tensor in kernel_operands(self.model, make=True):  # prompt's graph would repack int4 weights
                 torch._dynamo.mark_static(tensor)  # every call)
             self.watch.hold()  # the tensors the graphs will hold
-        # each layer's ring (a sliding layer's slots, qkv.nn.cache) or 0: read by the graphs as a constant (a
-        # change, which only a cache of another kind brings, traces the graph again)
-        self.rings = tuple(layer.slots if isinstance(layer, RingLayerCache) else 0 for layer in cache.layers)
+        # whether each layer's cache is a ring (a sliding layer's, qkv.nn.cache): constants to the graphs (a change,
+        # which only a cache of another kind brings, traces them again), the slots its tensors' static size
+        self.rings = tuple(isinstance(layer, RingLayerCache) for layer in cache.layers)
+        for layer in cache.layers:
+            if isinstance(layer, RingLayerCache) and not hasattr(layer.k, "_qkv_ring"):
+                for tensor in (layer.k, layer.v):
+                    torch._dynamo.mark_static(tensor, 2)
+                    tensor._qkv_ring = True
         shapes, traced = self.tracing[duck]  # (above: one row shares its columns)
         try:
             with shapes, traced, summing(self.summed):
@@ -249,8 +254,9 @@ class CompiledStep:
         wide = torch.promote_types(x.dtype, torch.float32)
         ropes: dict[int, tuple[Tensor, Tensor] | None] = {}  # cos, sin (B, 1, T, Dh) of each rotation, at least fp32
         windows: dict[tuple[int, int], Tensor] = {}  # each (window, ring)'s mask (B, 1, T, n or slots)
-        for block, k_all, v_all, ring in zip(model.blocks, keys, values, self.rings):
+        for block, k_all, v_all, is_ring in zip(model.blocks, keys, values, self.rings):
             attn = block.attn
+            ring = k_all.shape[2] if is_ring else 0  # its slots (a static size)
             rotation = attn.positional if attn.positional is not None else model.positional
             if id(rotation) not in ropes:
                 ropes[id(rotation)] = (rotary_cos_sin(positions, rotation.frequencies, rotation.attention_factor, wide)
