@@ -43,7 +43,7 @@ class ModelConfig:
     max_seq_len: int = 256
     positional: str = "learned"
     rope_theta: float = 10000.0
-    # RoPE's frequencies stretched for a longer context (qkv.nn.rope_scaling, docs/derivations/rope-scaling.md):
+    # RoPE's frequencies stretched for a longer context (qkv.rope_scaling, docs/derivations/rope-scaling.md):
     # none | linear | llama3 | yarn, by rope_factor s over the rope_original_context it was trained at
     rope_scaling: str = "none"
     rope_factor: float = 1.0
@@ -53,7 +53,7 @@ class ModelConfig:
     rope_beta_fast: float = 32.0  # yarn: rotations in the original context above which a pair is kept
     rope_beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by s)
     rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
-    # one entry per decoder layer (qkv.models.plan): global | sliding (the last sliding_window keys) | nope
+    # one entry per decoder layer (qkv.plan): global | sliding (the last sliding_window keys) | nope
     # (global, no rotation: SmolLM3); () means every layer global
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0  # keys a sliding layer sees, itself included (Mistral 4,096; Gemma 3 270M 512)
@@ -138,7 +138,7 @@ class ModelConfig:
         return self
 
     def _validate_layers(self) -> None:
-        """The per-layer plan's sizes (its names are qkv.models.plan's to check)."""
+        """The per-layer plan's sizes (its names are qkv.plan's to check)."""
         if self.layer_types and len(self.layer_types) != self.decoder_layers:
             raise QkvError(f"model.layer_types has {len(self.layer_types)} entries for "
                            f"{self.decoder_layers} layers: one per layer")

@@ -30,7 +30,7 @@ LLAMA = dict(positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bi
 GPT = dict(positional="learned", norm="layernorm", ffn="mlp", activation="gelu_tanh", bias=True)
 GEMMA = dict(LLAMA, activation="gelu_tanh", norm_placement="sandwich", embed_scale=True, head_size=24, query_scale=20.0,
              attn_softcap=3.0, logit_softcap=5.0, n_layers=4, layer_types=("sliding", "global", "nope", "sliding"),
-             sliding_window=4, rope_local_theta=100.0)  # qkv.models.plan: every kind of layer, Gemma's model-wide facts
+             sliding_window=4, rope_local_theta=100.0)  # qkv.plan: every kind of layer, Gemma's model-wide facts
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 

@@ -1,4 +1,4 @@
-"""qkv.models.plan: a decoder's layers one by one. Each kind of layer against its formula (a sliding layer's
+"""qkv.plan: a decoder's layers one by one. Each kind of layer against its formula (a sliding layer's
 keys, a nope layer's missing rotation, a local base), the cached decode (sliding layers in rings) equal to the
 whole forward far past the window, one row and a left-padded batch, a chat cut back within the ring, and the
 ring's memory, measured, equal to `qkv calc`'s figure (Gemma 3 270M's shape at 8,192 tokens)."""
@@ -10,8 +10,8 @@ import torch
 import qkv
 from qkv.analysis import memory
 from qkv.errors import QkvError
-from qkv.models.plan import layer_plans
-from qkv.nn.cache import RING_SPARE, RingLayerCache
+from qkv.nn.cache import RingLayerCache
+from qkv.plan import RING_SPARE, layer_plans
 from qkv.nn.kernels import naive
 
 PLANNED = dict(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, head_size=12, n_layers=4, d_ff=48,

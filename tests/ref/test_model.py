@@ -28,6 +28,16 @@ VARIANTS = {  # together: every positional, norm, placement, activation, FFN and
     "qk_norm-alibi-mqa": dict(qk_norm=True, positional="alibi", n_heads=4, n_kv_heads=1),
     "softcap-rope": dict(logit_softcap=0.05, positional="rope"),  # a cap that bends these logits
     "bigram-rope": dict(bigram_vocab=7, positional="rope"),  # 7 rows for 121 pairs: shared rows, the none row
+    # the per-layer plan (qkv.plan): Gemma's shape (sliding / global / nope layers, a local base, head_dim not
+    # D / H, its own score scale, soft-capped scores, embeddings times sqrt(D)) and a scaled RoPE each
+    "gemma-plan": dict(positional="rope", norm="rmsnorm", norm_placement="sandwich", ffn="glu",
+                       activation="gelu_tanh", qk_norm=True, embed_scale=True, head_size=6, query_scale=5.0,
+                       attn_softcap=0.5, n_layers=3, layer_types=("sliding", "global", "nope"), sliding_window=3,
+                       rope_local_theta=100.0, n_heads=2, n_kv_heads=1),
+    "yarn-rope": dict(positional="rope", rope_scaling="yarn", rope_factor=4.0, rope_original_context=4,
+                      rope_theta=100.0),
+    "llama3-rope": dict(positional="rope", rope_scaling="llama3", rope_factor=8.0, rope_original_context=16,
+                        rope_theta=10000.0),
 }
 # the torch engine's kernels at model level (padded, so the masks combine with each pattern); seq 18 reaches
 # the random kernel's first random distance (w + 1 + 12)

@@ -50,7 +50,7 @@ from qkv.analysis import params
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.analysis.flops import score_pairs
-from qkv.models.plan import cached_columns, layer_plans
+from qkv.plan import cached_columns, layer_plans
 from qkv.nn.kernels import KERNELS
 from qkv.nn.linear_cross_entropy import chunk_rows
 from qkv.nn.positional import POSITIONALS
@@ -375,7 +375,7 @@ def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
 def kv_cache(cfg: ModelConfig, *, batch: int, seq: int, bytes_per_element: int = 2, source_seq: int = 0) -> int:
     """Inference KV cache: K and V of every decoder layer, 2 B T Hkv Dh elements a layer (GQA/MQA shrink Hkv),
     T the layer's columns: all seq tokens for a global layer, a sliding layer's ring of W + RING_SPARE slots
-    where that is fewer (qkv.models.plan, qkv.nn.cache: generate and chat keep them so); an encoder-decoder also
+    where that is fewer (qkv.plan, qkv.nn.cache: generate and chat keep them so); an encoder-decoder also
     caches the cross-attention K, V over the S source tokens."""
     if cfg.arch == "encoder":
         return 0

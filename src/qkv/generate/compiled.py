@@ -51,11 +51,12 @@ from torch import Tensor, nn
 from qkv.generate.step_attention import attend
 from qkv.generate.watch import ModelWatch, hooked, kernel_operands
 from qkv.models.decoder import DecoderLM
-from qkv.nn.cache import RING_SPARE, KVCache, RingLayerCache
+from qkv.nn.cache import KVCache, RingLayerCache
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm, sandwich_norm
+from qkv.plan import RING_SPARE
 
 # inductor's C++ code generation notes a node holding both bf16 and fp16 (it computes such a node in fp32): a
 # quantized layer's bf16 output written into an fp16 KV cache (--kv-dtype fp16); nothing for a user to do
@@ -247,7 +248,7 @@ class CompiledStep:
     def layers(self, x: Tensor, positions: Tensor, n: int, keys: list[Tensor], values: list[Tensor], mask: Tensor,
                key_positions: Tensor, real: Tensor) -> Tensor:
         """Every block on the new columns (B, T, D) at `positions` (B, T), as each layer's plan says
-        (qkv.models.plan): its rotation (the model's, its own base, or none), its keys (all it may see under
+        (qkv.plan): its rotation (the model's, its own base, or none), its keys (all it may see under
         `mask` (B, 1, T, n), or a sliding layer's last W positions, in a ring of slots where its cache is one)
         and its residual placement."""
         model = self.model

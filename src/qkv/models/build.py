@@ -14,7 +14,7 @@ from qkv.models.decoder import DecoderLM
 from qkv.models.encoder import Encoder
 from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.models.heads import POOLINGS, ClassifierHead, EncoderClassifier, EncoderMLM, MLMHead
-from qkv.models.plan import LayerPlan, check_plan, layer_plans, rope_scaling
+from qkv.plan import LayerPlan, check_plan, layer_plans, rope_scaling
 from qkv.nn import registries
 from qkv.nn.attention import Attention
 from qkv.nn.block import Block
@@ -188,7 +188,7 @@ def decoder(cfg: ModelConfig) -> DecoderLM:
                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
     if cfg.tie_embeddings:
         lm_head.weight = tok_emb.weight  # W_out = W_E (note 003: the vocabulary projection is shared)
-    plans = layer_plans(cfg)  # what each layer is (qkv.models.plan)
+    plans = layer_plans(cfg)  # what each layer is (qkv.plan)
     blocks = [block(cfg, plan=plan, own_positions=own) for plan, own in zip(plans, layer_positions(cfg, plans))]
     return DecoderLM(tok_emb=tok_emb, positional=positional(cfg), blocks=blocks, final_norm=final_norm(cfg),
                      lm_head=lm_head, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len,

@@ -68,7 +68,7 @@ class DecoderLM(Embeddings):
         held in the embedding's dtype, or in `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
-        windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.models.plan)
+        windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.plan)
         return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
                        dtype=self.kv_dtype or weight.dtype, device=weight.device,
                        window=rolling_window(attn.kernel_name, attn.window) if rolling else 0, layer_windows=windows)

@@ -36,9 +36,9 @@ class Attention(nn.Module):
                  dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None, head_dim: int = 0,
                  sliding: int = 0, scale: float = 0.0, softcap: float = 0.0, positional: Positional | None = None):
         """`head_dim`: Dh where it is not D / H; `sliding` W > 0: each query sees its last W keys (itself
-        included: a sliding layer of qkv.models.plan); `scale`: the scores' factor where it is not Dh^-1/2;
+        included: a sliding layer of qkv.plan); `scale`: the scores' factor where it is not Dh^-1/2;
         `softcap` c > 0: scores c tanh(s / c) before the mask (Gemma 2); `positional`: the layer's own rotation
-        where it differs from the model's (a local RoPE base, or none: qkv.models.plan)."""
+        where it differs from the model's (a local RoPE base, or none: qkv.plan)."""
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = head_dim or d_model // n_heads
@@ -120,7 +120,7 @@ class Attention(nn.Module):
 
 def sliding_mask(ctx: AttentionContext, window: int, device, columns: Tensor | None = None) -> Tensor:
     """(B, 1, T, S) the context's mask (or causal triangle) with each query's keys cut to the last `window`
-    positions, itself included: key position p_j > p_i - W (qkv.models.plan's sliding layer). `columns` (S',): the
+    positions, itself included: key position p_j > p_i - W (qkv.plan's sliding layer). `columns` (S',): the
     columns of the keys a ring cache returned (qkv.nn.cache), of all S the context covers: (B, 1, T, S')."""
     T, S = ctx.positions.shape[1], ctx.key_positions.shape[1]
     cols = torch.arange(S, device=device) if columns is None else columns

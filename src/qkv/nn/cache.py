@@ -15,7 +15,7 @@ stays O(w) however long generation runs, and `max_len` no longer bounds the leng
 window)` says which kernels allow it (KernelSpec.reach); the models' `new_cache(..., rolling=True)` asks
 it (generation does; Transformer-XL segment training keeps the full cache).
 
-Ring cache (a sliding layer of qkv.models.plan, `layer_windows`): a layer that sees only its last W keys keeps
+Ring cache (a sliding layer of qkv.plan, `layer_windows`): a layer that sees only its last W keys keeps
 W + RING_SPARE columns in a ring, column c in slot c mod slots, so a long chat's memory grows with the global
 layers only (Gemma 3 270M at 8,192 tokens: 3 of its 18 layers). The KVCache still records every column's
 position and padding (a few bytes a column); a ring's `append` returns its kept columns in order, then this
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from qkv.nn.kernels import KERNELS
+from qkv.plan import RING_SPARE
 
 
 def unwritten(shape: tuple[int, ...], *, dtype, device) -> Tensor:
@@ -95,9 +96,6 @@ class RollingLayerCache:
         start = max(self.length - n, 0)
         self.k, self.v = self.k[:, :, start:], self.v[:, :, start:]
         self.length = self.k.shape[2]
-
-
-RING_SPARE = 16  # a ring's columns beyond its window (module docstring)
 
 
 class RingLayerCache:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.nn.kernels import RelativeValues
-from qkv.nn.rope_scaling import NO_SCALING, RopeScaling, frequencies
+from qkv.rope_scaling import NO_SCALING, RopeScaling, frequencies
 from qkv.registry import Registry
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
@@ -130,7 +130,7 @@ class Rotary(Positional):
     Pairs are (i, i + Dh/2) (the "rotate half" layout of GPT-NeoX and LLaMA in Hugging Face) rather
     than the note's (2i, 2i+1); the two differ by a fixed permutation of the head dimensions, which
     leaves every dot product unchanged (docs/DEVIATIONS.md). `rope_scaling` stretches the frequencies for a
-    long context (qkv.nn.rope_scaling: linear, llama3, yarn).
+    long context (qkv.rope_scaling: linear, llama3, yarn).
     """
 
     even_head_dim = True  # rotates pairs of head coordinates
@@ -141,7 +141,8 @@ class Rotary(Positional):
         self.theta, self.scaling = rope_theta, rope_scaling
         # theta_i (Dh/2,) in float64 on the CPU and m: a plain attribute, not a buffer (a loader's meta-device
         # model has none to fill), moved to the positions' device and dtype when used
-        self.frequencies, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling)
+        theta, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling)
+        self.frequencies = torch.tensor(theta, dtype=torch.float64, device="cpu")
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:

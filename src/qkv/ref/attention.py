@@ -37,6 +37,8 @@ class AttentionContext:
     params: dict = field(default_factory=dict)  # the positional encoding's parameters (shared by the layers)
     positional_prefix: str = "positional."  # their full names' prefix: where every layer adds their gradients
     norm_eps: float = 1e-5  # model.qk_norm's RMSNorm epsilon (model.norm_eps)
+    scale: float = 0.0  # the scores' factor where it is not Dh^-1/2 (model.query_scale^-1/2)
+    softcap: float = 0.0  # c > 0: scores c tanh(s / c) before the mask (model.attn_softcap)
 
 
 class AttentionCache(NamedTuple):
@@ -98,8 +100,9 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, H, S, Dh)
     bias, cbias = ctx.positional.score_bias_forward(ctx.params, q, k, ctx.positions, ctx.key_positions)
     value_bias = ctx.positional.value_bias(ctx.params, ctx.positions, ctx.key_positions)
-    heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias, scale=Dh ** -0.5,
-                                      value_bias=value_bias)  # (B, H, T, Dh)
+    capped = {"softcap": ctx.softcap} if ctx.softcap else {}  # (the naive kernel: qkv.models.build checks)
+    heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias,
+                                      scale=ctx.scale or Dh ** -0.5, value_bias=value_bias, **capped)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
     return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None,
                              q_norm=cqn, k_norm=ckn)

@@ -81,22 +81,28 @@ class NaiveCache(NamedTuple):
     value_bias: RelativeValues | None
     scores: np.ndarray  # S = Q K^T * scale + bias, before the mask (B, H, T, S): what `qkv explain` shows
     allowed: np.ndarray | None  # the mask M as bool (.., T, S), True where attention is allowed; None: all
+    capped: np.ndarray | None = None  # tanh(S / c) of soft-capped scores (Gemma 2), or None
 
 
-def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bias=None):
+def naive_forward(q, k, v, *, mask, causal, bias, scale, pattern=None, value_bias=None, softcap: float = 0.0):
     """A = softmax(Q K^T * scale + bias + M), O = A V (+ the value term) (000 LLM §2.2.1 step 3; M = -inf
-    where masked)."""
+    where masked). `softcap` c > 0: the scores are c tanh(S / c) before the mask (Gemma 2), whose backward
+    multiplies dS by 1 - tanh^2(S / c)."""
     T, S = q.shape[-2], k.shape[-2]
     scores = (q @ np.swapaxes(k, -1, -2)) * scale  # S_h = Q_h K_h^T / sqrt(d_k)   (B, H, T, S)
     if bias is not None:
         scores = scores + bias
+    capped = None
+    if softcap:
+        capped = np.tanh(scores / softcap)
+        scores = softcap * capped
     allowed = allowed_mask(T, S, mask, causal, pattern)
     masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
     weights = softmax(masked)  # A_h (B, H, T, S)
     out = weights @ v  # (B, H, T, Dh)
     if value_bias is not None:
         out = out + value_bias.buckets(weights) @ value_bias.table  # + sum_j A_ij a^V_ij
-    return out, NaiveCache(q, k, v, weights, scale, bias is not None, value_bias, scores, allowed)
+    return out, NaiveCache(q, k, v, weights, scale, bias is not None, value_bias, scores, allowed, capped)
 
 
 class NaiveSteps(NamedTuple):
@@ -132,16 +138,18 @@ def naive_steps(dout, cache: NaiveCache) -> NaiveSteps:
         dweights_rel, dtable = value_bias.backward(dout, weights)
         dweights = dweights + dweights_rel
     dscores = softmax_backward(dweights, weights)  # step 3
+    if cache.capped is not None:  # d(c tanh(S / c)) / dS = 1 - tanh^2(S / c)
+        dscores = dscores * (1 - cache.capped ** 2)
     dq = dscores @ k * scale  # step 4   (B, H, T, Dh)
     dk = np.swapaxes(dscores, -1, -2) @ q * scale  # (B, H, S, Dh)
     return NaiveSteps(dv, dweights, dscores, dq, dk, dtable)
 
 
 def _naive(cfg=None, pattern_fn=None) -> Kernel:
-    def forward(q, k, v, *, mask, causal, bias, scale, value_bias=None):
+    def forward(q, k, v, *, mask, causal, bias, scale, value_bias=None, softcap: float = 0.0):
         pattern = None if pattern_fn is None else pattern_fn(q.shape[-2], k.shape[-2], cfg, mask)
         return naive_forward(q, k, v, mask=mask, causal=causal, bias=bias, scale=scale, pattern=pattern,
-                             value_bias=value_bias)
+                             value_bias=value_bias, softcap=softcap)
 
     return Kernel(forward, naive_backward)
 

@@ -1,9 +1,9 @@
 """Whole models: forward lists the layers, backward calls their twins in exactly the reverse order and
 accumulates every parameter gradient with += (llm.c's train_gpt2.c; STYLE.md 3).
 
-    H0 = E[x] + P                 embedding (000 LLM §2.1), backward a scatter-add (§3.5)
+    H0 = E[x] s + P               embedding (000 LLM §2.1), backward a scatter-add (§3.5); s = sqrt(D) (Gemma) or 1
                                   [+ E_2[h(x_{t-1}, x_t)]: model.bigram_vocab's hashed pair table, the same]
-    H^l = Block^l(H^{l-1})         l = 1..L (§2.2), backward §3.3-§3.4
+    H^l = Block^l(H^{l-1})         l = 1..L (§2.2), backward §3.3-§3.4; each layer as qkv.plan says
     logits = LN(H^L) W_out         (§2.3; W_out = W_E when tied), backward §3.2
     loss = CE(logits, y)           (§2.4), backward (P - onehot) / N (§3.1)
 
@@ -13,17 +13,20 @@ output projection). A family's cache is a dict whose "blocks" lists every block 
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from qkv.errors import QkvError
+from qkv.plan import layer_plans
 from qkv.ref.attention import AttentionContext
 from qkv.ref.block import RESIDUALS, aux_losses, block_backward, block_forward
 from qkv.ref.functional import (Grads, cross_entropy_backward, cross_entropy_forward, embedding_backward,
                                 embedding_forward, linear_backward, linear_forward, scope, soft_cap_backward,
                                 soft_cap_forward)
-from qkv.ref.kernels import KERNELS
+from qkv.ref.kernels import KERNELS, causal_mask
 from qkv.ref.norms import NORMS
 from qkv.ref.positional import POSITIONALS
 from qkv.registry import Registry
@@ -135,12 +138,36 @@ def embed_backward(dx, cache: EmbedCache, grads: Grads) -> None:
     embedding_backward(dx * cache.scale, cache.tokens, grads.scope("tok_emb"))  # dW_E = onehot^T (s dH0) (§3.5)
 
 
+def layer_contexts(cfg, ctx: AttentionContext, layers: int) -> list[AttentionContext]:
+    """Each layer's context as the plan says (qkv.plan, the torch engine's own plan): a sliding layer's mask cut
+    to its last W key positions, a layer's own rotation (a local base, or none: NoPE), and the model-wide score
+    scale and soft cap."""
+    if cfg.arch != "decoder":
+        return [ctx] * layers
+    common = replace(ctx, scale=cfg.query_scale ** -0.5 if cfg.query_scale else 0.0, softcap=cfg.attn_softcap)
+    out = []
+    for plan in layer_plans(cfg):
+        layer = common
+        if plan.window:
+            T, S = ctx.positions.shape[1], ctx.key_positions.shape[1]
+            base = ctx.mask if ctx.mask is not None else (causal_mask(T, S) if ctx.causal else True)
+            near = ctx.key_positions[:, None, None, :] > ctx.positions[:, None, :, None] - plan.window  # (B, 1, T, S)
+            layer = replace(layer, mask=base & near, causal=False)
+        if plan.kind == "nope":
+            layer = replace(layer, positional=POSITIONALS.get("none")(cfg))
+        elif plan.rope_theta is not None:  # its own base, unscaled (Gemma 3's sliding layers)
+            layer = replace(layer, positional=POSITIONALS.get("rope")(
+                replace(cfg, rope_theta=plan.rope_theta, rope_scaling="none")))
+        out.append(layer)
+    return out
+
+
 def stack_forward(params, cfg, x, ctx, layers: int, memory=None, memory_ctx=None, aux_weight: float = 0.0):
-    """H^l = Block^l(H^{l-1}), l = 1..L, then the final norm where the placement leaves the stream
-    unnormalised (pre, sandwich: the placement's `final_norm`)."""
+    """H^l = Block^l(H^{l-1}), l = 1..L, each layer with its plan's context (layer_contexts), then the final
+    norm where the placement leaves the stream unnormalised (pre, sandwich: the placement's `final_norm`)."""
     cblocks = []
-    for i in range(layers):
-        x, cb = block_forward(scope(params, f"blocks.{i}"), x, cfg, ctx, memory=memory, memory_ctx=memory_ctx,
+    for i, layer_ctx in enumerate(layer_contexts(cfg, ctx, layers)):
+        x, cb = block_forward(scope(params, f"blocks.{i}"), x, cfg, layer_ctx, memory=memory, memory_ctx=memory_ctx,
                               aux_weight=aux_weight)
         cblocks.append(cb)
     cn = None
@@ -173,7 +200,8 @@ def decoder_forward(params: dict, cfg, input_ids: np.ndarray, attention_mask=Non
     """(B, T) token ids -> (B, T, V) logits, as qkv.models.decoder.DecoderLM.forward."""
     check_supported(cfg)
     ctx = make_context(cfg, input_ids, attention_mask, causal=True, params=params)
-    x, cemb = embed_forward(params, ctx, input_ids, attention_mask=attention_mask)
+    scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0  # Gemma's embeddings times sqrt(D)
+    x, cemb = embed_forward(params, ctx, input_ids, attention_mask=attention_mask, scale=scale)
     x, cstack = stack_forward(params, cfg, x, ctx, cfg.decoder_layers, aux_weight=aux_weight)
     out_name = output_name(params, "lm_head.weight", "tok_emb.weight")  # tied: W_out is W_E itself
     logits, chead = linear_forward(x, params[out_name])  # L = H^L W_o   (B, T, V)

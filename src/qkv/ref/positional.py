@@ -22,8 +22,10 @@ import math
 
 import numpy as np
 
+from qkv.plan import rope_scaling
 from qkv.ref.functional import Grads
 from qkv.registry import Registry
+from qkv.rope_scaling import frequencies
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
 
@@ -109,13 +111,15 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
 @POSITIONALS.register("rope")
 class Rotary(Positional):
     """RoPE (note 003): x~ = x cos(m theta) + R(x) sin(m theta) per pair, in the rotate-half layout of
-    qkv.nn.positional.Rotary. The map is a rotation R_m, so its backward is R_m^T = R_{-m}: rotation by
-    -theta, dx = dy cos - R(dy) sin (docs/derivations/rope.md)."""
+    qkv.nn.positional.Rotary, theta as model.rope_scaling stretches it (qkv.rope_scaling). The map is a rotation
+    R_m, so its backward is R_m^T = R_{-m}: rotation by -theta, dx = dy cos - R(dy) sin (docs/derivations/rope.md;
+    YaRN's factor scales both)."""
 
     def _cos_sin(self, positions):
-        angles = sinusoid_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (B, T, Dh/2)
+        theta, m = frequencies(self.cfg.head_dim, self.cfg.rope_theta, rope_scaling(self.cfg))  # (Dh/2,), m
+        angles = positions.astype(np.float64)[..., None] * theta  # (B, T, Dh/2)
         angles = np.concatenate((angles, angles), axis=-1)[:, None]  # (B, 1, T, Dh)
-        return np.cos(angles), np.sin(angles)
+        return m * np.cos(angles), m * np.sin(angles)  # m: YaRN's factor (docs/derivations/rope_scaling.md)
 
     def rotate_forward(self, q, k, positions):
         cos, sin = self._cos_sin(positions)

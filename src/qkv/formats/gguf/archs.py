@@ -18,6 +18,7 @@ import numpy as np
 
 from qkv.errors import QkvError
 from qkv.registry import Registry
+from qkv.rope_scaling import RopeScaling, base_frequencies, llama3
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ LLAMA3_SETTINGS = [(8192, 1.0, 4.0)]  # (original context, low, high) of Llama 3
 def rope_scaling(meta: dict, arch: str) -> dict:
     """config.json's rope_scaling from `{arch}.rope.scaling.*`, or from llama.cpp's rope_freqs.weight: the
     divisor f_i of each pair's frequency (Llama 3.x's llama3 scaling, written by the converter as a tensor and
-    no metadata), matched against the llama3 settings of the releases (qkv.nn.rope_scaling.llama3)."""
+    no metadata), matched against the llama3 settings of the releases (qkv.rope_scaling.llama3)."""
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_scaling": {"rope_type": "linear", "factor": float(need(meta, f"{arch}.rope.scaling.factor"))}}
@@ -85,17 +86,17 @@ def rope_scaling(meta: dict, arch: str) -> dict:
     divisors = meta.get("rope_freqs.weight")
     if divisors is None:
         return {}
-    from qkv.nn.rope_scaling import RopeScaling, base_frequencies, llama3
-
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
     head_dim = int(meta.get(f"{arch}.rope.dimension_count", 0)) or 2 * divisors.size
     if divisors.size != head_dim // 2 or not np.all(np.isfinite(divisors)) or divisors.min() <= 0:
         raise QkvError(f"rope_freqs.weight has {divisors.size} entries for a head of {head_dim}: one positive "
                        "divisor per rotated pair")
+    if np.all(divisors == 1.0):  # every pair kept: no scaling at all
+        return {}
     theta = base_frequencies(head_dim, float(meta.get(f"{arch}.rope.freq_base", 10000.0)))
     factor = float(divisors.max())
     for context, low, high in LLAMA3_SETTINGS:
-        expected = (theta / llama3(theta, RopeScaling("llama3", factor, context, low, high))).numpy()
+        expected = theta / llama3(theta, RopeScaling("llama3", factor, context, low, high))
         if np.allclose(divisors, expected, rtol=1e-5, atol=0):
             return {"rope_scaling": {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                                      "high_freq_factor": high, "original_max_position_embeddings": context}}
@@ -108,12 +109,10 @@ def llama_settings(hf: dict) -> dict:
     params = hf.get("rope_scaling") or {}
     if params.get("rope_type") != "llama3":
         return {}
-    from qkv.nn.rope_scaling import RopeScaling, base_frequencies, llama3
-
     theta = base_frequencies(hf["head_dim"], float(hf["rope_theta"]))
     scaled = llama3(theta, RopeScaling("llama3", params["factor"], params["original_max_position_embeddings"],
                                        params["low_freq_factor"], params["high_freq_factor"]))
-    return {"rope_freqs.weight": (theta / scaled).numpy().astype(np.float32)}
+    return {"rope_freqs.weight": (theta / scaled).astype(np.float32)}
 
 
 def renaming(top: dict, block: dict, layers: str) -> Callable[[str], str | None]:
@@ -277,8 +276,16 @@ def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
     head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
     if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
         raise QkvError(f"{arch}.attention.value_length differs from key_length: qkv has one head width")
-    pattern = GEMMA_PATTERN[arch]
-    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    if isinstance(pattern, (list, tuple)):  # one flag a layer (newer converters): True where it slides
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise QkvError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers: "
+                           "one true / false a layer")
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and 1 <= pattern <= layers:  # every n-th global
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    else:
+        raise QkvError(f"{arch}.attention.sliding_window_pattern={pattern!r} must be in 1..{layers} (the layers)")
     window = int(need(meta, f"{arch}.attention.sliding_window"))
     if window < 1:
         raise QkvError(f"{arch}.attention.sliding_window={window}: a window of no keys")

@@ -132,7 +132,7 @@ def linear(qkv: str, hf: str, bias: bool) -> list[tuple[str, str]]:
 
 
 def plain(cfg: ModelConfig) -> bool:
-    """None of the per-layer plan's or the newer families' choices (qkv.models.plan): every layer global and
+    """None of the per-layer plan's or the newer families' choices (qkv.plan): every layer global and
     alike, Dh = D / H, no q/k norm, no soft caps or own score scale, unscaled RoPE, no bigram table. What the
     families of 2019-23 (GPT-2, BERT, BART, T5, LLaMA 2) can say."""
     return (not cfg.layer_types and not cfg.head_size and not cfg.qk_norm and not cfg.attn_softcap

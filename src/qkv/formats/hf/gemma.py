@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) (transformers' modeling_gemma2.py, modeling_gemma3.py) <-> qkv's decoder LM.
 
-What sets them apart from LLaMA, each a field of qkv's config or plan (qkv.models.plan):
+What sets them apart from LLaMA, each a field of qkv's config or plan (qkv.plan):
 - four norms a block: x + post(attn(pre(x))), then the same around the FFN: the sandwich placement;
 - sliding-window layers beside global ones (`layer_types`; Gemma 3 five to one, Gemma 2 alternating), Gemma 3's
   sliding layers rotated on their own base (`rope_local_base_freq`, 10,000 against 1,000,000);

@@ -1,4 +1,4 @@
-"""RoPE's settings in config.json <-> model.rope_* (qkv.nn.rope_scaling).
+"""RoPE's settings in config.json <-> model.rope_* (qkv.rope_scaling).
 
 transformers 5 keeps them in `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}; Gemma 3 one such
 object per layer type), 4.x in `rope_theta` and `rope_scaling` ({"rope_type" or "type", "factor", ...}).

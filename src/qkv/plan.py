@@ -12,8 +12,9 @@ on a base of 10,000 against the global layers' 1,000,000, SmolLM3 leaves RoPE ou
     nope     attention over every key before it, with no rotation (SmolLM3's no_rope_layers)
 
 `layer_plans(cfg)` gives one `LayerPlan` per layer; the builder (qkv.models.build), the KV cache
-(qkv.nn.cache: a sliding layer's columns), the compiled decoding step, the calculators (qkv.analysis) and the
-checks read it, and nothing else asks "which layer is this". The model-wide facts sit beside it in the config:
+(qkv.nn.cache: a sliding layer's ring), the compiled decoding step, the calculators (qkv.analysis), the reference
+engine (qkv.ref.model) and the checks read it, and nothing else asks "which layer is this". It is plain Python
+beside the config (layer 0), so that the NumPy engine reads the same plan as the torch one. The model-wide facts sit beside it in the config:
 head_size (Dh not D / H), query_scale, attn_softcap, logit_softcap, qk_norm, embed_scale, norm_placement
 (Gemma's four norms a block are the sandwich placement).
 
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.nn.cache import RING_SPARE
-from qkv.nn.rope_scaling import NO_SCALING, RopeScaling
+from qkv.rope_scaling import NO_SCALING, RopeScaling
 
 LAYER_KINDS = ("global", "sliding", "nope")  # model.layer_types' entries
+RING_SPARE = 16  # a sliding layer's ring keeps W + RING_SPARE columns (qkv.nn.cache)
 
 
 @dataclass(frozen=True)

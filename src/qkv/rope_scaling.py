@@ -12,14 +12,15 @@ context's stretch s, so that s L positions map into angles the model knows:
     yarn     theta_i blended with theta_i / s by a ramp over the pairs that turn between beta_slow and beta_fast
              times in L positions, and cos, sin scaled by m = 0.1 ln s + 1 (Peng et al. 2023, "YaRN")
 
-`frequencies(head_dim, base, scaling)` returns (theta (Dh/2,) float64, m): what Rotary turns by.
+`frequencies(head_dim, base, scaling)` returns (theta (Dh/2,) float64, m): what both engines' Rotary turn by
+(plain NumPy: the torch engine takes the array, the reference engine uses it as it is).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from qkv.errors import QkvError
 
@@ -55,12 +56,12 @@ class RopeScaling:
 NO_SCALING = RopeScaling()
 
 
-def base_frequencies(head_dim: int, base: float) -> torch.Tensor:
+def base_frequencies(head_dim: int, base: float) -> np.ndarray:
     """theta_i = base^(-2i/Dh), i < Dh/2 (note 003), float64."""
-    return base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
-def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING) -> tuple[torch.Tensor, float]:
+def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING) -> tuple[np.ndarray, float]:
     """(theta (Dh/2,) float64, m): pair i turns by pos * theta_i, and cos and sin are multiplied by m."""
     theta = base_frequencies(head_dim, base)
     s = scaling.factor
@@ -73,17 +74,17 @@ def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING) -
     return yarn(theta, head_dim, base, scaling)
 
 
-def llama3(theta: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+def llama3(theta: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     """Llama 3.1's piecewise stretch of the wavelengths lambda_i = 2 pi / theta_i (module docstring)."""
     s, L = scaling.factor, scaling.original_context
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     wavelength = 2 * math.pi / theta
     a = (L / wavelength - low) / (high - low)  # 0 at lambda = L / low, 1 at lambda = L / high
     blended = (1 - a) * theta / s + a * theta
-    return torch.where(wavelength < L / high, theta, torch.where(wavelength > L / low, theta / s, blended))
+    return np.where(wavelength < L / high, theta, np.where(wavelength > L / low, theta / s, blended))
 
 
-def yarn(theta: torch.Tensor, head_dim: int, base: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+def yarn(theta: np.ndarray, head_dim: int, base: float, scaling: RopeScaling) -> tuple[np.ndarray, float]:
     """YaRN's "NTK-by-parts": pair i makes L theta_i / 2 pi turns in the original context; the pair index d(r)
     at which that count is r is d(r) = Dh ln(L / (2 pi r)) / (2 ln base). Pairs below d(beta_fast) (fast) are
     kept, pairs above d(beta_slow) are divided by s, and a linear ramp blends between (its ends rounded out,
@@ -96,7 +97,7 @@ def yarn(theta: torch.Tensor, head_dim: int, base: float, scaling: RopeScaling) 
     low = max(math.floor(pair_at(scaling.beta_fast)), 0)
     high = min(math.ceil(pair_at(scaling.beta_slow)), head_dim - 1)
     high = high if high != low else high + 0.001  # a ramp of width 0 would divide by 0
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     kept = 1 - ramp  # 1: the pair keeps theta_i, 0: theta_i / s
     m = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
     return theta / s * (1 - kept) + theta * kept, m

@@ -1,0 +1,179 @@
+"""GGUF files of the newer architectures, written here with the `gguf` package as llama.cpp's converter lays them
+out (convert_hf_to_gguf.py: its tensor names, Gemma's norms stored as 1 + w, Llama 3.x's scaling as a
+rope_freqs.weight tensor), from random transformers models: qwen3 and gemma3 read by qkv with transformers' GGUF
+loader's logits; a Llama 3.x model written by qkv (rope_freqs) and read back with transformers' own logits of the
+HF model; and files whose metadata contradicts itself, each refused in one line with exit code 2."""
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from tests.formats.gguf import gguf, small_tokenizer, transformers
+from tests.formats.hf import cli
+
+GEMMA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+QWEN3 = {**{k: v for k, v in GEMMA.items() if "feedforward" not in k and "post_attention" not in k},
+         "post_attention_layernorm": "ffn_norm"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str, block: dict) -> str:
+    if hf_name in TOP:
+        return TOP[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    return f"blk.{layer}.{block['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.0, drop=()):
+    """`model`'s weights (norms + `shift`, as llama.cpp stores Gemma's) under llama.cpp's names, a byte-level
+    BPE, the architecture's metadata (`metadata`: {key without the arch prefix: value}; None drops a key)."""
+    tokens, merges, types = small_tokenizer()
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if value is not None:
+            kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+            writer.add_key_value(f"{arch}.{key}", value, kind)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings or name in drop:
+            continue
+        w = tensor.detach().numpy().astype(np.float32) + (shift if name.endswith("norm.weight") else 0.0)
+        writer.add_tensor(gguf_name(name, block), w, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def perturbed(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def qwen3():
+    """head_dim 128 (not D / H = 8): transformers' GGUF loader keeps Qwen3's default of 128, llama.cpp reads
+    attention.key_length; with 128 both are the same model."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=len(small_tokenizer()[0]), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=True)
+    model = perturbed(transformers.Qwen3ForCausalLM(config))
+    meta = {"context_length": 128, "embedding_length": 32, "block_count": 2, "feed_forward_length": 48,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 128,
+            "attention.value_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0}
+    return model, meta
+
+
+def gemma3(layers: int = 7):
+    """head_dim 256: transformers' GGUF loader keeps Gemma 3's query_pre_attn_scalar of 256, llama.cpp scales by
+    head_dim; with 256 both are the same model."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=len(small_tokenizer()[0]), hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=256, sliding_window=5, max_position_embeddings=128,
+                                           query_pre_attn_scalar=256)
+    model = perturbed(transformers.Gemma3ForCausalLM(config))
+    meta = {"context_length": 128, "embedding_length": 32, "block_count": layers, "feed_forward_length": 48,
+            "attention.head_count": 2, "attention.head_count_kv": 1, "attention.key_length": 256,
+            "attention.value_length": 256, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6,
+            "attention.sliding_window": 5}
+    return model, meta
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_logits_equal_transformers_gguf_loader(arch, tmp_path):
+    model, meta = {"qwen3": qwen3, "gemma3": gemma3}[arch]()
+    block, shift = (QWEN3, 0.0) if arch == "qwen3" else (GEMMA, 1.0)
+    path = write(tmp_path / f"{arch}.gguf", model, arch, block, meta, shift)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    ids = torch.randint(3, 200, (1, 23))  # past the window of 5
+    with torch.no_grad():
+        expected, direct = theirs(ids).logits, model(ids).logits
+        got = qkv.load(path).model(ids)
+    assert (expected - direct).abs().max() < 1e-4  # the oracle reads the file as the model it came from
+    assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_llama3_scaling_written_as_rope_freqs_and_read_back(tmp_path):
+    """transformers' GGUF loader drops rope_freqs, so the oracle is the HF model itself."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(small_tokenizer()[0]), hidden_size=128, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=256, tie_word_embeddings=True,
+                                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    tokens, merges, _ = small_tokenizer()
+    run = qkv.load(tmp_path / "hf")
+    assert run.config.model.rope_scaling == "llama3"
+    from qkv.data.tokenizer import Tokenizer
+    import dataclasses
+
+    run = dataclasses.replace(run, tokenizer=Tokenizer.train(["To be, or not to be"] * 5, 300))
+    path = qkv.formats.gguf.save(run, tmp_path / "llama3.gguf")
+    assert "rope_freqs.weight" in gguf.GGUFReader(str(path)).fields or any(
+        t.name == "rope_freqs.weight" for t in gguf.GGUFReader(str(path)).tensors)
+    back = qkv.load(path)
+    assert back.config.model.rope_scaling == "llama3" and back.config.model.rope_factor == 8.0
+    ids = torch.randint(3, 250, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(back.model(ids), model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+BAD = {  # metadata (or a tensor) that contradicts itself, and what the one line says
+    "window of 0": ("gemma3", {"attention.sliding_window": 0}, (), "sliding_window=0: a window of no keys"),
+    "heads do not divide": ("qwen3", {"attention.head_count_kv": 3}, (), "model.n_kv_heads=3 must divide"),
+    "heads do not fit the tensor": ("qwen3", {"attention.head_count_kv": 1}, (), "k_proj.weight has shape (256, 32)"),
+    "pattern longer than layers": ("gemma3", {"attention.sliding_window_pattern": 9}, (),
+                                   "sliding_window_pattern=9 must be in 1..7"),
+    "unknown rope scaling": ("qwen3", {"rope.scaling.type": "ntk-by-parts"}, (), "rope.scaling.type='ntk-by-parts'"),
+    "missing tensor": ("qwen3", {}, ("model.layers.1.self_attn.k_norm.weight",),
+                        "no tensor 'model.layers.1.self_attn.k_norm.weight'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_contradictory_metadata_exits_2_in_one_line_and_writes_nothing(case, tmp_path):
+    arch, change, drop, message = BAD[case]
+    model, meta = {"qwen3": qwen3, "gemma3": gemma3}[arch]()
+    strings = {k: v for k, v in change.items() if isinstance(v, str)}
+    path = write(tmp_path / "bad.gguf", model, arch, QWEN3 if arch == "qwen3" else GEMMA,
+                 {**meta, **{k: v for k, v in change.items() if not isinstance(v, str)}}, drop=drop,
+                 ) if not strings else None
+    if strings:  # a string value: written with its own type
+        path = write_with_strings(tmp_path / "bad.gguf", model, arch, meta, strings)
+    code, out, err = cli("convert", "--from-gguf", str(path), "--out", str(tmp_path / "run"))
+    assert code == 2 and err.count("\n") == 1 and err.startswith("qkv: error:"), err
+    assert message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def write_with_strings(path, model, arch, meta, strings):
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def with_strings(self, *args, **kwargs):
+        for key, value in strings.items():
+            self.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.STRING)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "write_header_to_file", with_strings)
+        return write(path, model, arch, QWEN3, meta)
