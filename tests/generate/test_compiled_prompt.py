@@ -105,3 +105,21 @@ def test_a_quantized_models_prompts_compile_one_graph():
             step.prompt(torch.tensor([ids]), cache)
         step.prompt(torch.tensor([PROMPT[:4]]), model.new_cache(1, 40))
     assert counters["stats"]["unique_graphs"] == before + 1 and step.failed is None
+
+
+def test_the_compiled_step_writes_and_reads_a_sliding_layers_ring(models):
+    """Gemma's shape with its sliding layers in rings (as generate and chat decode: qkv.nn.cache): the compiled
+    prompt and steps equal the general step's logits while the ring wraps round, and the whole forward's."""
+    model = models["gemma"]
+    step = compiled.compiled_step(model)
+    ids = torch.randint(0, 64, (1, 38), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), decoding_linears(model):
+        general, fast = model.new_cache(1, 40, rolling=True), model.new_cache(1, 40, rolling=True)
+        assert sum(type(layer).__name__ == "RingLayerCache" for layer in fast.layers) == 2  # 4 + 16 slots each
+        torch.testing.assert_close(step.prompt(ids[:, :6], fast), model(ids[:, :6], cache=general)[:, -1],
+                                   rtol=1e-5, atol=1e-5)
+        for t in range(6, 38):
+            want = model(ids[:, t:t + 1], cache=general)[:, -1]
+            torch.testing.assert_close(step(ids[0, t:t + 1], fast), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(want, model(ids)[:, -1], rtol=1e-5, atol=1e-5)
+    assert step.failed is None

@@ -4,8 +4,6 @@ parameters become meta tensors: shape, no storage) and `retie` (a weight tied ac
 one parameter after FSDP2 replaced the stage's copy)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -13,9 +11,6 @@ from torch import Tensor, nn
 from qkv.models.context import self_context
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
-
-if TYPE_CHECKING:
-    from qkv.parallel.pipeline import Pipeline
 
 
 class Stage(nn.Module):
@@ -63,7 +58,9 @@ class StagedForward(nn.Module):
         inputs, targets = batch
         return model(inputs, targets, label_smoothing)
 
-    def __init__(self, pipeline: Pipeline):
+    def __init__(self, pipeline):
+        """`pipeline`: the qkv.parallel.pipeline.Pipeline it evaluates (its stage, ranks and group; not named as
+        a type here, which would make the two modules import each other)."""
         super().__init__()
         self.pipeline, self.stage = pipeline, pipeline.stage_module
 

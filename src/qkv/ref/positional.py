@@ -25,7 +25,7 @@ import numpy as np
 from qkv.plan import rope_scaling
 from qkv.ref.functional import Grads
 from qkv.registry import Registry
-from qkv.rope_scaling import frequencies
+from qkv.rope_scaling import NO_SCALING, frequencies
 
 POSITIONALS: Registry[type["Positional"]] = Registry("positional encoding")
 
@@ -116,7 +116,8 @@ class Rotary(Positional):
     YaRN's factor scales both)."""
 
     def _cos_sin(self, positions):
-        theta, m = frequencies(self.cfg.head_dim, self.cfg.rope_theta, rope_scaling(self.cfg))  # (Dh/2,), m
+        scaling = rope_scaling(self.cfg) if hasattr(self.cfg, "rope_scaling") else NO_SCALING  # (a bare cfg: none)
+        theta, m = frequencies(self.cfg.head_dim, self.cfg.rope_theta, scaling)  # (Dh/2,), m
         angles = positions.astype(np.float64)[..., None] * theta  # (B, T, Dh/2)
         angles = np.concatenate((angles, angles), axis=-1)[:, None]  # (B, 1, T, Dh)
         return m * np.cos(angles), m * np.sin(angles)  # m: YaRN's factor (docs/derivations/rope_scaling.md)

@@ -165,10 +165,10 @@ def test_unsupported_architecture_exits_2_naming_it_and_the_supported_ones(tmp_p
 def test_unmappable_config_and_bad_usage_exit_2(tmp_path):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
     path = save_hf(model, tmp_path / "hf")
     code, _, err = cli("convert", "--from-hf", str(path), "--out", str(tmp_path / "run"))
-    assert code == 2 and "rope_type='linear'" in err
+    assert code == 2 and "rope_type='dynamic'" in err and "supported: default, linear, llama3, yarn" in err
     assert cli("convert", "--from-hf", str(path))[0] == 2  # no --out
     run = write_run(tmp_path / "alibi", ModelConfig(**SMALL, positional="alibi"))
     code, _, err = cli("convert", str(run), "--to-hf", str(tmp_path / "x"))

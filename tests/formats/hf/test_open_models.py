@@ -1,7 +1,8 @@
 """The open models of 2024-25 from Hugging Face dirs, each a tiny random model built with transformers' own class:
 Llama 3.x with its scaled RoPE (llama3, linear, yarn), Qwen3 (q/k norms, head_dim apart from D / H), Gemma 2
 (alternating windows, soft-capped scores and logits), Gemma 3 (five sliding layers to one global, two RoPE
-bases, four norms a block), Mistral (every layer sliding). Logits on right-padded rows within 1e-5 of
+bases, four norms a block), Mistral (every layer sliding), SmolLM3 (NoPE layers), Phi-3 (fused q/k/v and
+gate/up, every layer sliding). Logits on right-padded rows within 1e-5 of
 transformers' in fp32, written back where qkv writes the family, and greedy generation token for token.
 Sizes exercise what differs: head_dim not D / H, GQA, windows shorter than the rows, 6+ layers for Gemma 3."""
 import pytest
@@ -52,6 +53,17 @@ def mistral():
         **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=7))
 
 
+def smollm3():
+    return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+        **SMALL, num_hidden_layers=4, num_key_value_heads=2,
+        no_rope_layer_interval=2))  # layers 2 and 4 nope
+
+
+def phi3():
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False))
+
+
 MODELS = {
     "llama3-rope": lambda: llama({"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
@@ -62,8 +74,10 @@ MODELS = {
     "gemma3": gemma3,
     "gemma2": gemma2,
     "mistral": mistral,
+    "smollm3": smollm3,
+    "phi3": phi3,
 }
-READ_ONLY = {"mistral", "yarn-rope"}  # written as another family (mistral) or checked by reading alone
+READ_ONLY = {"phi3"}  # written as another family (Mistral: the same function, unfused)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -72,7 +86,7 @@ def test_logits_match_transformers(name, tmp_path):
     check_decoder(perturbed(MODELS[name]()), tmp_path, export=name not in READ_ONLY)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3-rope", "gemma2"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3-rope", "gemma2", "smollm3", "phi3"])
 def test_greedy_generation_matches_transformers(name, tmp_path):
     torch.manual_seed(1)
     check_greedy(perturbed(MODELS[name]()), tmp_path)

@@ -1,0 +1,67 @@
+"""Phi-3 (transformers' modeling_phi3.py; Phi-3-mini-4k and its kin) <-> qkv's decoder LM: LLaMA's math with
+fused tensors. `qkv_proj` holds W^Q, W^K, W^V stacked (H Dh + 2 Hkv Dh rows) and `gate_up_proj` the gate and
+up projections (2 F rows, the gate first): split on reading (qkv writes the model as Mistral, or LLaMA without a
+window: the same function, unfused). A `sliding_window` makes
+every layer sliding (Phi-3-mini-4k: 2,047 keys). Phi-3's 128k models scale RoPE by `longrope`, whose factors
+change with the sequence's length: refused with the scalings qkv supports."""
+from __future__ import annotations
+
+import torch
+
+from qkv.config import ModelConfig
+from qkv.errors import QkvError
+from qkv.formats.hf import llama
+from qkv.formats.hf.common import HF_FAMILIES, HfFamily, Tensors, ensure
+
+ARCHITECTURE = "Phi3ForCausalLM"
+
+
+def config(hf: dict, architecture: str) -> ModelConfig:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    ensure(isinstance(params, dict) and params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) == 1.0,
+           "partial_rotary_factor below 1: a partial rotation is not supported for Phi-3 by qkv")
+    window = hf.get("sliding_window") or 0
+    ensure(isinstance(window, int) and window >= 0, f"sliding_window={window!r} must be a positive integer or null")
+    n_layers = hf.get("num_hidden_layers") or 0
+    sliding = {"layer_types": ("sliding",) * n_layers, "sliding_window": window} if window else {}
+    return llama.config({**hf, "rope_parameters": {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+                         or None}, architecture, **sliding)
+
+
+def split(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    """qkv_proj -> q_proj, k_proj, v_proj; gate_up_proj -> gate_proj, up_proj (LLaMA's names)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            stem = name.removesuffix("qkv_proj.weight")
+            if tensor.shape[0] != q + 2 * kv:
+                raise QkvError(f"{name} has {tensor.shape[0]} rows; the heads need {q + 2 * kv}")
+            out[stem + "q_proj.weight"], out[stem + "k_proj.weight"], out[stem + "v_proj.weight"] = \
+                torch.split(tensor, (q, kv, kv))
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            stem = name.removesuffix("gate_up_proj.weight")
+            if tensor.shape[0] != 2 * cfg.d_ff:
+                raise QkvError(f"{name} has {tensor.shape[0]} rows; the FFN needs {2 * cfg.d_ff}")
+            out[stem + "gate_proj.weight"], out[stem + "up_proj.weight"] = torch.split(tensor, cfg.d_ff)
+        else:
+            out[name] = tensor
+    return out
+
+
+def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    return llama.to_qkv(split(tensors, cfg), cfg)
+
+
+def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    out = llama.to_hf(tensors, cfg)
+    for i in range(cfg.n_layers):
+        stem = f"model.layers.{i}."
+        out[stem + "self_attn.qkv_proj.weight"] = torch.cat([out.pop(stem + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[stem + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(stem + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    return out
+
+
+HF_FAMILIES.register("phi3")(HfFamily(
+    model_type="phi3", architectures=(ARCHITECTURE,), config=config, to_qkv=to_qkv, hf_config=None, to_hf=None,
+    exports=lambda cfg: False, exports_doc="phi3: read only (qkv writes its shape as mistral or llama)"))
