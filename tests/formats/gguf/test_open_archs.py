@@ -177,3 +177,58 @@ def write_with_strings(path, model, arch, meta, strings):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf.GGUFWriter, "write_header_to_file", with_strings)
         return write(path, model, arch, QWEN3, meta)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_written_by_qkv_and_read_by_transformers_gguf_loader(arch, tmp_path):
+    """qkv convert --to-gguf of an HF dir (f32): transformers' GGUF loader gives the HF model's logits, and qkv
+    reads its own file back to the same; Gemma 3's SentencePiece tokenizer survives the round trip."""
+    import dataclasses
+
+    from qkv.data.tokenizer import Tokenizer
+    from qkv.formats.gguf import save
+
+    model, _ = {"qwen3": qwen3, "gemma3": gemma3}[arch]()
+    model.save_pretrained(tmp_path / "hf")
+    run = dataclasses.replace(qkv.load(tmp_path / "hf"), tokenizer=Tokenizer.train(["To be, or not to be"] * 5, 300))
+    path = save(run, tmp_path / "out" / f"{arch}.gguf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    ids = torch.randint(3, 250, (1, 23))
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert (theirs(ids).logits - expected).abs().max() < 1e-4 * expected.abs().max()
+        assert (qkv.load(path).model(ids) - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_gemma3s_sentencepiece_tokenizer_is_written_and_read_back(tmp_path):
+    """A Gemma-kind tokenizer (no space prefix, pieces of spaces, <bos> first) out to GGUF and in again: the same
+    ids for the bundled text and the hostile strings, the same start token."""
+    from tests.formats.gguf.smollm2 import GEMMA3_PATH
+
+    if not GEMMA3_PATH.is_file():
+        pytest.skip("needs the Gemma 3 270M file (tests/formats/gguf/smollm2.py)")
+    from qkv.formats.gguf.reader import GgufFile
+    from qkv.formats.gguf.tokenizer import gguf_tokenizer
+    from qkv.formats.gguf.writer import add_sentencepiece
+    import json
+
+    from tests.formats.gguf.test_tokenizer import HOSTILE
+
+    original = gguf_tokenizer(GgufFile.open(GEMMA3_PATH).metadata, "gemma")
+    raw = json.loads(original.to_str())
+    vocab = {**raw["model"]["vocab"], **{t["content"]: t["id"] for t in raw["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "gemma3")
+    add_sentencepiece(writer, raw, tokens, {t["content"] for t in raw["added_tokens"] if t.get("special")})
+    writer.add_bos_token_id(original.start_id)
+    writer.add_add_bos_token(True)
+    writer.add_eos_token_id(original.eos_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    back = gguf_tokenizer(GgufFile.open(tmp_path / "tok.gguf").metadata, "written")
+    assert back.start_id == original.start_id == 2
+    for text in HOSTILE + ["  two spaces  and   three", "Whether 'tis nobler in the mind to suffer"]:
+        assert back.encode_with_specials(text) == original.encode_with_specials(text), text

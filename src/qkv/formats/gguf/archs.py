@@ -10,7 +10,6 @@ rope kernel; `unpermute` puts them back (and `permute` is its inverse, for writi
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +36,7 @@ class GgufArch:
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
+GGUF_NAMES = {"gemma3_text": "gemma3"}  # llama.cpp's name of an HF model_type where the two differ
 
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
@@ -258,68 +258,3 @@ def qwen3_metadata(hf: dict) -> dict:
 GGUF_ARCHS.register("qwen3")(GgufArch(
     hf_config=qwen3_config, hf_name=renaming(LLAMA_TOP, QWEN3_BLOCK, "model.layers."), to_hf=lambda name, w, hf: w,
     gguf_name=inverse(LLAMA_TOP, QWEN3_BLOCK, "model.layers."), from_hf=lambda name, w, hf: w, metadata=qwen3_metadata))
-
-
-# Gemma 2 and 3 in llama.cpp (convert_hf_to_gguf.py): four norms a block, stored as 1 + w (HF keeps w); NEOX rope;
-# the layer pattern and the sliding layers' RoPE base are llama.cpp's constants for the architecture (Gemma 3:
-# every sixth layer global, sliding layers at base 10,000; Gemma 2: alternating), not metadata
-GEMMA_BLOCK = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-               **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}}
-GEMMA_PATTERN = {"gemma3": 6, "gemma2": 2}  # every n-th layer global (llama.cpp's swa pattern)
-
-
-def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
-    d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
-    layers = int(need(meta, f"{arch}.block_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
-    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise QkvError(f"{arch}.attention.value_length differs from key_length: qkv has one head width")
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
-    if isinstance(pattern, (list, tuple)):  # one flag a layer (newer converters): True where it slides
-        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
-            raise QkvError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers: "
-                           "one true / false a layer")
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    elif isinstance(pattern, int) and not isinstance(pattern, bool) and 1 <= pattern <= layers:  # every n-th global
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    else:
-        raise QkvError(f"{arch}.attention.sliding_window_pattern={pattern!r} must be in 1..{layers} (the layers)")
-    window = int(need(meta, f"{arch}.attention.sliding_window"))
-    if window < 1:
-        raise QkvError(f"{arch}.attention.sliding_window={window}: a window of no keys")
-    # llama.cpp scales Gemma 3 27B's scores by (D / H)^-1/2, every other Gemma by head_dim^-1/2
-    scalar = d_model // n_heads if arch == "gemma3" and layers == 62 else head_dim
-    full = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        full = {**full, "rope_type": "linear", "factor": float(need(meta, f"{arch}.rope.scaling.factor"))}
-    elif scaling not in ("none", None):
-        raise QkvError(f"{arch}.rope.scaling.type={scaling!r} is not supported by qkv for {arch} (none, linear)")
-    hf = {"model_type": "gemma3_text" if arch == "gemma3" else "gemma2",
-          "architectures": ["Gemma3ForCausalLM" if arch == "gemma3" else "Gemma2ForCausalLM"],
-          "vocab_size": shapes["token_embd.weight"][0], "hidden_size": d_model,
-          "intermediate_size": int(need(meta, f"{arch}.feed_forward_length")), "num_hidden_layers": layers,
-          "num_attention_heads": n_heads, "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-          "head_dim": head_dim, "max_position_embeddings": int(meta.get(f"{arch}.context_length", 8192)),
-          "rms_norm_eps": float(need(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
-          "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar, "sliding_window": window,
-          "layer_types": types, "tie_word_embeddings": "output.weight" not in shapes,
-          "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
-          "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
-    if arch == "gemma3":
-        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    else:
-        hf["rope_parameters"] = full
-    return hf
-
-
-def gemma_to_hf(hf_name: str, w: np.ndarray, hf: dict) -> np.ndarray:
-    """llama.cpp stores Gemma's norm gains as 1 + w: HF's w."""
-    return w - np.float32(1.0) if hf_name.endswith("norm.weight") else w
-
-
-for _arch in GEMMA_PATTERN:
-    GGUF_ARCHS.register(_arch)(GgufArch(hf_config=functools.partial(gemma_config, arch=_arch),
-                                        hf_name=renaming(LLAMA_TOP, GEMMA_BLOCK, "model.layers."), to_hf=gemma_to_hf))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 from qkv.errors import QkvError
 from qkv.files import model_tensors
 from qkv.formats.base import Run
-from qkv.formats.gguf.archs import GGUF_ARCHS
+from qkv.formats.gguf.archs import GGUF_ARCHS, GGUF_NAMES
 from qkv.formats.gguf.tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 from qkv.formats.hf import exporter
 
@@ -42,20 +43,21 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
     cfg = run.config.model
     family = exporter(cfg)
     _, hf = family.hf_config(cfg)
-    if hf["model_type"] not in GGUF_ARCHS or GGUF_ARCHS.get(hf["model_type"]).metadata is None:
-        raise QkvError(f"a {hf['model_type']} model has no GGUF architecture in qkv; it writes "
-                       f"{', '.join(GGUF_ARCHS.names())} shapes")
-    arch = GGUF_ARCHS.get(hf["model_type"])
+    name = GGUF_NAMES.get(hf["model_type"], hf["model_type"])  # llama.cpp's name of the architecture
+    writes = [n for n in GGUF_ARCHS.names() if GGUF_ARCHS.get(n).metadata is not None]
+    if name not in writes:
+        raise QkvError(f"a {hf['model_type']} model has no GGUF form in qkv; it writes {', '.join(writes)} shapes")
+    arch = GGUF_ARCHS.get(name)
     kind = gguf.GGMLQuantizationType[dtype.upper()]
     tensors = family.to_hf(model_tensors(run.model), cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, hf["model_type"])
+        writer = gguf.GGUFWriter(tmp, name)
         writer.add_name(Path(run.path).name)
         for key, value in arch.metadata(hf).items():
-            writer.add_key_value(f"{hf['model_type']}.{key}", value, value_type(value))
+            writer.add_key_value(f"{name}.{key}", value, value_type(value))
         add_tokenizer(writer, run)
         for name, tensor in tensors.items():
             w = arch.from_hf(name, tensor.detach().float().cpu().numpy(), hf)
@@ -103,17 +105,39 @@ def add_tokenizer(writer, run: Run) -> None:
     for token, index in vocab.items():
         tokens[index] = token
     special = {t["content"] for t in raw.get("added_tokens", []) if t.get("special")}
-    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_name(raw.get("pre_tokenizer"), run.path))
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if token in special else 1 for token in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(run.tokenizer.eos_id)  # qkv starts every prompt with its end-of-text token
+    if model.get("byte_fallback"):  # SentencePiece's BPE (Gemma): pieces ranked by their order, as read
+        add_sentencepiece(writer, raw, tokens, special)
+    else:
+        merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre_name(raw.get("pre_tokenizer"), run.path))
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if token in special else 1 for token in tokens])
+        writer.add_token_merges(merges)
+    writer.add_bos_token_id(run.tokenizer.start_id)  # qkv starts every prompt with it (end-of-text, or <bos>)
     writer.add_add_bos_token(True)
     writer.add_eos_token_id(run.chat.stop_ids[0] if run.chat.stop_ids else run.tokenizer.eos_id)
     if run.chat.template is not None:
         writer.add_chat_template(run.chat.template)
+
+
+def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str]) -> None:
+    """`tokenizer.ggml.model = llama`: the pieces (those of spaces alone spelled with spaces, as Gemma's files
+    keep them), scores that rank them by their order (what qkv and transformers read from such a file), the
+    byte tokens typed BYTE (6), and whether a "▁" goes before the text (a Metaspace pre-tokenizer)."""
+    import gguf
+
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([" " * len(t) if t and not t.strip("▁") else t for t in tokens])
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    byte = re.compile(r"<0x[0-9A-F]{2}>")
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.BYTE if byte.fullmatch(t)
+                            else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_add_space_prefix((raw.get("pre_tokenizer") or {}).get("type") == "Metaspace")
+    unknown = raw["model"].get("unk_token")
+    if unknown in tokens:
+        writer.add_unk_token_id(tokens.index(unknown))
 
 
 def pre_name(pre: dict | None, origin) -> str:
