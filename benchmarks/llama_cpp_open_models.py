@@ -27,13 +27,15 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.formats.gguf import save
 from qkv.generate import generate
 
+F32 = 0  # GGML_TYPE_F32
 TEXT = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer"] * 20
 
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False,
+                type_k=F32, type_v=F32)  # an f32 KV cache (llama.cpp's default is f16)
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float64)
 
@@ -83,7 +85,8 @@ def check(name: str, path: Path, run, ids: list[int], tokens: int) -> None:
     greedy = generate(run.model, torch.tensor([ids]), max_new_tokens=tokens, strategy="greedy")[0, len(ids):].tolist()
     theirs_greedy = llama_cpp_greedy(path, ids, tokens)
     same = sum(a == b for a, b in zip(greedy, theirs_greedy))
-    print(f"{name:8s} logits: max |qkv - llama.cpp| / max |logit| = {relative:.2e}; greedy {same}/{tokens} "
+    print(f"{name:8s} logits: max |qkv - llama.cpp| = {np.abs(ours - theirs).max():.2e}, / max |logit| = "
+          f"{relative:.2e}; greedy {same}/{tokens} "
           f"tokens equal ({'identical' if greedy == theirs_greedy else 'DIFFER'})")
 
 

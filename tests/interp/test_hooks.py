@@ -16,6 +16,9 @@ from qkv.nn.hookpoints import hook_names, hooked
 LLAMA = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, n_layers=3, d_ff=64, max_seq_len=64,
                     positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, dropout=0.0)
 GPT2 = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=3, d_ff=64, max_seq_len=64, dropout=0.0)
+GEMMA = ModelConfig(**{**LLAMA.__dict__, "norm_placement": "sandwich", "embed_scale": True, "qk_norm": True,
+                       "layer_types": ("sliding", "global", "nope"), "sliding_window": 4, "head_size": 12})
+GPT2_SANDWICH = ModelConfig(**{**GPT2.__dict__, "norm_placement": "sandwich"})  # LayerNorm outer norms, biases
 
 
 def model_of(cfg):
@@ -170,10 +173,12 @@ def test_head_scores_find_a_previous_token_head_and_an_induction_head_made_by_ha
     assert all(0.0 <= s <= 1.0 for layer in scores["first_token"] for s in layer)
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama-rmsnorm", "gpt2-layernorm"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, GEMMA, GPT2_SANDWICH],
+                         ids=["llama-rmsnorm", "gpt2-layernorm", "gemma-sandwich", "layernorm-sandwich"])
 def test_direct_attributions_add_up_to_the_logit(cfg):
     """The sum of every component's direct term (embedding, each head, each output bias, each FFN) and the
-    norm's and head's biases is the target's logit, with the final norm's scale frozen (1e-4)."""
+    norms' and head's biases is the target's logit, with the final norm's scale frozen, and a sandwich block's
+    outer norms' (1e-4)."""
     from qkv.interp import direct_logit_attribution
 
     model = model_of(cfg)
@@ -196,7 +201,7 @@ def test_direct_attribution_refuses_post_ln():
     from qkv.interp import direct_logit_attribution
 
     model = model_of(ModelConfig(**{**GPT2.__dict__, "norm_placement": "post"}))
-    with pytest.raises(QkvError, match="Pre-LN"):
+    with pytest.raises(QkvError, match="Pre-LN or sandwich"):
         direct_logit_attribution(model, torch.randint(0, 97, (1, 5)))
 
 

@@ -58,7 +58,7 @@ def cmd_probe(args) -> int:
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv probe reads decoder-only language models with a tokenizer")
     apply_precision(run, args)
-    ids = run.tokenizer.encode(args.text)
+    ids = run.tokenizer.bos_ids + run.tokenizer.encode(args.text)  # (<bos> first where the model's file asks)
     if not ids:
         raise QkvError("--text is empty")
     context = run.config.model.max_seq_len
@@ -66,7 +66,7 @@ def cmd_probe(args) -> int:
     tokenizer = run.tokenizer
     result: dict = {"tokens": [tokenizer.decode([int(i)]) for i in ids[0]]}
     if args.minus is not None:
-        minus = tokenizer.encode(args.minus)
+        minus = tokenizer.bos_ids + tokenizer.encode(args.minus)
         if not minus:
             raise QkvError("--minus is empty")
         vec = steering_vector(run.model, ids, torch.tensor([minus[-context:]]), args.layer)
@@ -79,7 +79,7 @@ def cmd_probe(args) -> int:
             raise QkvError(f"--target {args.target!r} is {len(wanted)} tokens; give one token's text")
         target = wanted[0]
     if args.corrupt is not None:
-        corrupt = tokenizer.encode(args.corrupt)
+        corrupt = tokenizer.bos_ids + tokenizer.encode(args.corrupt)
         if len(corrupt) != ids.shape[-1]:
             raise QkvError(f"--corrupt is {len(corrupt)} tokens and --text {ids.shape[-1]}: patching needs prompts "
                            "of one length")

@@ -87,6 +87,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size()
 
+    @property
+    def bos_ids(self) -> list[int]:
+        """[<bos>] where the tokenizer's post-processor puts one before every text (start_id: Gemma's and Llama's
+        files ask for it), else []: what a text's ids begin with when a model reads it as written (qkv probe,
+        qkv explain), where generation and scoring always put start_id first."""
+        return [self.start_id] if self.start_id != self.eos_id else []
+
     @cached_property
     def start_id(self) -> int:
         """The token a language model's text starts with: the special token the tokenizer's post-processor puts

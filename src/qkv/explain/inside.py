@@ -61,7 +61,7 @@ def look_inside(run, explanation, corrupt: str | None = None) -> None:
 
 
 def _patching(run, explanation, ids, corrupt: str, answer: int, decode) -> None:
-    other = run.tokenizer.encode(corrupt)
+    other = run.tokenizer.bos_ids + run.tokenizer.encode(corrupt)
     if len(other) != ids.shape[-1]:
         raise QkvError(f"--corrupt is {len(other)} tokens and the explained text {ids.shape[-1]}: patching needs "
                        "prompts of one length in tokens")

@@ -60,7 +60,7 @@ def encode(run, text: str) -> tuple[list[int], bool]:
         raise QkvError(f"{run.path}: has no tokenizer.json; qkv explain needs one to read the text")
     if not text:
         raise QkvError("--text is empty")
-    ids = run.tokenizer.encode(text)
+    ids = run.tokenizer.bos_ids + run.tokenizer.encode(text)  # (<bos> first where the model's file asks)
     if not ids:
         raise QkvError("--text has no tokens")
     limit = min(MAX_TOKENS, run.config.model.max_seq_len)  # the model's positions end there

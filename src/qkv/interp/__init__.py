@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from qkv.errors import QkvError
 from qkv.nn.hookpoints import Hook, hook_names, hooked
 from qkv.nn.norms import LayerNorm
-from qkv.nn.residual import pre_norm
+from qkv.nn.residual import pre_norm, sandwich_norm
 
 
 def run_with_cache(model: nn.Module, input_ids: Tensor, names: Sequence[str] | None = None, **forward
@@ -147,54 +147,64 @@ def direct_logit_attribution(model: nn.Module, input_ids: Tensor, *, position: i
     residual is a sum, H^L = embed + sum_l (attn_l + ffn_l), and attn_l = sum_h z_h W^O_h^T + b^O; with the final
     norm's scale frozen at its value for this position (LayerNorm: 1 / sigma and the centring, both linear then;
     RMSNorm: 1 / rms), the target's logit is exactly the sum of each component's term plus the norm's and head's
-    biases. Returns {"target", "logit", "constant", "components": [(name, term), ...]}; the terms and the
-    constant add up to the logit (tests/interp/)."""
+    biases. Sandwich blocks (Gemma's four norms) add outer(attn_l) and outer(ffn_l): each outer norm's scale
+    frozen too, its heads' terms stay a sum. Returns {"target", "logit", "constant", "components": [(name,
+    term), ...]}; the terms and the constant add up to the logit (tests/interp/)."""
     blocks = list(model.blocks)
-    if any(block.residual is not pre_norm for block in blocks):
-        raise QkvError("direct logit attribution needs Pre-LN blocks, whose output is the sum of their sublayers'; "
-                       "this model normalises the stream inside the blocks")
+    sandwich = [block.residual is sandwich_norm for block in blocks]
+    if any(block.residual not in (pre_norm, sandwich_norm) for block in blocks):
+        raise QkvError("direct logit attribution needs Pre-LN or sandwich blocks, whose output is the sum of their "
+                       "sublayers'; this model normalises the stream inside the blocks")
     names = ["embed", "final_norm"] + [f"blocks.{i}.{p}" for i in range(len(blocks))
                                        for p in ("attn.z", "attn.out", "ffn.post")]
     logits, cache = run_with_cache(model, input_ids[:1], names)
     target = int(logits[0, position].argmax()) if target is None else target
     norm, head = model.final_norm, model.lm_head
     u = head.weight[target].detach().double()  # (D,)
-    gain = norm.weight.detach().double()
+    outputs = {}  # each sublayer's output and, in a sandwich block, its outer norm frozen at that output
+    for i, block in enumerate(blocks):
+        for part, name, sub_norm in (("attn", "attn.out", block.attn_norm), ("ffn", "ffn.post", block.ffn_norm)):
+            out = cache[f"blocks.{i}.{name}"][0, position].double()
+            outputs[i, part] = (out, frozen(sub_norm.outer, out) if sandwich[i] else (lambda v: v, 0.0))
     final = sum([cache["embed"][0, position].double()] +
-                [cache[f"blocks.{i}.{p}"][0, position].double() for i in range(len(blocks))
-                 for p in ("attn.out", "ffn.post")])
-    centred = isinstance(norm, LayerNorm)
-    if centred:
-        scale = 1.0 / torch.sqrt(final.var(unbiased=False) + norm.eps)
-    else:
-        scale = 1.0 / torch.sqrt((final ** 2).mean() + norm.eps)
+                [f(out) + shift for out, (f, shift) in outputs.values()])
+    apply_final, final_shift = frozen(norm, final)
+    constant = float(final_shift @ u) if torch.is_tensor(final_shift) else 0.0
 
-    def term(vector: Tensor) -> float:  # the frozen norm and the head's row applied to one component
-        v = vector.double()
-        if centred:
-            v = v - v.mean()
-        return float((v * scale * gain) @ u)
+    def term(vector: Tensor, through=lambda v: v) -> float:  # frozen norms and the head's row on one component
+        return float(apply_final(through(vector.double())) @ u)
 
     components = [("embed", term(cache["embed"][0, position]))]
     for i, block in enumerate(blocks):
         attn = block.attn
+        through, shift = outputs[i, "attn"][1]
         z = cache[f"blocks.{i}.attn.z"][0, :, position].double()  # (H, Dh)
         w_o = attn.o_proj.weight.detach().double()  # (D, H*Dh)
-        heads = 0.0
         for h in range(attn.n_heads):
             out_h = w_o[:, h * attn.head_dim:(h + 1) * attn.head_dim] @ z[h]  # (D,)
-            components.append((f"blocks.{i}.attn.head{h}", term(out_h)))
-            heads = heads + out_h
+            components.append((f"blocks.{i}.attn.head{h}", term(out_h, through)))
         if attn.o_proj.bias is not None:
-            components.append((f"blocks.{i}.attn.bias", term(attn.o_proj.bias.detach())))
-        components.append((f"blocks.{i}.ffn", term(cache[f"blocks.{i}.ffn.post"][0, position])))
-    constant = 0.0
-    if centred and norm.bias is not None:
-        constant += float(norm.bias.detach().double() @ u)
+            components.append((f"blocks.{i}.attn.bias", term(attn.o_proj.bias.detach(), through)))
+        constant += term(shift) if torch.is_tensor(shift) else 0.0
+        through, shift = outputs[i, "ffn"][1]
+        components.append((f"blocks.{i}.ffn", term(cache[f"blocks.{i}.ffn.post"][0, position], through)))
+        constant += term(shift) if torch.is_tensor(shift) else 0.0
     if head.bias is not None:
         constant += float(head.bias[target])
     return {"target": target, "logit": float(logits[0, position, target]), "constant": constant,
             "components": components}
+
+
+def frozen(norm: nn.Module, whole: Tensor):
+    """(the norm as a linear map with its statistics frozen at `whole`, its bias or 0): LayerNorm
+    v -> gain (v - mean v) / sigma(whole), RMSNorm v -> gain v / rms(whole)."""
+    gain = norm.weight.detach().double()
+    if isinstance(norm, LayerNorm):
+        scale = 1.0 / torch.sqrt(whole.var(unbiased=False) + norm.eps)
+        bias = norm.bias.detach().double() if norm.bias is not None else 0.0
+        return (lambda v: (v - v.mean()) * scale * gain), bias
+    scale = 1.0 / torch.sqrt((whole ** 2).mean() + norm.eps)
+    return (lambda v: v * scale * gain), 0.0
 
 
 def steering_vector(model: nn.Module, plus: Tensor, minus: Tensor, layer: int) -> Tensor:
