@@ -73,3 +73,65 @@ def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_str
     for text in works + HOSTILE:  # qkv spells Gemma's end of text <eos> as <|endoftext|> (docs/DEVIATIONS.md)
         theirs = tokenizer(text.replace("<|endoftext|>", "<eos>"), add_special_tokens=False).input_ids
         assert run.tokenizer.encode_with_specials(text) == theirs, text[:40]
+
+
+def test_the_commands_on_the_real_file(gemma, tmp_path):
+    """qkv generate (greedy, as transformers), qkv eval (the loss transformers gives), the logit lens (ending at
+    the model's own top token) and calc (the KV cache of 8,192 tokens with the sliding layers' rings)."""
+    import json
+    import math
+
+    from tests.formats.hf import cli
+
+    run, theirs, tokenizer = gemma
+    path = str(run.path)
+    code, out, _ = cli("generate", path, "--prompt", "The capital of France is", "--strategy", "greedy",
+                       "--max-new-tokens", "12")
+    ids = torch.tensor([tokenizer("The capital of France is").input_ids])
+    with torch.no_grad():
+        expected = theirs.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+    assert code == 0 and out.strip() == "The capital of France is" + tokenizer.decode(expected)
+    text = tmp_path / "hamlet.txt"
+    text.write_text("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer")
+    code, out, _ = cli("eval", path, "--data", str(text), "--json")
+    scored = torch.tensor([tokenizer(text.read_text()).input_ids])
+    with torch.no_grad():
+        loss = float(theirs(scored, labels=scored).loss)  # mean nats over every token after <bos>
+    assert code == 0 and json.loads(out)["loss"] == pytest.approx(loss, rel=1e-4)
+    assert json.loads(out)["bits_per_char"] == pytest.approx(loss * (scored.shape[1] - 1) / math.log(2) /
+                                                             len(text.read_text()), rel=1e-4)
+    from qkv.analysis import calc  # (probe and calc on the loaded run: a CLI start reads the file for 10-15 s)
+    from qkv.interp import logit_lens
+
+    prompt = torch.tensor([run.tokenizer.bos_ids + run.tokenizer.encode("The capital of France is")])
+    rows = logit_lens(run.model, prompt)
+    assert prompt[0, 0] == 2 and rows[-1]["top"][0][0] == int(theirs(prompt).logits[0, -1].argmax())
+    found = calc.calculate(run.config, seq=8192, batch=1, precision="fp32")
+    assert found["kv_cache_bytes"] == (3 * 8192 + 15 * (512 + 16)) * 2 * 256 * 4  # 66.6 MB, against 302 MB
+
+
+def test_lora_sft_of_the_real_file_loads_in_peft_with_qkvs_logits(gemma, tmp_path):
+    import copy
+
+    import peft
+
+    from qkv.cli import main
+
+    run, theirs, _ = gemma
+    rows = [{"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
+                          {"role": "assistant", "content": "Hamlet was written by William Shakespeare."}]}] * 8
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    assert main(["train", "--task", "sft", "--init", str(run.path), "--data", str(data), "--out", str(out),
+                 "--max-steps", "3", "--lora", "r=8,alpha=16,targets=q,v", "--set", "train.seq_len=64", "--set",
+                 "train.batch_size=2", "--set", "train.lr=2e-3", "--set", "train.warmup_steps=0", "--set",
+                 "train.log_every=1", "--set", "train.precision=fp32", "--set", "train.eval_batches=1", "--quiet",
+                 "--no-sample"]) == 0
+    losses = [float(line.split(",")[1]) for line in (out / "metrics.csv").read_text().splitlines()[1:]
+              if line.split(",")[1]]
+    assert losses[-1] < losses[0], losses
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(out)).eval()
+    ids = torch.tensor([[2] + run.tokenizer.encode("Who wrote Hamlet? It was")])
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
