@@ -3,6 +3,8 @@ out (convert_hf_to_gguf.py: its tensor names, Gemma's norms stored as 1 + w, Lla
 rope_freqs.weight tensor), from random transformers models: qwen3 and gemma3 read by qkv with transformers' GGUF
 loader's logits; a Llama 3.x model written by qkv (rope_freqs) and read back with transformers' own logits of the
 HF model; and files whose metadata contradicts itself, each refused in one line with exit code 2."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -232,3 +234,38 @@ def test_gemma3s_sentencepiece_tokenizer_is_written_and_read_back(tmp_path):
     assert back.start_id == original.start_id == 2
     for text in HOSTILE + ["  two spaces  and   three", "Whether 'tis nobler in the mind to suffer"]:
         assert back.encode_with_specials(text) == original.encode_with_specials(text), text
+
+
+def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(tmp_path):
+    """smollm3: LLaMA's names and Q/K rows permuted, every fourth layer without RoPE (llama.cpp's constant);
+    phi3: fused attn_qkv and ffn_up (gate first), unpermuted. The oracle is the HF model the file was made from."""
+    from tests.formats.gguf import ggml_rows
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=len(small_tokenizer()[0]), hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, rms_norm_eps=1e-5)
+    models = {"smollm3": transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**small, num_hidden_layers=4)),
+              "phi3": transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, num_hidden_layers=2,
+                                                                           tie_word_embeddings=False))}
+    base = {"context_length": 128, "embedding_length": 32, "feed_forward_length": 48, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
+            "rope.dimension_count": 8}
+    phi3_block = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+                  "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    ids = torch.randint(3, 250, (1, 23))
+    for arch, model in models.items():
+        model = perturbed(model)
+        stored = copy.deepcopy(model)
+        if arch == "smollm3":  # llama.cpp's converter permutes LLaMA's Q and K rows
+            with torch.no_grad():
+                for layer in stored.model.layers:
+                    for proj, heads in ((layer.self_attn.q_proj, 4), (layer.self_attn.k_proj, 2)):
+                        proj.weight.copy_(torch.from_numpy(ggml_rows(proj.weight.numpy(), heads)))
+        path = write(tmp_path / f"{arch}.gguf", stored, arch, QWEN3 if arch == "smollm3" else phi3_block,
+                     {**base, "block_count": len(model.model.layers)})
+        run = qkv.load(path)
+        with torch.no_grad():
+            expected = model(ids).logits
+            assert (run.model(ids) - expected).abs().max() < 1e-4 * expected.abs().max(), arch
+        if arch == "smollm3":
+            assert run.config.model.layer_types == ("global", "global", "global", "nope")

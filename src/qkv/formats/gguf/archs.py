@@ -54,7 +54,8 @@ def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
     d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
     vocab = shapes["token_embd.weight"][0]
     model_type, architecture = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                                "qwen3": ("qwen3", "Qwen3ForCausalLM")}[arch]
+                                "qwen3": ("qwen3", "Qwen3ForCausalLM"), "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+                                "phi3": ("phi3", "Phi3ForCausalLM")}[arch]
     return {"model_type": model_type, "architectures": [architecture], "vocab_size": vocab, "hidden_size": d_model,
             "intermediate_size": int(need(meta, f"{arch}.feed_forward_length")),
             "num_hidden_layers": int(need(meta, f"{arch}.block_count")), "num_attention_heads": n_heads,

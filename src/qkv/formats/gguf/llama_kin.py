@@ -1,0 +1,45 @@
+"""LLaMA's kin in llama.cpp's GGUF layout (convert_hf_to_gguf.py), read: SmolLM3 and Phi-3.
+
+smollm3: LLaMA's tensors and Q/K row permutation; every fourth layer has no RoPE, a constant of llama.cpp's
+architecture (`n_no_rope_layer_step = 4`), not metadata.
+phi3: Q, K and V stored as one `attn_qkv` and gate and up as one `ffn_up` of 2 F rows (the gate first), as
+transformers keeps them (`qkv_proj`, `gate_up_proj`), NEOX rope (no permutation); `attention.sliding_window`
+as HF's sliding_window (llama.cpp itself runs Phi-3 without the window, which differs only past it). The 128k
+models' longrope factors (`rope_factors_long` / `_short` tensors) are refused.
+"""
+from __future__ import annotations
+
+from qkv.errors import QkvError
+from qkv.formats.gguf.archs import (GGUF_ARCHS, LLAMA_BLOCK, LLAMA_TOP, GgufArch, llama_config, llama_to_hf, need,
+                                    renaming)
+
+NO_ROPE_STEP = 4  # llama.cpp's smollm3: layer il has RoPE unless (il + 1) % 4 == 0
+
+
+def smollm3_config(meta: dict, shapes: dict) -> dict:
+    hf = llama_config(meta, shapes, "smollm3")
+    return {**hf, "no_rope_layers": [int((i + 1) % NO_ROPE_STEP != 0) for i in range(hf["num_hidden_layers"])]}
+
+
+GGUF_ARCHS.register("smollm3")(GgufArch(hf_config=smollm3_config, hf_name=renaming(LLAMA_TOP, LLAMA_BLOCK, "model.layers."),
+                                        to_hf=llama_to_hf))
+
+PHI3_BLOCK = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+              "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def phi3_config(meta: dict, shapes: dict) -> dict:
+    if any(name.startswith(("rope_factors_long", "rope_factors_short")) for name in shapes):
+        raise QkvError("rope_factors_long / rope_factors_short: Phi-3's longrope (the 128k models) is not supported "
+                       "by qkv")
+    arch = "phi3"
+    d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
+    if int(meta.get(f"{arch}.rope.dimension_count", d_model // n_heads)) != d_model // n_heads:
+        raise QkvError(f"{arch}.rope.dimension_count: a partial rotation is not supported for Phi-3 by qkv")
+    hf = llama_config(meta, shapes, arch)
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    return {**hf, "sliding_window": window or None}
+
+
+GGUF_ARCHS.register("phi3")(GgufArch(hf_config=phi3_config, hf_name=renaming(LLAMA_TOP, PHI3_BLOCK, "model.layers."),
+                                     to_hf=lambda name, w, hf: w))
