@@ -49,6 +49,18 @@ def sentencepiece_tokenizer() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def add_byte_level(writer) -> None:
+    """small_tokenizer() into a GGUF writer: gpt2 model, its merges, <|im_start|> as BOS, <|im_end|> as EOS."""
+    tokens, merges, types = small_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+
+
 def ggml_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's permutation of Q / K rows (convert_hf_to_gguf.py LlamaModel.permute)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -112,13 +124,7 @@ def write_llama(path: Path, *, qtype: str = "F32", tied: bool = False, seed: int
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
     elif tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(tokens.index("<|im_start|>"))
-        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        add_byte_level(writer)
     if template is not None:
         writer.add_chat_template(template)
     if edit is not None:

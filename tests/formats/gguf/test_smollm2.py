@@ -1,9 +1,7 @@
 """SmolLM2-135M-Instruct from its GGUF file (llama architecture, 30 layers, GQA 9/3, Q4_1 and Q8_0 tensors,
 ChatML), end to end against transformers reading the same file: logits, greedy text, the tokenizer on the
 bundled works and hostile strings, the chat, and qkv serve's chat completions through the openai client."""
-import gzip
 import json
-from importlib import resources
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from qkv.formats.base import Chat
 from qkv.generate import generate
 from qkv.generate.chat import ChatSession
 from qkv.serve.chat import template_for
-from tests.formats.gguf.smollm2 import require_smollm2
+from tests.formats.gguf.smollm2 import bundled_works, require_smollm2, with_transformers
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n):", "1, 2, 3, 5, 8,",
@@ -22,13 +20,7 @@ PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n)
 
 @pytest.fixture(scope="module")
 def smol():
-    path = require_smollm2()
-    import transformers
-
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return qkv.load(path), theirs, tokenizer
+    return with_transformers(require_smollm2())
 
 
 def test_logits_equal_transformers_on_five_prompts(smol):
@@ -59,9 +51,7 @@ def test_greedy_64_tokens_are_transformers(smol):
 
 def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_strings(smol):
     run, _, tokenizer = smol
-    corpus = resources.files("qkv.data") / "corpora" / "shakespeare.jsonl.gz"
-    with gzip.open(corpus.open("rb"), "rt", encoding="utf-8") as f:
-        works = [json.loads(line)["text"][:10_000] for line in f]
+    works = bundled_works()
     assert len(works) > 40
     for text in works + HOSTILE:
         assert run.tokenizer.encode_with_specials(text) == tokenizer(text, add_special_tokens=False).input_ids

@@ -23,6 +23,16 @@ def save_hf(model, path: Path) -> Path:
     return path
 
 
+def perturbed(model):
+    """`model` in eval mode with its norm gains drawn away from their init (Gemma's start at 0 for 1 + w): reading
+    them, and any offset a format adds to them, is tested too."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
 def right_padded(batch: int, length: int, lengths: list[int], low: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Random ids (B, T) and a mask with row b's first lengths[b] tokens real (right padding)."""
     ids = torch.randint(low, V, (batch, length))

@@ -10,19 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.formats.hf import V, check_decoder, check_greedy  # noqa: E402
+from tests.formats.hf import V, check_decoder, check_greedy, perturbed  # noqa: E402
 
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, max_position_embeddings=64,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def perturbed(model):
-    """Norm gains away from their init (Gemma's start at 0 for 1 + w): reading them is tested too."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    return model.eval()
 
 
 def llama(rope):
