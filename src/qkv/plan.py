@@ -80,14 +80,16 @@ def layer_plans(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
 
 
 def check_plan(cfg: ModelConfig) -> None:
-    """The plan's facts against the rest of the config (check_model calls it)."""
+    """The plan's facts against the rest of the config (check_model calls it). Reads model.layer_types itself,
+    never a plan of model.n_layers entries (a config may claim any number of layers before it is refused)."""
     rope_scaling(cfg)
-    plans = layer_plans(cfg)
+    if cfg.layer_types:
+        layer_plans(cfg)  # (its kinds' names; one entry per layer is config.validate's)
     if cfg.rope_scaling != "none" and cfg.positional != "rope":
         raise QkvError(f"model.rope_scaling={cfg.rope_scaling!r} needs model.positional='rope', got {cfg.positional!r}")
-    if cfg.sliding_window and not any(plan.window for plan in plans):
+    if cfg.sliding_window and "sliding" not in cfg.layer_types:
         raise QkvError(f"model.sliding_window={cfg.sliding_window} but no layer is sliding: set model.layer_types")
-    if cfg.rope_local_theta and not any(plan.kind == "sliding" for plan in plans):
+    if cfg.rope_local_theta and "sliding" not in cfg.layer_types:
         raise QkvError(f"model.rope_local_theta={cfg.rope_local_theta} but no layer is sliding: set model.layer_types")
 
 

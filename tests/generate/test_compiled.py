@@ -120,7 +120,7 @@ def float64_twin(name: str) -> torch.nn.Module:
     return model.double()
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "gpt", "gemma"])
+@pytest.mark.parametrize("name", ["llama-int4", "gpt"])  # (gemma: test_compiled_prompt's ring test)
 def test_generate_with_the_compiled_step_gives_the_same_tokens(models, name):
     model = models[name]
     step = compiled.compiled_step(model)

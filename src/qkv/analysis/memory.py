@@ -380,8 +380,9 @@ def kv_cache(cfg: ModelConfig, *, batch: int, seq: int, bytes_per_element: int =
     if cfg.arch == "encoder":
         return 0
     per_column = 2 * cfg.kv_heads * cfg.head_dim * bytes_per_element  # one token's K and V in one layer
-    if cfg.arch == "decoder":
+    if cfg.arch == "decoder" and cfg.layer_types:
         columns = sum(cached_columns(plan, seq) for plan in layer_plans(cfg))
         return per_column * batch * columns
     per_token = per_column * cfg.decoder_layers
-    return per_token * batch * seq + per_token * batch * (source_seq or seq)
+    cross = per_token * batch * (source_seq or seq) if cfg.arch == "encoder-decoder" else 0
+    return per_token * batch * seq + cross

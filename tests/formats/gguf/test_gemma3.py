@@ -124,3 +124,30 @@ def test_lora_sft_of_the_real_file_loads_in_peft_with_qkvs_logits(gemma, tmp_pat
     ids = torch.tensor([[2] + run.tokenizer.encode("Who wrote Hamlet? It was")])
     with torch.no_grad():
         torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_its_sentencepiece_tokenizer_is_written_and_read_back(gemma, tmp_path):
+    """Gemma's kind of tokenizer (no space prefix, pieces of spaces, <bos> first) out to GGUF and in again: the
+    same ids for the hostile strings and runs of spaces, the same start token."""
+    from qkv.formats.gguf.reader import GgufFile
+    from qkv.formats.gguf.tokenizer import gguf_tokenizer
+    from qkv.formats.gguf.writer import add_sentencepiece
+
+    gguf = pytest.importorskip("gguf")
+    original = gemma[0].tokenizer
+    raw = json.loads(original.to_str())
+    vocab = {**raw["model"]["vocab"], **{t["content"]: t["id"] for t in raw["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "gemma3")
+    add_sentencepiece(writer, raw, tokens, {t["content"] for t in raw["added_tokens"] if t.get("special")})
+    writer.add_bos_token_id(original.start_id)
+    writer.add_add_bos_token(True)
+    writer.add_eos_token_id(original.eos_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    back = gguf_tokenizer(GgufFile.open(tmp_path / "tok.gguf").metadata, "written")
+    assert back.start_id == original.start_id == 2
+    for text in HOSTILE + ["  two spaces  and   three", "Whether 'tis nobler in the mind to suffer"]:
+        assert back.encode_with_specials(text) == original.encode_with_specials(text), text

@@ -188,39 +188,6 @@ def test_written_by_qkv_and_read_by_transformers_gguf_loader(arch, tmp_path):
         assert (qkv.load(path).model(ids) - expected).abs().max() < 1e-4 * expected.abs().max()
 
 
-def test_gemma3s_sentencepiece_tokenizer_is_written_and_read_back(tmp_path):
-    """A Gemma-kind tokenizer (no space prefix, pieces of spaces, <bos> first) out to GGUF and in again: the same
-    ids for the bundled text and the hostile strings, the same start token."""
-    from tests.formats.gguf.smollm2 import GEMMA3_PATH
-
-    if not GEMMA3_PATH.is_file():
-        pytest.skip("needs the Gemma 3 270M file (tests/formats/gguf/smollm2.py)")
-    from qkv.formats.gguf.reader import GgufFile
-    from qkv.formats.gguf.tokenizer import gguf_tokenizer
-    from qkv.formats.gguf.writer import add_sentencepiece
-    import json
-
-    from tests.formats.gguf.test_tokenizer import HOSTILE
-
-    original = gguf_tokenizer(GgufFile.open(GEMMA3_PATH).metadata, "gemma")
-    raw = json.loads(original.to_str())
-    vocab = {**raw["model"]["vocab"], **{t["content"]: t["id"] for t in raw["added_tokens"]}}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "gemma3")
-    add_sentencepiece(writer, raw, tokens, {t["content"] for t in raw["added_tokens"] if t.get("special")})
-    writer.add_bos_token_id(original.start_id)
-    writer.add_add_bos_token(True)
-    writer.add_eos_token_id(original.eos_id)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    back = gguf_tokenizer(GgufFile.open(tmp_path / "tok.gguf").metadata, "written")
-    assert back.start_id == original.start_id == 2
-    for text in HOSTILE + ["  two spaces  and   three", "Whether 'tis nobler in the mind to suffer"]:
-        assert back.encode_with_specials(text) == original.encode_with_specials(text), text
-
-
 def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(tmp_path):
     """smollm3: LLaMA's names and Q/K rows permuted, every fourth layer without RoPE (llama.cpp's constant);
     phi3: fused attn_qkv and ffn_up (gate first), unpermuted. The oracle is the HF model the file was made from."""
