@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.rope_scaling import NO_SCALING, RopeScaling
+from qkv.rope_scaling import RopeScaling
 
 LAYER_KINDS = ("global", "sliding", "nope")  # model.layer_types' entries
 RING_SPARE = 16  # a sliding layer's ring keeps W + RING_SPARE columns (qkv.nn.cache)
@@ -38,8 +38,8 @@ class LayerPlan:
 
     kind: str  # LAYER_KINDS
     window: int  # keys it sees, itself included; 0: every key before it
-    rope_theta: float | None  # its own RoPE base, or None: the model's encoding (none at all for a nope layer)
-    rope_scaling: RopeScaling  # its own RoPE's scaling (with rope_theta)
+    rope_theta: float | None  # its own RoPE base, unscaled (Gemma 3's local one), or None: the model's encoding
+    # (none at all for a nope layer)
 
     @property
     def own_positions(self) -> bool:
@@ -73,9 +73,9 @@ def layer_plans(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
     for kind in layer_kinds(cfg):
         if kind == "sliding":
             local = cfg.rope_local_theta or None
-            plans.append(LayerPlan(kind, cfg.sliding_window, local, NO_SCALING))
+            plans.append(LayerPlan(kind, cfg.sliding_window, local))
         else:
-            plans.append(LayerPlan(kind, 0, None, NO_SCALING))
+            plans.append(LayerPlan(kind, 0, None))
     return tuple(plans)
 
 

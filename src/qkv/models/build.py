@@ -157,7 +157,7 @@ def layer_positions(cfg: ModelConfig, plans: tuple[LayerPlan, ...]) -> list[Posi
         key = (plan.kind, plan.rope_theta)
         if key not in made:
             made[key] = (Positional() if plan.kind == "nope" else
-                         Rotary(head_dim=cfg.head_dim, rope_theta=plan.rope_theta, rope_scaling=plan.rope_scaling))
+                         Rotary(head_dim=cfg.head_dim, rope_theta=plan.rope_theta))  # unscaled
         own.append(made[key])
     return own
 

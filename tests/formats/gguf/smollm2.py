@@ -56,3 +56,16 @@ def bundled_works(chars: int = 10_000) -> list[str]:
     corpus = resources.files("qkv.data") / "corpora" / "shakespeare.jsonl.gz"
     with gzip.open(corpus.open("rb"), "rt", encoding="utf-8") as f:
         return [json.loads(line)["text"][:chars] for line in f]
+
+
+def greedy_as_transformers(run, theirs, ids: list[int], tokens: int) -> None:
+    """`tokens` greedy tokens after `ids` from qkv's generate equal transformers' generate on the same file."""
+    import torch
+
+    from qkv.generate import generate
+
+    prompt = torch.tensor([ids])
+    ours = generate(run.model, prompt, max_new_tokens=tokens, strategy="greedy")
+    with torch.no_grad():
+        expected = theirs.generate(prompt, max_new_tokens=tokens, do_sample=False, eos_token_id=None)
+    assert ours.tolist() == expected.tolist()

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.generate import generate
-from tests.formats.gguf.smollm2 import bundled_works, require_gemma3, with_transformers
+from tests.formats.gguf.smollm2 import bundled_works, greedy_as_transformers, require_gemma3, with_transformers
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 LONG = " ".join(["Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."] * 40)
@@ -49,11 +48,7 @@ def test_paris_is_third_and_the_parameters_are_the_files(gemma):
 
 def test_greedy_32_tokens_are_transformers(gemma):
     run, theirs, _ = gemma
-    ids = torch.tensor([[run.tokenizer.start_id] + run.tokenizer.encode(PROMPTS[1])])
-    ours = generate(run.model, ids, max_new_tokens=32, strategy="greedy")
-    with torch.no_grad():
-        expected = theirs.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
-    assert ours.tolist() == expected.tolist()
+    greedy_as_transformers(run, theirs, [run.tokenizer.start_id] + run.tokenizer.encode(PROMPTS[1]), 32)
 
 
 def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_strings(gemma):

@@ -8,10 +8,9 @@ import torch
 
 import qkv
 from qkv.formats.base import Chat
-from qkv.generate import generate
 from qkv.generate.chat import ChatSession
 from qkv.serve.chat import template_for
-from tests.formats.gguf.smollm2 import bundled_works, require_smollm2, with_transformers
+from tests.formats.gguf.smollm2 import bundled_works, greedy_as_transformers, require_smollm2, with_transformers
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n):", "1, 2, 3, 5, 8,",
@@ -42,11 +41,7 @@ def test_calc_counts_the_real_parameters(smol):
 
 def test_greedy_64_tokens_are_transformers(smol):
     run, theirs, _ = smol
-    ids = torch.tensor([run.tokenizer.encode_with_specials(PROMPTS[1])])
-    ours = generate(run.model, ids, max_new_tokens=64, strategy="greedy")
-    with torch.no_grad():
-        expected = theirs.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None)
-    assert ours.tolist() == expected.tolist()
+    greedy_as_transformers(run, theirs, run.tokenizer.encode_with_specials(PROMPTS[1]), 64)
 
 
 def test_the_tokenizer_equals_transformers_on_every_bundled_work_and_hostile_strings(smol):
