@@ -180,6 +180,34 @@ def test_every_package_has_a_layer_and_imports_only_downwards():
     assert not upward, "imports against the layers of docs/ARCHITECTURE.md:\n" + "\n".join(upward)
 
 
+# (package, package it never reaches, directly or through others), and why: a layer rule allows these imports
+NEVER_REACHES = {
+    ("train", "serve"): "training needs a model's chat template (qkv.formats.chat), never the HTTP server",
+    ("formats", "generate"): "reading and writing files needs no decoding loop",
+}
+
+
+def reached(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_the_packages_that_never_reach_each_other():
+    edges = graph()[0]
+    found = sorted(f"{name} reaches {target} ({why})" for (low, high), why in NEVER_REACHES.items()
+                   for name in edges if name != "qkv" and package(name) == low
+                   for target in reached(edges, name) if target != "qkv" and package(target) == high)
+    assert not found, "\n".join(found)
+
+
+def test_reached_follows_imports_through_others():
+    assert reached({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"b", "c"}
+
+
 def test_function_local_imports_are_the_listed_ones():
     local = [imp for imp in graph()[1] if imp.local]
     unlisted = sorted(f"{imp.importer}:{imp.line} imports {imp.imported}" for imp in local
@@ -201,11 +229,4 @@ def test_the_rules_match_as_written():
 def test_readers_never_import_training(module):
     """Loading files, generating, evaluating, calculating and serving never need the training loop: no path
     of imports leads from them to qkv.train or qkv.parallel."""
-    edges = graph()[0]
-    seen, todo = set(), [module]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(edges[name])
-    assert not {name for name in seen if name.startswith(("qkv.train", "qkv.parallel"))}
+    assert not {name for name in reached(graph()[0], module) if name.startswith(("qkv.train", "qkv.parallel"))}

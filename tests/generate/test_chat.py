@@ -3,9 +3,9 @@ empty cache (greedy), while each turn feeds only the tokens the cache does not h
 import torch
 
 import qkv
+from qkv.formats.chat import template_for
 from qkv.generate import generate
 from qkv.generate.chat import ChatSession, common_prefix
-from qkv.serve.chat import template_for
 from tests.formats.gguf import write_llama
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.generate.text import generate_text
-from qkv.serve.chat import DEFAULT_STOP
-from qkv.evaluate.tokens import score_tokens
 from qkv.evaluate.scoring import text_tokens
+from qkv.evaluate.tokens import score_tokens
+from qkv.formats.chat import DEFAULT_STOP
+from qkv.generate.text import generate_text
 from tests.serve.live import Live, write_run
 
 PROMPTS = ["the cat", "the dog ran", "where", "on the mat, said", "the", "said the dog.\n", "cat? on", "mat"]

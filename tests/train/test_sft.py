@@ -13,8 +13,8 @@ import qkv
 from qkv.config import ModelConfig
 from qkv.data.sft import IGNORE, Examples, PackedBatches
 from qkv.errors import QkvError
+from qkv.formats.chat import template_for
 from qkv.models import build_model
-from qkv.serve.chat import template_for
 from qkv.train import sft
 from tests.cli.test_main import cli
 from tests.formats.gguf import write_llama

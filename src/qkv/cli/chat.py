@@ -3,7 +3,7 @@
 At a terminal: a prompt `> `, one message per line, `/reset` (a new conversation, the system message kept)
 and `/quit` (or end of input). With stdin not a terminal, each line is one message and each reply is
 printed after it, so a conversation can be scripted. A model without a chat template gets qkv's plain default
-(qkv.serve.chat.DEFAULT_TEMPLATE).
+(qkv.formats.chat.DEFAULT_TEMPLATE).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def cmd_chat(args) -> int:
     from qkv.generate.chat import ChatSession
     from qkv.generate.sampling import SamplingParams
     from qkv.models.build import architecture_of
-    from qkv.serve.chat import template_for
+    from qkv.formats.chat import template_for
 
     strategy, settings = generation_settings(args, args.strategy, warn=False)
     run = load_for_inference(args)

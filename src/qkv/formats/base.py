@@ -25,7 +25,7 @@ from qkv.registry import Registry
 @dataclass(frozen=True)
 class Chat:
     """How the model was taught to chat, where its file says: a Jinja chat template (rendered as transformers
-    renders it, qkv.serve.chat), the text of its BOS token for the template, and the token ids that end its
+    renders it, qkv.formats.chat), the text of its BOS token for the template, and the token ids that end its
     turn (its EOS / end-of-turn tokens: generation stops there, besides qkv's end-of-text)."""
 
     template: str | None = None

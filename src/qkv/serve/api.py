@@ -295,7 +295,7 @@ def read_messages(value) -> list[dict]:
 
 
 def read_chat(raw, served: str, limits: Limits, render) -> tuple[Completion, list[dict]]:
-    """`render(messages) -> (ids, default stop strings)` is the model's chat template (qkv.serve.chat)."""
+    """`render(messages) -> (ids, default stop strings)` is the model's chat template (qkv.formats.chat)."""
     body = Body(raw, CHAT_FIELDS)
     read_model(body, served)
     if limits.seq2seq:

@@ -33,12 +33,12 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from qkv.data.tokenizer import Tokenizer
+from qkv.formats.base import Run
+from qkv.formats.chat import ChatTemplate
 from qkv.models.build import architecture_of
 from qkv.models.heads import POOLINGS
-from qkv.formats.base import Run
 from qkv.serve import api
 from qkv.serve.api import ApiError, Completion
-from qkv.serve.chat import ChatTemplate
 from qkv.serve.choices import (ChoiceEvents, chat_logprobs, collect, completion_logprobs,
                                echo_entries, failed, usage)
 from qkv.serve.engine import Busy, Engine, Job

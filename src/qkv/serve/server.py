@@ -6,13 +6,13 @@ import time
 from pathlib import Path
 
 from qkv.errors import QkvError
-from qkv.models.build import architecture_of
 from qkv.formats.base import Run
+from qkv.formats.chat import template_for
+from qkv.generate import compiled, weights
+from qkv.models.build import architecture_of
 from qkv.serve import api
 from qkv.serve.app import Served, make_app
-from qkv.serve.chat import template_for
 from qkv.serve.engine import THREADS, Engine
-from qkv.generate import compiled, weights
 
 
 def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, max_tokens: int | None,

@@ -30,9 +30,9 @@ from qkv.data.sft import IGNORE, Examples
 from qkv.data.tokenizer import Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
 from qkv.formats.base import Chat
+from qkv.formats.chat import template_for
 from qkv.nn.linear_cross_entropy import target_rows
 from qkv.parallel.layout import unwrapped
-from qkv.serve.chat import template_for
 from qkv.train import sft
 
 REFERENCE_FILE = "dpo_reference.safetensors"

@@ -4,7 +4,7 @@ fine-tuning on conversations, the loss on the tokens the model is taught to prod
 
 Rows, one JSON object a line (the forms trl's SFTTrainer takes):
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
-        rendered with the model's chat template (qkv.serve.chat: the one its file carries, else qkv's plain
+        rendered with the model's chat template (qkv.formats.chat: the one its file carries, else qkv's plain
         default); the loss is on every assistant turn: the text the template adds for it, its end-of-turn included
     {"prompt": "...", "completion": "..."}
         plain text, no template: prompt then completion then end-of-text; the loss on the completion and the end
@@ -28,9 +28,9 @@ from qkv.data.sft import Examples, PackedBatches
 from qkv.data.tokenizer import Tokenizer, needs_tokenizer
 from qkv.errors import QkvError
 from qkv.formats.base import Chat
+from qkv.formats.chat import ChatTemplate, template_for
 from qkv.nn.linear_cross_entropy import head_cross_entropy, target_rows
 from qkv.parallel.layout import unwrapped
-from qkv.serve.chat import ChatTemplate, template_for
 
 ROLES = ("system", "user", "assistant")
 

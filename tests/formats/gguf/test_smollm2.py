@@ -8,8 +8,8 @@ import torch
 
 import qkv
 from qkv.formats.base import Chat
+from qkv.formats.chat import template_for
 from qkv.generate.chat import ChatSession
-from qkv.serve.chat import template_for
 from tests.formats.gguf.smollm2 import bundled_works, greedy_as_transformers, require_smollm2, with_transformers
 from tests.formats.gguf.test_tokenizer import HOSTILE
 

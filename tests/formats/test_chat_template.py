@@ -1,4 +1,4 @@
-"""Chat prompts (qkv.serve.chat): a model's own chat template renders as transformers' apply_chat_template
+"""Chat prompts (qkv.formats.chat): a model's own chat template renders as transformers' apply_chat_template
 renders it (the oracle); the sandbox refuses a template that reaches outside its strings; the default
 template's text and stop."""
 
@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from qkv.errors import QkvError
 from qkv.formats.base import Chat
-from qkv.serve.chat import DEFAULT_STOP, ChatTemplate, template_for
+from qkv.formats.chat import DEFAULT_STOP, ChatTemplate, template_for
 
 CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
