@@ -5,8 +5,13 @@ qkv.formats loading when the command runs.
     qkv convert --from-gguf F.gguf --out RUN a run dir from a GGUF file (its tokenizer and chat template kept)
     qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN: any format qkv reads)
     qkv convert RUN --to-gguf F.gguf [--dtype f32|f16|bf16|q8_0|q4_0]   a file llama.cpp and Ollama run
-    qkv convert RUN --merge-lora --out RUN2  a LoRA run (or RUN with --adapter DIR) with its adapters folded in
---adapter DIR (a PEFT LoRA adapter) is merged into the model before any of these writes it."""
+    qkv convert RUN --merge-lora --out RUN2  a LoRA run (or RUN with --adapter PATH) with its adapters folded in
+
+A LoRA adapter is a LoRA run's own, or --adapter PATH (a PEFT dir or a GGUF adapter file) over RUN. With one,
+--to-gguf writes the adapter alone as a GGUF adapter (llama.cpp applies it over the base file at run time:
+`llama-cli -m BASE.gguf --lora ADAPTER.gguf`), and --merge-lora --to-gguf the merged model; --to-hf and --out
+write the merged model (a Hugging Face dir holds a whole model; the adapter in PEFT's format is the LoRA run
+dir itself, or the --adapter dir)."""
 from __future__ import annotations
 
 import json
@@ -24,18 +29,21 @@ def add_parsers(subparsers) -> None:
     convert.add_argument("--from-hf", metavar="DIR", help="read a Hugging Face model dir (config.json + "
                                                           "model.safetensors [+ tokenizer.json])")
     convert.add_argument("--from-gguf", metavar="FILE", help="read a GGUF file (llama.cpp's format)")
-    convert.add_argument("--to-gguf", metavar="FILE", help="write RUN as a GGUF file (llama- or gpt2-shaped models)")
+    convert.add_argument("--to-gguf", metavar="FILE", help="write RUN as a GGUF file (llama- or gpt2-shaped models); "
+                         "a LoRA run, or RUN with --adapter: the adapter alone, as llama.cpp's --lora reads it")
     convert.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
-                         help="with --to-gguf: the matrices' type (default f32)")
+                         help="with --to-gguf: the matrices' type (default f32; an adapter's: f32, f16 or bf16)")
     convert.add_argument("--quant", choices=("int8", "int4"),
                          help="with --from-hf / --from-gguf: save the linear layers' weights quantized (int8 per row, "
                               "or 4 bits per group of 32; a Q4_1 file's own weights), loaded later as saved")
     convert.add_argument("--out", metavar="RUN", help="the qkv run directory to create (with --from-hf or "
                                                       "--from-gguf)")
-    convert.add_argument("--merge-lora", action="store_true", help="with RUN and --out: write RUN (a LoRA run, or "
-                         "any model with --adapter) as a plain run dir, W + s B A in each adapted layer")
-    convert.add_argument("--adapter", metavar="DIR", help="a LoRA adapter in PEFT's format to merge into the model "
-                                                         "before it is written")
+    convert.add_argument("--merge-lora", action="store_true", help="with RUN and --out, --to-hf or --to-gguf: write "
+                         "RUN (a LoRA run, or any model with --adapter) as a whole model, W + s B A in each adapted "
+                         "layer")
+    convert.add_argument("--adapter", metavar="PATH", help="a LoRA adapter over RUN: a PEFT dir or a GGUF adapter "
+                                                          "file (merged into the model, or with --to-gguf written "
+                                                          "alone)")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
@@ -44,14 +52,15 @@ def cmd_convert(args) -> int:
     from qkv.nn.quant import quantization_of, quantize_model
 
     sources = [name for name in ("from_hf", "from_gguf") if getattr(args, name)]
+    what = ""  # what the file is, where that is not plain
     targets = [name for name in ("to_hf", "to_gguf") if getattr(args, name)]
     if args.dtype and not args.to_gguf:
         raise QkvError("--dtype applies to --to-gguf")
     if args.quant and not sources:
         raise QkvError("--quant applies to --from-hf / --from-gguf (a run dir with quantized weights)")
-    if args.merge_lora:
-        if sources or targets or not args.run or not args.out:
-            raise QkvError("--merge-lora takes RUN --out RUN2 (then export RUN2 with --to-hf or --to-gguf)")
+    if args.merge_lora and (sources or not args.run or not (args.out or targets)):
+        raise QkvError("--merge-lora takes RUN and one of --out RUN2, --to-hf DIR, --to-gguf FILE")
+    if args.merge_lora and args.out and not targets:
         source, out = args.run, merge_into(args.run, args.out, args.adapter)
     elif len(sources) == 1 and not targets and not args.run:
         flag = "--" + sources[0].replace("_", "-")
@@ -61,7 +70,7 @@ def cmd_convert(args) -> int:
         if args.from_hf:
             if args.adapter:
                 raise QkvError("--adapter with --from-hf: convert the dir first, then merge into the run with "
-                               "RUN --merge-lora --adapter DIR --out RUN2")
+                               "RUN --merge-lora --adapter PATH --out RUN2")
             out = hf.convert_from_hf(source, args.out, args.quant or "none")
         else:
             run = gguf.load(source)
@@ -71,41 +80,68 @@ def cmd_convert(args) -> int:
                 quantize_model(run.model, args.quant)
             out = run_dir.save(run, args.out)
     elif len(targets) == 1 and args.run and not sources and not args.out:
-        run = load(args.run)
-        if args.adapter:
-            print(merge_adapter(run, args.adapter), file=sys.stderr)
-        held = quantization_of(run.model)
-        if held != "none":
-            raise QkvError(f"{args.run}: holds {held} weights (qkv convert --quant); export the model it was "
-                           "converted from instead")
-        out = hf.save(run, args.to_hf) if args.to_hf else gguf.save(run, args.to_gguf, args.dtype or "f32")
         source = args.run
+        lora_run = is_lora_run(args.run)
+        if lora_run and args.adapter:
+            raise QkvError(f"{args.run}: a LoRA run holds its own adapter; --adapter would put a second one over it "
+                           "(merge the run first: RUN --merge-lora --out RUN2)")
+        if args.merge_lora and not (lora_run or args.adapter):
+            raise QkvError(f"{args.run}: has no LoRA adapters (not a run trained with --lora); give --adapter PATH")
+        if args.to_gguf and (lora_run or args.adapter) and not args.merge_lora:
+            out = write_gguf_adapter(args.run, args.adapter or args.run, args.to_gguf, args.dtype or "f32")
+            what = (f": a LoRA adapter over {args.run}'s base model (llama.cpp: -m BASE.gguf --lora {out}; qkv: "
+                    f"--adapter {out}); --merge-lora writes the merged model instead")
+        else:
+            run = load(args.run)
+            if args.adapter:
+                print(merge_adapter(run, args.adapter), file=sys.stderr)
+            held = quantization_of(run.model)
+            if held != "none":
+                raise QkvError(f"{args.run}: holds {held} weights (qkv convert --quant); export the model it was "
+                               "converted from instead")
+            out = hf.save(run, args.to_hf) if args.to_hf else gguf.save(run, args.to_gguf, args.dtype or "f32")
     else:
         raise QkvError("convert takes one of --from-hf DIR --out RUN, --from-gguf FILE --out RUN, RUN --to-hf DIR "
                        "and RUN --to-gguf FILE")
     if args.json:
         print(json.dumps({"from": str(source), "to": str(out)}))
     else:
-        print(f"qkv: wrote {out}")
+        print(f"qkv: wrote {out}{what}")
     return 0
 
 
-def merge_into(source: str, out: str, adapter: str | None):
-    """A LoRA run (merged when it loads) or any model plus a PEFT adapter, written as a plain run dir."""
+def is_lora_run(source: str) -> bool:
+    """A qkv run dir trained with --lora (its adapter beside its checkpoint, merged when it loads)."""
     from pathlib import Path
 
     from qkv.config import RunConfig
     from qkv.files import CONFIG_FILE
-    from qkv.formats import load, run_dir
 
     path = Path(source)
-    lora_run = path.is_dir() and (path / CONFIG_FILE).is_file() and bool(RunConfig.load(path / CONFIG_FILE).train.lora)
-    if not lora_run and not adapter:
-        raise QkvError(f"{source}: has no LoRA adapters (not a run trained with --lora); give --adapter DIR")
+    return path.is_dir() and (path / CONFIG_FILE).is_file() and bool(RunConfig.load(path / CONFIG_FILE).train.lora)
+
+
+def merge_into(source: str, out: str, adapter: str | None):
+    """A LoRA run (merged when it loads) or any model plus an adapter, written as a plain run dir."""
+    from qkv.formats import load, run_dir
+
+    if not is_lora_run(source) and not adapter:
+        raise QkvError(f"{source}: has no LoRA adapters (not a run trained with --lora); give --adapter PATH")
     run = load(source)
     if adapter:
         print(merge_adapter(run, adapter), file=sys.stderr)
     return run_dir.save(run, out)
+
+
+def write_gguf_adapter(base: str, adapter: str, out: str, dtype: str):
+    """The adapter at `adapter` (a PEFT dir, a LoRA run, a GGUF adapter) for the model `base`, as a GGUF adapter."""
+    from pathlib import Path
+
+    from qkv.formats import load_config, read_adapter
+    from qkv.formats.gguf.adapter import save_adapter
+
+    cfg = load_config(base).model
+    return save_adapter(read_adapter(adapter, cfg), cfg, out, dtype, name=Path(adapter).name)
 
 
 COMMANDS = {"convert": cmd_convert}

@@ -81,8 +81,9 @@ def add_precision(parser) -> None:
     parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
                         help="the linear layers' weights: int8 per row, or 4 bits per group of 32 (GGUF's Q4_1; "
                              "the head in int8); CPU only (default none)")
-    parser.add_argument("--adapter", metavar="DIR", help="a LoRA adapter in PEFT's format (adapter_config.json + "
-                                                         "adapter_model.safetensors), merged into the model first")
+    parser.add_argument("--adapter", metavar="PATH", help="a LoRA adapter merged into the model first: a PEFT dir "
+                        "(adapter_config.json + adapter_model.safetensors; a LoRA run) or a GGUF adapter file "
+                        "(llama.cpp's --lora)")
 
 
 def add_kv_dtype(parser) -> None:
@@ -159,10 +160,13 @@ def apply_precision(run, args, log=None) -> str | None:
 
 
 def merge_adapter(run, path: str) -> str:
-    """Load the PEFT adapter dir `path` over run.model and fold it into the weights; what was done, in a line."""
-    from qkv.formats import peft
+    """Put the LoRA adapter at `path` (a PEFT dir or a GGUF adapter file) over run.model and fold it into the
+    weights; what was done, in a line."""
+    from qkv.formats import read_adapter
+    from qkv.formats.lora import apply_adapter
     from qkv.nn.lora import merge_lora
 
-    spec = peft.load_adapter(run.model, run.config.model, path)
+    adapter = read_adapter(path, run.config.model)
+    apply_adapter(run.model, adapter)
     merged = merge_lora(run.model)
-    return f"qkv: LoRA adapter {path} merged into {merged} layers (r={spec.r}, alpha={spec.alpha:g})"
+    return f"qkv: LoRA adapter {path} merged into {merged} layers ({adapter.describe()})"

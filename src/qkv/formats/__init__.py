@@ -3,6 +3,7 @@
     run = qkv.formats.load(path)         # (qkv.load) a qkv run dir, a Hugging Face model dir or a GGUF file -> Run
     cfg = qkv.formats.load_config(path)  # its RunConfig alone, weights unread
     qkv.formats.save(run, out, "gguf")   # write it in a format: "run" (a qkv run dir), "hf" or "gguf"
+    adapter = qkv.formats.read_adapter(path, cfg.model)   # a LoRA adapter: a PEFT dir or a GGUF adapter file
 
 Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
 the package is assembled; `load` asks each entry's `detect` in the order below (an HF dir also has a
@@ -17,12 +18,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from qkv.config import RunConfig
+from qkv.config import ModelConfig, RunConfig
 from qkv.errors import QkvError
-from qkv.formats import gguf, hf, run_dir
+from qkv.formats import gguf, hf, peft, run_dir
 from qkv.formats.base import FORMATS, Format, Run
+from qkv.formats.gguf import adapter as gguf_adapter
+from qkv.formats.lora import Adapter
 
-__all__ = ["FORMATS", "Format", "Run", "load", "load_config", "save"]
+__all__ = ["FORMATS", "Adapter", "Format", "Run", "load", "load_config", "read_adapter", "save"]
 
 FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save, config=gguf.config, streams=True,
                                 describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
@@ -70,3 +73,16 @@ def save(run: Run, out: str | Path, format: str) -> Path:
         writers = ", ".join(name for name in FORMATS.names() if FORMATS.get(name).save is not None)
         raise QkvError(f"qkv reads the {format} format but does not write it; it writes: {writers}")
     return entry.save(run, out)
+
+
+def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
+    """A LoRA adapter for a model of `cfg`: a PEFT dir (qkv.formats.peft; a LoRA run dir is one) or a GGUF
+    adapter file (qkv.formats.gguf.adapter), checked to fit the model (qkv.formats.lora.check_adapter)."""
+    path = Path(path)
+    if path.is_dir():
+        return peft.read_adapter(path, cfg)
+    if path.is_file() and gguf.is_gguf(path):
+        return gguf_adapter.read_adapter(path, cfg)
+    if not path.exists():
+        raise QkvError(f"{path}: no such adapter dir or file")
+    raise QkvError(f"{path}: not a LoRA adapter: a PEFT dir ({peft.CONFIG} + {peft.WEIGHTS}) or a GGUF adapter file")

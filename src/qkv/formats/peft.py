@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's format: a dir with adapter_config.json and adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(transformers_model, dir)` loads onto the Hugging Face model qkv exports
-(qkv.formats.hf), and which qkv loads onto its own model (`--adapter DIR`, qkv.nn.lora).
+(qkv.formats.hf), and which qkv loads onto its own model (`--adapter DIR`, qkv.formats.lora).
 
 Names: qkv's `blocks.3.attn.q_proj` is the HF module `model.layers.3.self_attn.q_proj`, found through the
 family's own export rules (a module whose weight is renamed, not transposed or joined: LLaMA, Qwen2); its
@@ -22,9 +22,9 @@ from torch import nn
 from qkv import files
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.formats.hf import exporter
+from qkv.formats.lora import Adapter, LoraPair, apply_adapter, check_adapter, hf_modules
 from qkv.models import build_model
-from qkv.nn.lora import ALL_LINEAR, TARGETS, LoraSpec, adapters, apply_lora, check_spec
+from qkv.nn.lora import ALL_LINEAR, TARGETS, LoraSpec, adapters, check_spec, is_target
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -33,21 +33,10 @@ UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": No
                "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "target_parameters": None}
 
 
-def module_names(cfg: ModelConfig) -> dict[str, str]:
-    """qkv module name -> HF module name, for every linear layer the family exports by a plain rename."""
-    with torch.device("meta"):
-        model = build_model(cfg)
-    tensors = dict(model.named_parameters())
-    hf = exporter(cfg).to_hf(tensors, cfg)
-    by_id = {id(tensor): name for name, tensor in hf.items()}
-    return {name.removesuffix(".weight"): by_id[id(tensor)].removesuffix(".weight")
-            for name, tensor in tensors.items() if name.endswith(".weight") and id(tensor) in by_id}
-
-
 def save_adapter(model: nn.Module, cfg: ModelConfig, spec: LoraSpec, out: str | Path) -> Path:
     """Write the adapters of `model` into `out` (created if needed; these two files replaced atomically)."""
     out = Path(out)
-    names = module_names(cfg)
+    names = hf_modules(cfg)
     tensors = {}
     for name, layer in adapters(model).items():
         hf = names.get(name)
@@ -97,32 +86,37 @@ def read_spec(path: Path) -> LoraSpec:
     return spec
 
 
-def load_adapter(model: nn.Module, cfg: ModelConfig, path: str | Path) -> LoraSpec:
-    """Put the adapters of the PEFT dir `path` over `model`'s layers (qkv.nn.lora.apply_lora) and load them;
-    every adapter tensor must land on a layer, with its shape."""
+def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
+    """The PEFT dir `path` as an Adapter for a model of `cfg`: one pair on every layer its target_modules pick
+    (qkv.nn.lora.is_target), each tensor on a layer, with the shapes of that layer (qkv.formats.lora)."""
     path = Path(path)
     spec = read_spec(path)
     if not (path / WEIGHTS).is_file():
         raise QkvError(f"{path}: no {WEIGHTS}")
     tensors = files.read_tensors(path / WEIGHTS)
-    names = module_names(cfg)
-    apply_lora(model, spec)
-    found = set()
-    for name, layer in adapters(model).items():
-        hf = names.get(name, name)
-        for part in ("lora_A", "lora_B"):
-            key = f"{PREFIX}{hf}.{part}.weight"
-            param = getattr(layer, part).weight
-            value = tensors.get(key)
-            if value is None:
-                raise QkvError(f"{path / WEIGHTS}: no tensor {key!r} for the target layer {name}")
-            if tuple(value.shape) != tuple(param.shape):
-                raise QkvError(f"{path / WEIGHTS}: {key} has shape {tuple(value.shape)}, the layer needs "
-                               f"{tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
-            found.add(key)
+    names = hf_modules(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    targets = [name for name, module in model.named_modules() if is_target(name, module, spec)]
+    if not targets:
+        raise QkvError(f"{path / CONFIG}: target_modules={','.join(spec.targets)}: no such linear layer in this "
+                       "model's blocks")
+    layers, found = {}, set()
+    for name in targets:
+        keys = [f"{PREFIX}{names.get(name, name)}.{part}.weight" for part in ("lora_A", "lora_B")]
+        missing = [key for key in keys if key not in tensors]
+        if missing:
+            raise QkvError(f"{path / WEIGHTS}: no tensor {missing[0]!r} for the target layer {name}")
+        layers[name] = LoraPair(A=tensors[keys[0]].float(), B=tensors[keys[1]].float(), scaling=spec.scaling)
+        found.update(keys)
     extra = sorted(set(tensors) - found)
     if extra:
         raise QkvError(f"{path / WEIGHTS}: tensors for no layer of this model: {', '.join(extra[:3])}")
-    return spec
+    return check_adapter(Adapter(layers=layers, origin=str(path / WEIGHTS), spec=spec), cfg)
+
+
+def load_adapter(model: nn.Module, cfg: ModelConfig, path: str | Path) -> LoraSpec:
+    """Put the adapters of the PEFT dir `path` over `model`'s layers and load them (qkv.formats.lora)."""
+    adapter = read_adapter(path, cfg)
+    apply_adapter(model, adapter)
+    return adapter.spec

@@ -131,6 +131,9 @@ def config(path: str | Path) -> RunConfig:
 def read_model_config(path: Path):
     """(the open file, its architecture's entry, the HF config it stands for, the HF family, qkv's config)."""
     file = GgufFile.open(path)
+    if file.get("general.type") == "adapter":
+        raise QkvError(f"{path}: a LoRA adapter (general.type = adapter), not a model: give its base model, and "
+                       "this file with --adapter")
     name = file.get("general.architecture")
     if name not in GGUF_ARCHS:
         raise QkvError(f"{path}: GGUF architecture {name!r} is not supported; supported: "

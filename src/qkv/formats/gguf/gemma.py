@@ -34,10 +34,11 @@ def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
             raise QkvError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers: "
                            "one true / false a layer")
         types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    elif isinstance(pattern, int) and not isinstance(pattern, bool) and 1 <= pattern <= layers:  # every n-th global
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:  # every n-th global
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    else:
-        raise QkvError(f"{arch}.attention.sliding_window_pattern={pattern!r} must be in 1..{layers} (the layers)")
+    else:  # (n past the last layer: every layer slides, as in llama.cpp)
+        raise QkvError(f"{arch}.attention.sliding_window_pattern={pattern!r} must be a whole number of layers, at "
+                       "least 1")
     window = int(need(meta, f"{arch}.attention.sliding_window"))
     if window < 1:
         raise QkvError(f"{arch}.attention.sliding_window={window}: a window of no keys")

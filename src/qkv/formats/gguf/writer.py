@@ -101,18 +101,23 @@ def add_tokenizer(writer, run: Run) -> None:
     if model.get("type") != "BPE":
         raise QkvError(f"{run.path}: its tokenizer is {model.get('type')}, and qkv writes byte-level BPE to GGUF")
     vocab = {**model["vocab"], **{t["content"]: t["id"] for t in raw.get("added_tokens", [])}}
-    tokens = [""] * (max(vocab.values()) + 1)
+    # llama.cpp wants a token for every embedding row: rows past the tokenizer's (Qwen2.5 keeps 271 spare) get
+    # "[PAD{i}]" typed UNUSED, as its converter names them
+    rows = max(max(vocab.values()) + 1, run.config.model.vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(rows)]
     for token, index in vocab.items():
         tokens[index] = token
+    used = set(vocab.values())
+    padding = {tokens[i] for i in range(rows) if i not in used}
     special = {t["content"] for t in raw.get("added_tokens", []) if t.get("special")}
     if model.get("byte_fallback"):  # SentencePiece's BPE (Gemma): pieces ranked by their order, as read
-        add_sentencepiece(writer, raw, tokens, special)
+        add_sentencepiece(writer, raw, tokens, special, padding)
     else:
         merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre_name(raw.get("pre_tokenizer"), run.path))
         writer.add_token_list(tokens)
-        writer.add_token_types([3 if token in special else 1 for token in tokens])
+        writer.add_token_types([3 if token in special else 5 if token in padding else 1 for token in tokens])
         writer.add_token_merges(merges)
     writer.add_bos_token_id(run.tokenizer.start_id)  # qkv starts every prompt with it (end-of-text, or <bos>)
     writer.add_add_bos_token(True)
@@ -121,7 +126,7 @@ def add_tokenizer(writer, run: Run) -> None:
         writer.add_chat_template(run.chat.template)
 
 
-def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str]) -> None:
+def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str], padding: set[str]) -> None:
     """`tokenizer.ggml.model = llama`: the pieces (those of spaces alone spelled with spaces, as Gemma's files
     keep them), scores that rank them by their order (what qkv and transformers read from such a file), the
     byte tokens typed BYTE (6), and whether a "▁" goes before the text (a Metaspace pre-tokenizer)."""
@@ -133,7 +138,7 @@ def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str]) -
     writer.add_token_scores([-float(i) for i in range(len(tokens))])
     byte = re.compile(r"<0x[0-9A-F]{2}>")
     writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.BYTE if byte.fullmatch(t)
-                            else gguf.TokenType.NORMAL for t in tokens])
+                            else gguf.TokenType.UNUSED if t in padding else gguf.TokenType.NORMAL for t in tokens])
     writer.add_add_space_prefix((raw.get("pre_tokenizer") or {}).get("type") == "Metaspace")
     unknown = raw["model"].get("unk_token")
     if unknown in tokens:
