@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 
-from qkv.cli.options import merge_adapter
 from qkv.errors import QkvError
 
 
@@ -48,7 +47,7 @@ def add_parsers(subparsers) -> None:
 
 
 def cmd_convert(args) -> int:
-    from qkv.formats import gguf, hf, load, run_dir
+    from qkv.formats import gguf, hf, load, merge_adapter, run_dir
     from qkv.nn.quant import quantization_of, quantize_model
 
     sources = [name for name in ("from_hf", "from_gguf") if getattr(args, name)]
@@ -123,7 +122,7 @@ def is_lora_run(source: str) -> bool:
 
 def merge_into(source: str, out: str, adapter: str | None):
     """A LoRA run (merged when it loads) or any model plus an adapter, written as a plain run dir."""
-    from qkv.formats import load, run_dir
+    from qkv.formats import load, merge_adapter, run_dir
 
     if not is_lora_run(source) and not adapter:
         raise QkvError(f"{source}: has no LoRA adapters (not a run trained with --lora); give --adapter PATH")

@@ -145,6 +145,8 @@ def apply_precision(run, args, log=None) -> str | None:
 
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     if getattr(args, "adapter", None):
+        from qkv.formats import merge_adapter
+
         log(merge_adapter(run, args.adapter))
     device = next(run.model.parameters()).device
     for warning in weights.check(args.dtype, args.quant, device, compiled=bool(getattr(args, "compile", False))):
@@ -157,16 +159,3 @@ def apply_precision(run, args, log=None) -> str | None:
         return None
     log(f"qkv: running at {description}")
     return description
-
-
-def merge_adapter(run, path: str) -> str:
-    """Put the LoRA adapter at `path` (a PEFT dir or a GGUF adapter file) over run.model and fold it into the
-    weights; what was done, in a line."""
-    from qkv.formats import read_adapter
-    from qkv.formats.lora import apply_adapter
-    from qkv.nn.lora import merge_lora
-
-    adapter = read_adapter(path, run.config.model)
-    apply_adapter(run.model, adapter)
-    merged = merge_lora(run.model)
-    return f"qkv: LoRA adapter {path} merged into {merged} layers ({adapter.describe()})"

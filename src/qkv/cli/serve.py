@@ -41,6 +41,7 @@ def cmd_serve(args) -> int:
     serve(args.run, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device, threads=args.threads,
           dtype=args.dtype, quant=args.quant, compile=args.compile, kv_dtype=args.kv_dtype,
+          adapter=args.adapter,
           log=lambda message: print(message, file=sys.stderr, flush=True))
     return 0
 

@@ -4,6 +4,7 @@
     cfg = qkv.formats.load_config(path)  # its RunConfig alone, weights unread
     qkv.formats.save(run, out, "gguf")   # write it in a format: "run" (a qkv run dir), "hf" or "gguf"
     adapter = qkv.formats.read_adapter(path, cfg.model)   # a LoRA adapter: a PEFT dir or a GGUF adapter file
+    qkv.formats.merge_adapter(run, path)                  # ... put over run.model and folded into its weights
 
 Each format is an entry of `FORMATS` (qkv.formats.base.Format: detect, load, save), registered here, where
 the package is assembled; `load` asks each entry's `detect` in the order below (an HF dir also has a
@@ -23,9 +24,10 @@ from qkv.errors import QkvError
 from qkv.formats import gguf, hf, peft, run_dir
 from qkv.formats.base import FORMATS, Format, Run
 from qkv.formats.gguf import adapter as gguf_adapter
-from qkv.formats.lora import Adapter
+from qkv.formats.lora import Adapter, apply_adapter
+from qkv.nn.lora import merge_lora
 
-__all__ = ["FORMATS", "Adapter", "Format", "Run", "load", "load_config", "read_adapter", "save"]
+__all__ = ["FORMATS", "Adapter", "Format", "Run", "load", "load_config", "merge_adapter", "read_adapter", "save"]
 
 FORMATS.register("gguf")(Format(detect=gguf.detect, load=gguf.load, save=gguf.save, config=gguf.config, streams=True,
                                 describe="a GGUF file (llama.cpp: llama or gpt2, byte-level BPE tokenizer)"))
@@ -86,3 +88,12 @@ def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
     if not path.exists():
         raise QkvError(f"{path}: no such adapter dir or file")
     raise QkvError(f"{path}: not a LoRA adapter: a PEFT dir ({peft.CONFIG} + {peft.WEIGHTS}) or a GGUF adapter file")
+
+
+def merge_adapter(run: Run, path: str | Path) -> str:
+    """Put the LoRA adapter at `path` over run.model and fold it into the weights (W + s B A, qkv.nn.lora's
+    merge_lora): what `--adapter` does for generate, chat, eval, serve, probe and explain. What was done, in a line."""
+    adapter = read_adapter(path, run.config.model)
+    apply_adapter(run.model, adapter)
+    merged = merge_lora(run.model)
+    return f"qkv: LoRA adapter {path} merged into {merged} layers ({adapter.describe()})"

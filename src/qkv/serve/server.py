@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from qkv.errors import QkvError
+from qkv.formats import merge_adapter
 from qkv.formats.base import Run
 from qkv.formats.chat import template_for
 from qkv.generate import compiled, weights
@@ -37,11 +38,14 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
             dtype: str = "fp32", quant: str = "none", compile: bool = False, main_thread: bool = False,
-            kv_dtype: str | None = None, log=print) -> Served:
+            kv_dtype: str | None = None, adapter: str | None = None, log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
-    (qkv.generate.weights), its KV caches in `kv_dtype` (default the model's); `compile`: its decoding step
-    compiled (qkv.generate.compiled) before it serves."""
-    run = weights.load(path, dtype=dtype, quant=quant, device=device)  # a GGUF file a block at a time
+    (qkv.generate.weights), its KV caches in `kv_dtype` (default the model's); `adapter`: a LoRA adapter (PEFT
+    dir or GGUF file) merged into the fp32 weights first; `compile`: its decoding step compiled
+    (qkv.generate.compiled) before it serves."""
+    run = weights.load(path, dtype=dtype, quant=quant, device=device, stream=not adapter)  # GGUF: block by block
+    if adapter:
+        log(merge_adapter(run, adapter))
     for warning in weights.check(dtype, quant, next(run.model.parameters()).device):
         log(warning)
     if dtype == "bf16":

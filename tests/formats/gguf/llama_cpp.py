@@ -43,17 +43,24 @@ def model(path: Path, lora: Path | None = None, **options):
     return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, **extra, **options)
 
 
-def logits(path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:
-    """llama.cpp's logits at every position of `ids` (f32 KV cache), the adapter `lora` applied over the model."""
-    llm = model(path, lora, logits_all=True, type_k=F32, type_v=F32)
+def session(path: Path, lora: Path | None = None):
+    """llama.cpp's model of `path` with the adapter `lora` over it, keeping every position's logits and an f32 KV
+    cache (llama.cpp's default is f16): one load for several logits and greedy calls."""
+    return model(path, lora, logits_all=True, type_k=F32, type_v=F32)
+
+
+def logits(path, ids: list[int], lora: Path | None = None) -> np.ndarray:
+    """llama.cpp's logits at every position of `ids`; `path` a model file or a session."""
+    llm = session(path, lora) if isinstance(path, Path) else path
+    llm.reset()
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float64)
 
 
-def greedy(path: Path, ids: list[int], tokens: int, lora: Path | None = None) -> list[int]:
-    llm = model(path, lora, type_k=F32, type_v=F32)
+def greedy(path, ids: list[int], tokens: int, lora: Path | None = None) -> list[int]:
+    llm = session(path, lora) if isinstance(path, Path) else path
     out = []
-    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
         out.append(token)
         if len(out) == tokens:
             break

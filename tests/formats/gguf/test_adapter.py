@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.formats import merge_adapter
 from tests.formats.gguf import llama_cpp, small_tokenizer, transformers, write_llama  # noqa: F401
 from tests.formats.gguf.test_open_archs import gemma3, qwen3
 from tests.formats.hf import cli, perturbed
@@ -70,8 +71,6 @@ def test_qkv_reads_its_gguf_adapter_and_llama_cpps_converter_writes_the_same_fil
     stored = {t.name: np.array(t.data) for t in other.tensors}
     assert all(np.array_equal(np.array(t.data), stored[t.name]) for t in mine.tensors)
     expected = qkv_logits(qkv.load(run).model)
-    from qkv.cli.options import merge_adapter
-
     for path in (adapter, theirs):
         merged = qkv.load(base)
         assert "merged into 14 layers (r=4, scaling=2)" in merge_adapter(merged, str(path))
@@ -126,3 +125,138 @@ def test_peft_adapters_converted_by_qkv_give_peft_logits_in_llama_cpp(arch, rslo
     assert np.abs(theirs - merged).max() < 1e-5 * np.abs(merged).max()
     # Gemma: llama.cpp's GELU is a tanh approximation read from an fp16 table, 1e-3 of these logits away
     assert np.abs(theirs - expected).max() < (1e-4 if arch != "gemma3" else 2e-3 * np.abs(expected).max())
+
+
+def write_adapter(path, *, arch="llama", alpha=8.0, rank=4, extra=(), drop=(), width=64):
+    """A GGUF adapter written here with the gguf package: a pair on blk.0's q and v projections."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    if alpha is not None:
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    tensors = {f"blk.0.{p}.weight.lora_{ab}": np.full((rank, width) if ab == "a" else (out, rank), 0.01, np.float32)
+               for p, out in (("attn_q", 64), ("attn_v", 32)) for ab in "ab"}
+    tensors.update({name: np.ones(64, np.float32) for name in extra})
+    for name, value in tensors.items():
+        if name not in drop:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+BAD = {  # an adapter that does not fit, and what the one line says
+    "another base": (dict(width=48), "maps 48 -> 64 features, this model's 64 -> 64 (an adapter for another base?)"),
+    "rank 0": (dict(rank=0), "blk.0.attn_q.weight.lora_a has shape [64, 0]: an empty dimension (a LoRA rank of 0)"),
+    "no alpha": (dict(alpha=None), "has no adapter.lora.alpha"),
+    "negative alpha": (dict(alpha=-1.0), "adapter.lora.alpha=-1.0 must be a number >= 0"),
+    "another architecture": (dict(arch="qwen2"), "an adapter for a 'qwen2' model; this model is 'llama'"),
+    "a norm": (dict(extra=("blk.0.attn_norm.weight",)), "'blk.0.attn_norm.weight', which is no LoRA tensor"),
+    "half a pair": (dict(drop=("blk.0.attn_v.weight.lora_b",)), "blk.0.attn_v.weight has .lora_a without"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_an_adapter_that_does_not_fit_exits_2_in_one_line_and_writes_nothing(case, lora_run, tmp_path, capsys):
+    base, _, _ = lora_run
+    options, message = BAD[case]
+    bad = write_adapter(tmp_path / "bad.gguf", **options)
+    for argv in (("generate", str(base), "--adapter", str(bad), "--prompt", "x"),
+                 ("convert", str(base), "--adapter", str(bad), "--to-gguf", str(tmp_path / "out.gguf")),
+                 ("convert", str(base), "--adapter", str(bad), "--merge-lora", "--out", str(tmp_path / "run"))):
+        rc, out, err = cli(*argv)
+        assert rc == 2 and err.startswith("qkv: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_adapter_options_that_do_not_apply_are_refused(lora_run, tmp_path, capsys):
+    base, run, adapter = lora_run
+    cases = {("generate", str(adapter), "--prompt", "x"): "a LoRA adapter (general.type = adapter), not a model",
+             ("convert", str(run), "--to-gguf", str(tmp_path / "q.gguf"), "--dtype", "q4_0"): "--dtype q4_0 for an adapter",
+             ("convert", str(run), "--adapter", str(adapter), "--to-gguf", str(tmp_path / "q.gguf")): "holds its own",
+             ("convert", str(base), "--merge-lora", "--to-gguf", str(tmp_path / "q.gguf")): "has no LoRA adapters",
+             ("convert", str(base), "--adapter", str(tmp_path), "--to-gguf", str(tmp_path / "q.gguf")):
+                 "not a PEFT adapter (no adapter_config.json)"}
+    for argv, message in cases.items():
+        rc, _, err = cli(*argv)
+        assert rc == 2 and err.count("\n") == 1 and message in err, (argv, err)
+    assert not (tmp_path / "q.gguf").exists()
+
+
+def test_f16_adapters_round_trip_and_merge_lora_still_writes_the_whole_model(lora_run, tmp_path, capsys):
+    from qkv.formats import read_adapter
+
+    base, run, adapter = lora_run
+    assert cli("convert", str(run), "--to-gguf", str(tmp_path / "h.gguf"), "--dtype", "f16")[0] == 0
+    cfg = qkv.load(base).config.model
+    full, half = read_adapter(adapter, cfg), read_adapter(tmp_path / "h.gguf", cfg)
+    for name, pair in full.layers.items():
+        assert torch.equal(half.layers[name].A, pair.A.half().float()) and half.layers[name].scaling == pair.scaling
+        assert torch.equal(half.layers[name].B, pair.B.half().float())
+    assert cli("convert", str(run), "--merge-lora", "--to-gguf", str(tmp_path / "m.gguf"))[0] == 0
+    np.testing.assert_allclose(qkv_logits(qkv.load(tmp_path / "m.gguf").model), qkv_logits(qkv.load(run).model),
+                               rtol=0, atol=1e-5)
+
+
+def test_smollm2_with_a_lora_sft_adapter_in_llama_cpp_and_in_qkv(tmp_path, capsys):
+    """The real case: a LoRA SFT run over SmolLM2 (the speller demo's rows and prompts, a few steps), its adapter
+    written as GGUF and applied by llama.cpp over SmolLM2 in F32 (the Q4_1 file's weights, written by qkv): the
+    run's logits within 1e-4 and its greedy tokens on the demo's prompts."""
+    from qkv.generate import generate
+    from tests.formats.gguf.smollm2 import require_smollm2
+
+    smollm2 = require_smollm2()
+    llama_cpp.require_llama_cpp()
+    prompt = "Modern: {}\nFirst Folio:"
+    pairs = [("Shake off their sterile curse.", " Shake off their sterrile curse"),
+             ("The air breathes upon us here most sweetly.", " The ayre breathes vpon vs here most sweetly"),
+             ("Take thou what course thou wilt!--", " Take thou what course thou wilt.")]
+    rows = [{"prompt": prompt.format(modern), "completion": folio + "\n"} for modern, folio in pairs] * 2
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, _, err = cli("train", "--task", "sft", "--init", str(smollm2), "--data", str(tmp_path / "rows.jsonl"), "--out",
+                     str(tmp_path / "run"), "--max-steps", "2", "--lora", "r=8,alpha=16", "--set", "train.lr=1e-2",
+                     "--set", "train.seq_len=48", "--set", "train.batch_size=3", "--set", "train.precision=fp32",
+                     "--quiet", "--no-sample")
+    assert rc == 0, err
+    assert cli("convert", str(tmp_path / "run"), "--to-gguf", str(tmp_path / "adapter.gguf"))[0] == 0
+    assert cli("convert", str(smollm2), "--to-gguf", str(tmp_path / "f32.gguf"))[0] == 0
+    run = qkv.load(tmp_path / "run")
+    theirs, plain = llama_cpp.session(tmp_path / "f32.gguf", tmp_path / "adapter.gguf"), llama_cpp.session(smollm2)
+    for i, (modern, _) in enumerate(pairs):
+        ids = run.tokenizer.encode(prompt.format(modern))
+        ours = generate(run.model, torch.tensor([ids]), max_new_tokens=12, strategy="greedy")[0, len(ids):].tolist()
+        assert llama_cpp.greedy(theirs, ids, 12) == ours
+        assert llama_cpp.greedy(plain, ids, 12) != ours  # (the shipped file alone answers otherwise)
+        if i == 0:
+            expected = qkv_logits(run.model, ids)
+            assert np.abs(llama_cpp.logits(theirs, ids) - expected).max() < 1e-4
+
+
+def test_every_inference_command_applies_a_gguf_adapter(lora_run, tmp_path, capsys):
+    """--adapter FILE.gguf on eval, serve and explain gives what the LoRA run itself gives (generate: above)."""
+    from qkv.serve.server import prepare
+
+    base, run, adapter = lora_run
+    (tmp_path / "text.txt").write_text("the moon and the stars, the sun and the moon " * 8)
+    scores = [cli("eval", *model, "--data", str(tmp_path / "text.txt"), "--json") for model in
+              ((str(base), "--adapter", str(adapter)), (str(run),))]
+    assert scores[0][0] == scores[1][0] == 0
+    ours, theirs = (json.loads(out.strip().splitlines()[-1]) for _, out, _ in scores)
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5) and ours["loss"] != pytest.approx(
+        json.loads(cli("eval", str(base), "--data", str(tmp_path / "text.txt"), "--json")[1].splitlines()[-1])["loss"])
+    lines = []
+    served = prepare(str(base), adapter=str(adapter), log=lines.append)
+    assert any("merged into 14 layers" in line for line in lines)
+    np.testing.assert_allclose(qkv_logits(served.run.model), qkv_logits(qkv.load(run).model), rtol=0, atol=1e-5)
+    pages = []
+    for model in ((str(base), "--adapter", str(adapter)), (str(run),)):
+        out = tmp_path / f"page{len(pages)}.html"
+        assert cli("explain", *model, "--text", "the moon", "--out", str(out))[0] == 0
+        pages.append(out.read_text())
+    assert f"LoRA adapter {adapter.name} merged" in pages[0]
+    names = [f'"name":"{base.name}"', f'"name":"{run.name}"']
+    strip = [page.replace(name, "").replace(f"; LoRA adapter {adapter.name} merged", "")
+             for page, name in zip(pages, names)]
+    assert strip[0] == strip[1]  # every number of the page the same

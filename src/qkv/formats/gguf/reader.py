@@ -142,7 +142,10 @@ def check_tensor(path: Path, tensor, size: int) -> None:
         raise QkvError(f"{path}: tensor {tensor.name} has an unknown type {int(kind)}")
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     shape = [int(n) for n in tensor.shape.tolist()]
-    if not shape or any(n <= 0 for n in shape) or shape[0] % block:
+    if shape and any(n <= 0 for n in shape):
+        raise QkvError(f"{path}: tensor {tensor.name} has shape {shape}: an empty dimension"
+                       + (" (a LoRA rank of 0)" if tensor.name.endswith((".lora_a", ".lora_b")) else ""))
+    if not shape or shape[0] % block:
         raise QkvError(f"{path}: tensor {tensor.name} has shape {shape}, which {kind.name} blocks of {block} "
                        f"values cannot hold")
     need = int(np.prod(shape, dtype=np.int64)) // block * block_bytes

@@ -126,7 +126,7 @@ def add_tokenizer(writer, run: Run) -> None:
         writer.add_chat_template(run.chat.template)
 
 
-def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str], padding: set[str]) -> None:
+def add_sentencepiece(writer, raw: dict, tokens: list[str], special: set[str], padding: set[str] = frozenset()) -> None:
     """`tokenizer.ggml.model = llama`: the pieces (those of spaces alone spelled with spaces, as Gemma's files
     keep them), scores that rank them by their order (what qkv and transformers read from such a file), the
     byte tokens typed BYTE (6), and whether a "▁" goes before the text (a Metaspace pre-tokenizer)."""
