@@ -137,10 +137,11 @@ def write_gguf_adapter(base: str, adapter: str, out: str, dtype: str):
     from pathlib import Path
 
     from qkv.formats import load_config, read_adapter
-    from qkv.formats.gguf.adapter import save_adapter
+    from qkv.formats.gguf.adapter import base_file_arch, save_adapter
 
     cfg = load_config(base).model
-    return save_adapter(read_adapter(adapter, cfg), cfg, out, dtype, name=Path(adapter).name)
+    return save_adapter(read_adapter(adapter, cfg, base), cfg, out, dtype, name=Path(adapter).name,
+                        base=base_file_arch(base))
 
 
 COMMANDS = {"convert": cmd_convert}

@@ -77,14 +77,15 @@ def save(run: Run, out: str | Path, format: str) -> Path:
     return entry.save(run, out)
 
 
-def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
+def read_adapter(path: str | Path, cfg: ModelConfig, base: str | Path | None = None) -> Adapter:
     """A LoRA adapter for a model of `cfg`: a PEFT dir (qkv.formats.peft; a LoRA run dir is one) or a GGUF
-    adapter file (qkv.formats.gguf.adapter), checked to fit the model (qkv.formats.lora.check_adapter)."""
+    adapter file (qkv.formats.gguf.adapter), checked to fit the model (qkv.formats.lora.check_adapter). `base`:
+    the base model's path, whose file names the architecture a GGUF adapter must be for."""
     path = Path(path)
     if path.is_dir():
         return peft.read_adapter(path, cfg)
     if path.is_file() and gguf.is_gguf(path):
-        return gguf_adapter.read_adapter(path, cfg)
+        return gguf_adapter.read_adapter(path, cfg, gguf_adapter.base_file_arch(base) if base else None)
     if not path.exists():
         raise QkvError(f"{path}: no such adapter dir or file")
     raise QkvError(f"{path}: not a LoRA adapter: a PEFT dir ({peft.CONFIG} + {peft.WEIGHTS}) or a GGUF adapter file")
@@ -93,7 +94,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
 def merge_adapter(run: Run, path: str | Path) -> str:
     """Put the LoRA adapter at `path` over run.model and fold it into the weights (W + s B A, qkv.nn.lora's
     merge_lora): what `--adapter` does for generate, chat, eval, serve, probe and explain. What was done, in a line."""
-    adapter = read_adapter(path, run.config.model)
+    adapter = read_adapter(path, run.config.model, run.path)
     apply_adapter(run.model, adapter)
     merged = merge_lora(run.model)
     return f"qkv: LoRA adapter {path} merged into {merged} layers ({adapter.describe()})"

@@ -234,6 +234,37 @@ def test_smollm2_with_a_lora_sft_adapter_in_llama_cpp_and_in_qkv(tmp_path, capsy
             assert np.abs(llama_cpp.logits(theirs, ids) - expected).max() < 1e-4
 
 
+def test_a_qwen2_files_adapter_which_qkv_writes_no_model_of(tmp_path, capsys):
+    """Qwen2 / Qwen2.5 GGUF bases (Q/K/V biases, rows unpermuted), which qkv reads but does not write: peft's adapter
+    over transformers' reading of the file, converted by qkv, gives peft's logits in llama.cpp."""
+    base = write_llama(tmp_path / "qwen2.gguf", arch="qwen2", kv_heads=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=base.name,
+                                                              dtype=torch.float32).eval()
+    torch.manual_seed(2)
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "k_proj", "up_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    adapted = peft.get_peft_model(model, config).eval()
+    adapted.save_pretrained(tmp_path / "peft")
+    rc, _, err = cli("convert", str(base), "--adapter", str(tmp_path / "peft"), "--to-gguf", str(tmp_path / "a.gguf"))
+    assert rc == 0, err
+    with torch.no_grad():
+        expected = adapted(torch.tensor([IDS])).logits[0].double().numpy()
+    assert np.abs(llama_cpp.logits(base, IDS, lora=tmp_path / "a.gguf") - expected).max() < 1e-4
+    # a LoRA run over the file: its adapter is written for the --init file's architecture (qkv's model of a Qwen2
+    # is a LLaMA with biases, which llama.cpp would refuse, and whose Q/K rows it would permute)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "the moon", "completion": " and the stars"}) + "\n")
+    rc, _, err = cli("train", "--task", "sft", "--init", str(base), "--data", str(tmp_path / "rows.jsonl"), "--out",
+                     str(tmp_path / "run"), "--max-steps", "2", "--lora", "r=2,alpha=4,targets=q,k", "--set",
+                     "train.lr=3e-2", "--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set",
+                     "train.precision=fp32", "--quiet",
+                     "--no-sample")
+    assert rc == 0, err
+    assert cli("convert", str(tmp_path / "run"), "--to-gguf", str(tmp_path / "run.gguf"))[0] == 0
+    ours = qkv_logits(qkv.load(tmp_path / "run").model)
+    assert np.abs(ours - qkv_logits(qkv.load(base).model)).max() > 1e-3
+    assert np.abs(llama_cpp.logits(base, IDS, lora=tmp_path / "run.gguf") - ours).max() < 1e-4
+
+
 def test_every_inference_command_applies_a_gguf_adapter(lora_run, tmp_path, capsys):
     """--adapter FILE.gguf on eval, serve and explain gives what the LoRA run itself gives (generate: above)."""
     from qkv.serve.server import prepare

@@ -29,8 +29,9 @@ import torch
 
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
+from qkv.files import read_json
 from qkv.formats.gguf.archs import GGUF_ARCHS, GGUF_NAMES
-from qkv.formats.gguf.reader import GgufFile
+from qkv.formats.gguf.reader import GgufFile, is_gguf
 from qkv.formats.hf import exporter
 from qkv.formats.lora import Adapter, LoraPair, check_adapter, hf_modules
 
@@ -46,18 +47,39 @@ def is_adapter(path: str | Path) -> bool:
         return False
 
 
-def base_arch(cfg: ModelConfig):
-    """(llama.cpp's name of the model's architecture, its GGUF entry, the HF config dict it goes out as)."""
+def base_arch(cfg: ModelConfig, name: str | None = None):
+    """(llama.cpp's name of the base's architecture, its GGUF entry, the HF config dict it goes out as). `name`:
+    the base file's own (base_file_arch), else the one qkv would write the model as."""
     _, hf = exporter(cfg).hf_config(cfg)
-    name = GGUF_NAMES.get(hf["model_type"], hf["model_type"])
+    name = name or GGUF_NAMES.get(hf["model_type"], hf["model_type"])
     if name not in GGUF_ARCHS or GGUF_ARCHS.get(name).gguf_name is None:
         writes = [n for n in GGUF_ARCHS.names() if GGUF_ARCHS.get(n).gguf_name is not None]
-        raise QkvError(f"a {hf['model_type']} model has no GGUF form in qkv (it writes {', '.join(writes)})")
+        raise QkvError(f"a {name} model's adapters have no GGUF form in qkv (it writes them for {', '.join(writes)})")
     return name, GGUF_ARCHS.get(name), hf
 
 
-def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
-    """The GGUF adapter at `path` as an Adapter for a model of `cfg` (checked: qkv.formats.lora.check_adapter)."""
+def base_file_arch(path: str | Path) -> str | None:
+    """The GGUF architecture of the base model at `path`, where the file says it: a GGUF file's own, an HF dir's
+    model_type as llama.cpp names it, a qkv run's --init model's; None for a model qkv made (then the one qkv
+    writes it as). A Qwen2 file and a LLaMA with biases are one model to qkv, but not to llama.cpp, which
+    refuses an adapter of another architecture and permutes LLaMA's Q and K rows only."""
+    path = Path(path)
+    if path.is_file() and is_gguf(path):
+        name = GgufFile.open(path).get("general.architecture")
+        return name if isinstance(name, str) else None
+    if (path / "config.json").is_file():
+        raw = read_json(path / "config.json")
+        if isinstance(raw, dict) and isinstance(raw.get("model_type"), str):
+            return GGUF_NAMES.get(raw["model_type"], raw["model_type"])
+        init = raw.get("train", {}).get("init") if isinstance(raw, dict) and isinstance(raw.get("train"), dict) else None
+        if isinstance(init, str) and init and Path(init).exists() and Path(init).resolve() != path.resolve():
+            return base_file_arch(init)
+    return None
+
+
+def read_adapter(path: str | Path, cfg: ModelConfig, base: str | None = None) -> Adapter:
+    """The GGUF adapter at `path` as an Adapter for a model of `cfg` (checked: qkv.formats.lora.check_adapter);
+    `base`: the base file's architecture (base_file_arch), which the adapter must be for."""
     path = Path(path)
     file = GgufFile.open(path)
     meta = file.metadata
@@ -71,7 +93,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
         raise QkvError(f"{path}: has no adapter.lora.alpha, the scale of its update")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
         raise QkvError(f"{path}: adapter.lora.alpha={alpha!r} must be a number >= 0")
-    name, arch, hf = base_arch(cfg)
+    name, arch, hf = base_arch(cfg, base)
     if meta.get("general.architecture") != name:
         raise QkvError(f"{path}: an adapter for a {meta.get('general.architecture')!r} model; this model is {name!r}")
     modules = {hf_name: qkv_name for qkv_name, hf_name in hf_modules(cfg).items()}
@@ -106,9 +128,10 @@ def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
 
 
 def save_adapter(adapter: Adapter, cfg: ModelConfig, out: str | Path, dtype: str = "f32",
-                 name: str | None = None) -> Path:
-    """Write `adapter` (checked against `cfg`) as a GGUF adapter at `out`, next to it and renamed into place:
-    an existing file is never overwritten."""
+                 name: str | None = None, base: str | None = None) -> Path:
+    """Write `adapter` (checked against `cfg`) as a GGUF adapter at `out` for a base file of architecture `base`
+    (base_file_arch; None: the one qkv writes the model as), next to `out` and renamed into place: an existing
+    file is never overwritten."""
     import gguf
 
     out = Path(out)
@@ -118,7 +141,7 @@ def save_adapter(adapter: Adapter, cfg: ModelConfig, out: str | Path, dtype: str
     if out.exists():
         raise QkvError(f"{out} already exists; choose another file")
     check_adapter(adapter, cfg)
-    arch_name, arch, hf = base_arch(cfg)
+    arch_name, arch, hf = base_arch(cfg, base)
     alphas = {pair.scaling * pair.rank for pair in adapter.layers.values()}
     alpha = next(iter(alphas))
     if max(alphas) - min(alphas) > 1e-6 * max(alphas):

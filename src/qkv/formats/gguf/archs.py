@@ -201,8 +201,10 @@ def qwen2_config(meta: dict, shapes: dict) -> dict:
 
 
 # Qwen2 in llama.cpp: LLaMA's tensor names (with Q/K/V biases) and no row permutation (ggml's NEOX rope is
-# HF's rotate-half layout already)
-GGUF_ARCHS.register("qwen2")(GgufArch(hf_config=qwen2_config, hf_name=llama_name, to_hf=lambda name, w, hf: w))
+# HF's rotate-half layout already). qkv writes no Qwen2 model (no metadata), but names its adapters' tensors.
+GGUF_ARCHS.register("qwen2")(GgufArch(hf_config=qwen2_config, hf_name=llama_name, to_hf=lambda name, w, hf: w,
+                                      gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."),
+                                      from_hf=lambda name, w, hf: w))
 
 
 GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",

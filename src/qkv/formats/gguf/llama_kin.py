@@ -1,4 +1,5 @@
-"""LLaMA's kin in llama.cpp's GGUF layout (convert_hf_to_gguf.py), read: SmolLM3 and Phi-3.
+"""LLaMA's kin in llama.cpp's GGUF layout (convert_hf_to_gguf.py), read (and SmolLM3's LoRA adapters written): SmolLM3
+and Phi-3.
 
 smollm3: LLaMA's tensors and Q/K row permutation; every fourth layer has no RoPE, a constant of llama.cpp's
 architecture (`n_no_rope_layer_step = 4`), not metadata.
@@ -10,8 +11,8 @@ models' longrope factors (`rope_factors_long` / `_short` tensors) are refused.
 from __future__ import annotations
 
 from qkv.errors import QkvError
-from qkv.formats.gguf.archs import (GGUF_ARCHS, LLAMA_BLOCK, LLAMA_TOP, GgufArch, llama_config, llama_to_hf, need,
-                                    renaming)
+from qkv.formats.gguf.archs import (GGUF_ARCHS, LLAMA_BLOCK, LLAMA_TOP, GgufArch, inverse, llama_config, llama_from_hf,
+                                    llama_to_hf, need, renaming)
 
 NO_ROPE_STEP = 4  # llama.cpp's smollm3: layer il has RoPE unless (il + 1) % 4 == 0
 
@@ -22,7 +23,8 @@ def smollm3_config(meta: dict, shapes: dict) -> dict:
 
 
 GGUF_ARCHS.register("smollm3")(GgufArch(hf_config=smollm3_config, hf_name=renaming(LLAMA_TOP, LLAMA_BLOCK, "model.layers."),
-                                        to_hf=llama_to_hf))
+                                        to_hf=llama_to_hf, gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."),
+                                        from_hf=llama_from_hf))  # (names for adapters; no model written)
 
 PHI3_BLOCK = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
               "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
