@@ -20,8 +20,6 @@ adapters it converts from an rsLoRA dir are scaled by alpha / r, sqrt(r) times t
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ from qkv.errors import QkvError
 from qkv.files import read_json
 from qkv.formats.gguf.archs import GGUF_ARCHS, GGUF_NAMES
 from qkv.formats.gguf.reader import GgufFile, is_gguf
+from qkv.formats.gguf.writer import gguf_file
 from qkv.formats.hf import exporter
 from qkv.formats.lora import Adapter, LoraPair, check_adapter, hf_modules
 
@@ -149,11 +148,7 @@ def save_adapter(adapter: Adapter, cfg: ModelConfig, out: str | Path, dtype: str
                        "adapter.lora.alpha cannot say them)")
     names = hf_modules(cfg)
     kind = gguf.GGMLQuantizationType[dtype.upper()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch_name)
+    with gguf_file(out, arch_name) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
@@ -161,20 +156,13 @@ def save_adapter(adapter: Adapter, cfg: ModelConfig, out: str | Path, dtype: str
             writer.add_name(name)
         for qkv_name, pair in adapter.layers.items():
             hf_name = names[qkv_name] + ".weight"
-            base = arch.gguf_name(hf_name)
+            target = arch.gguf_name(hf_name)  # the base tensor this pair adapts
             a, b = pair.A.detach().float().cpu().numpy(), pair.B.detach().float().cpu().numpy()
             stored_b = arch.from_hf(hf_name, b, hf)
             if not np.allclose(arch.from_hf(hf_name, b @ a, hf), stored_b @ a, rtol=1e-5, atol=1e-6):
-                raise QkvError(f"{base}: the base file stores this weight in a way an adapter's B cannot follow")
-            add_matrix(writer, base + PARTS[0], a, kind)
-            add_matrix(writer, base + PARTS[1], stored_b, kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+                raise QkvError(f"{target}: the base file stores this weight in a way an adapter's B cannot follow")
+            add_matrix(writer, target + PARTS[0], a, kind)
+            add_matrix(writer, target + PARTS[1], stored_b, kind)
     return out
 
 

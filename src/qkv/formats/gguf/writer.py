@@ -15,7 +15,9 @@ import json
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -50,11 +52,7 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
     arch = GGUF_ARCHS.get(name)
     kind = gguf.GGMLQuantizationType[dtype.upper()]
     tensors = family.to_hf(model_tensors(run.model), cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, name)
+    with gguf_file(out, name) as writer:
         writer.add_name(Path(run.path).name)
         for key, value in arch.metadata(hf).items():
             writer.add_key_value(f"{name}.{key}", value, value_type(value))
@@ -64,6 +62,21 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
             add_tensor(writer, arch.gguf_name(name), w, kind)
         for name, w in (arch.write_settings(hf) if arch.write_settings else {}).items():  # llama's rope_freqs
             add_tensor(writer, name, w, kind)
+    return out
+
+
+@contextmanager
+def gguf_file(out: Path, arch: str) -> Iterator:
+    """A gguf.GGUFWriter for `out`: written next to it, renamed into place when the block ends without an error,
+    removed when it raises (`out` itself never half-written)."""
+    import gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -71,7 +84,6 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return out
 
 
 def value_type(value):
