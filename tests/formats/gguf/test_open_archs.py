@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv
-from tests.formats.gguf import add_byte_level, gguf, small_tokenizer, transformers
+from tests.formats.gguf import add_byte_level, gguf, llama_cpp, small_tokenizer, transformers
 from tests.formats.hf import cli, perturbed
 
 GEMMA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -22,6 +22,18 @@ QWEN3 = {**{k: v for k, v in GEMMA.items() if "feedforward" not in k and "post_a
          "post_attention_layernorm": "ffn_norm"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
+
+
+def llama_cpp_agrees(path, ids: torch.Tensor, gelu: bool = False) -> float:
+    """llama.cpp reads the file as qkv does: logits within 1e-4 of the largest (F32 weights); where the model uses
+    GELU, within 2e-3: ggml's tanh GELU reads an fp16 table (3.0e-4 to 3.2e-4 measured on these models). The relative
+    difference, returned."""
+    theirs = llama_cpp.logits(path, ids[0].tolist())
+    with torch.no_grad():
+        ours = qkv.load(path).model(ids)[0].double().numpy()
+    relative = float(np.abs(theirs - ours).max() / np.abs(ours).max())
+    assert relative < (2e-3 if gelu else 1e-4), (path.name, relative)
+    return relative
 
 
 def gguf_name(hf_name: str, block: dict) -> str:
@@ -36,7 +48,9 @@ def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.
     BPE, the architecture's metadata (`metadata`: {key without the arch prefix: value}; None drops a key)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
-        if value is not None:
+        if isinstance(value, list):  # (one flag a layer: the newer converters' sliding_window_pattern)
+            writer.add_array(f"{arch}.{key}", value)
+        elif value is not None:
             kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
             writer.add_key_value(f"{arch}.{key}", value, kind)
     add_byte_level(writer)
@@ -95,6 +109,7 @@ def test_logits_equal_transformers_gguf_loader(arch, tmp_path):
         got = qkv.load(path).model(ids)
     assert (expected - direct).abs().max() < 1e-4  # the oracle reads the file as the model it came from
     assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+    llama_cpp_agrees(path, ids, gelu=arch == "gemma3")
 
 
 def test_llama3_scaling_written_as_rope_freqs_and_read_back(tmp_path):
@@ -123,6 +138,32 @@ def test_llama3_scaling_written_as_rope_freqs_and_read_back(tmp_path):
     ids = torch.randint(3, 250, (1, 40))
     with torch.no_grad():
         torch.testing.assert_close(back.model(ids), model(ids).logits, rtol=1e-4, atol=1e-4)
+    llama_cpp_agrees(path, ids)  # (transformers' GGUF loader drops rope_freqs; llama.cpp reads it)
+
+
+def test_gemma2_as_llama_cpp_lays_it_out(tmp_path):
+    """Gemma 2: sandwich norms stored as 1 + w, no q/k norms, alternating window and global layers (llama.cpp's
+    constant: the first slides), soft-capped scores and logits from the metadata. The HF model it was made from
+    and llama.cpp both give qkv's logits."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=len(small_tokenizer()[0]), hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       sliding_window=5, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=3.0, max_position_embeddings=128)
+    model = perturbed(transformers.Gemma2ForCausalLM(config))
+    block = {k: v for k, v in GEMMA.items() if "q_norm" not in k and "k_norm" not in k}
+    meta = {"context_length": 128, "embedding_length": 32, "block_count": 4, "feed_forward_length": 48,
+            "attention.head_count": 2, "attention.head_count_kv": 1, "attention.key_length": 16,
+            "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0,
+            "attention.sliding_window": 5, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
+    path = write(tmp_path / "gemma2.gguf", model, "gemma2", block, meta, shift=1.0)
+    run = qkv.load(path)
+    assert run.config.model.layer_types == ("sliding", "global", "sliding", "global")
+    ids = torch.randint(3, 250, (1, 23))  # past the window of 5
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert (run.model(ids) - expected).abs().max() < 1e-4 * expected.abs().max()
+    llama_cpp_agrees(path, ids, gelu=True)
 
 
 BAD = {  # metadata (or a tensor) that contradicts itself, and what the one line says
@@ -131,6 +172,8 @@ BAD = {  # metadata (or a tensor) that contradicts itself, and what the one line
     "heads do not fit the tensor": ("qwen3", {"attention.head_count_kv": 1}, (), "k_proj.weight has shape (256, 32)"),
     "pattern of 0": ("gemma3", {"attention.sliding_window_pattern": 0}, (),
                      "sliding_window_pattern=0 must be a whole number of layers, at least 1"),
+    "pattern longer than the layers": ("gemma3", {"attention.sliding_window_pattern": [True] * 9}, (),
+                                       "sliding_window_pattern has 9 entries for 7 layers"),
     "unknown rope scaling": ("qwen3", {"rope.scaling.type": "ntk-by-parts"}, (), "rope.scaling.type='ntk-by-parts'"),
     "missing tensor": ("qwen3", {}, ("model.layers.1.self_attn.k_norm.weight",),
                         "no tensor 'model.layers.1.self_attn.k_norm.weight'"),
@@ -186,6 +229,7 @@ def test_written_by_qkv_and_read_by_transformers_gguf_loader(arch, tmp_path):
         expected = model(ids).logits
         assert (theirs(ids).logits - expected).abs().max() < 1e-4 * expected.abs().max()
         assert (qkv.load(path).model(ids) - expected).abs().max() < 1e-4 * expected.abs().max()
+    llama_cpp_agrees(path, ids, gelu=arch == "gemma3")
 
 
 def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(tmp_path):
@@ -219,5 +263,6 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
         with torch.no_grad():
             expected = model(ids).logits
             assert (run.model(ids) - expected).abs().max() < 1e-4 * expected.abs().max(), arch
+        llama_cpp_agrees(path, ids)
         if arch == "smollm3":
             assert run.config.model.layer_types == ("global", "global", "global", "nope")

@@ -3,8 +3,8 @@
 Four norms a block, stored as 1 + w (HF keeps w); NEOX rope (no row permutation); the layer pattern and the
 sliding layers' RoPE base are llama.cpp's constants for the architecture (Gemma 3: every sixth layer global,
 sliding layers at base 10,000; Gemma 2: alternating), not metadata, unless a newer converter wrote
-`attention.sliding_window_pattern` (one flag a layer). A Gemma 3 written by qkv must be one llama.cpp reads as
-such: its pattern llama.cpp's, its local base 10,000, its scores scaled by head_dim^-1/2.
+`attention.sliding_window_pattern` (one flag a layer) or `rope.freq_base_swa`. A Gemma 3 written by qkv must be
+one llama.cpp reads as such: its pattern llama.cpp's, its local base written, its scores scaled by head_dim^-1/2.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ GEMMA_BLOCK = {"attn_norm": "input_layernorm", "post_attention_norm": "post_atte
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                **{k: v for k, v in LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}}
 GEMMA_PATTERN = {"gemma3": 6, "gemma2": 2}  # every n-th layer global (llama.cpp's swa pattern)
+WIDE_SCALE = {"gemma3": 62, "gemma2": 46}  # the layer count of the 27B models, scaled by (D / H)^-1/2
 
 
 def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
@@ -42,9 +43,16 @@ def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
     window = int(need(meta, f"{arch}.attention.sliding_window"))
     if window < 1:
         raise QkvError(f"{arch}.attention.sliding_window={window}: a window of no keys")
-    # llama.cpp scales Gemma 3 27B's scores by (D / H)^-1/2, every other Gemma by head_dim^-1/2
-    scalar = d_model // n_heads if arch == "gemma3" and layers == 62 else head_dim
+    # llama.cpp scales the 27B models' scores (Gemma 2: 46 layers, Gemma 3: 62) by (D / H)^-1/2, every other
+    # Gemma's by head_dim^-1/2
+    scalar = d_model // n_heads if layers == WIDE_SCALE[arch] else head_dim
     full = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    # the sliding layers' base: rope.freq_base_swa where the converter wrote it, else llama.cpp's default for the
+    # architecture (Gemma 3: 10,000; Gemma 2: the global base, one base for all layers)
+    local = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else full["rope_theta"]))
+    if arch == "gemma2" and local != full["rope_theta"]:
+        raise QkvError(f"gemma2.rope.freq_base_swa={local:g} differs from rope.freq_base: Gemma 2 has one RoPE base "
+                       "for all layers in qkv")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         full = {**full, "rope_type": "linear", "factor": float(need(meta, f"{arch}.rope.scaling.factor"))}
@@ -62,7 +70,7 @@ def gemma_config(meta: dict, shapes: dict, arch: str) -> dict:
           "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
           "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
     if arch == "gemma3":
-        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     else:
         hf["rope_parameters"] = full
     return hf
@@ -83,16 +91,17 @@ def gemma3_metadata(hf: dict) -> dict:
     pattern = ["full_attention" if (i + 1) % GEMMA_PATTERN["gemma3"] == 0 else "sliding_attention" for i in range(layers)]
     local = hf["rope_parameters"]["sliding_attention"]["rope_theta"]
     full = hf["rope_parameters"]["full_attention"]
-    scalar = hf["hidden_size"] // hf["num_attention_heads"] if layers == 62 else head_dim
-    if hf["layer_types"] != pattern or local != 10000.0 or hf["query_pre_attn_scalar"] != scalar:
-        raise QkvError("this Gemma 3 has a layer pattern, local RoPE base or score scale llama.cpp would not read "
-                       "back (it keeps one global layer in six, base 10,000 and head_dim^-1/2)")
+    scalar = hf["hidden_size"] // hf["num_attention_heads"] if layers == WIDE_SCALE["gemma3"] else head_dim
+    if hf["layer_types"] != pattern or hf["query_pre_attn_scalar"] != scalar:
+        raise QkvError("this Gemma 3 has a layer pattern or score scale llama.cpp would not read back (it keeps one "
+                       "global layer in six and head_dim^-1/2)")
     out = {"context_length": hf["max_position_embeddings"], "embedding_length": hf["hidden_size"],
            "block_count": layers, "feed_forward_length": hf["intermediate_size"],
            "attention.head_count": hf["num_attention_heads"], "attention.head_count_kv": hf["num_key_value_heads"],
            "attention.key_length": head_dim, "attention.value_length": head_dim,
            "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "rope.freq_base": float(full["rope_theta"]),
-           "attention.sliding_window": hf["sliding_window"], "vocab_size": hf["vocab_size"]}
+           "rope.freq_base_swa": float(local), "attention.sliding_window": hf["sliding_window"],
+           "vocab_size": hf["vocab_size"]}
     if full.get("rope_type", "default") == "linear":
         out.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(full["factor"])})
     elif full.get("rope_type", "default") != "default":
