@@ -53,6 +53,9 @@ class ModelConfig:
     rope_beta_fast: float = 32.0  # yarn: rotations in the original context above which a pair is kept
     rope_beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by s)
     rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
+    # dimensions of a head RoPE turns, the first rope_dims / 2 pairs of qkv's layout (the rest pass through
+    # unturned: Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct); 0 means all of head_dim
+    rope_dims: int = 0
     # one entry per decoder layer (qkv.plan): global | sliding (the last sliding_window keys) | nope
     # (global, no rotation: SmolLM3); () means every layer global
     layer_types: tuple[str, ...] = ()
@@ -131,6 +134,12 @@ class ModelConfig:
         for name in ("attn_softcap", "query_scale", "rope_local_theta"):
             _at_least(f"model.{name}", getattr(self, name), 0)
         _positive("model.rope_factor", self.rope_factor)
+        if self.rope_dims and (self.rope_dims % 2 or not 2 <= self.rope_dims <= self.head_dim):
+            raise QkvError(f"model.rope_dims={self.rope_dims} must be an even number in 2..head_dim={self.head_dim} "
+                           "(or 0: all)")
+        if self.rope_dims not in (0, self.head_dim) and self.rope_scaling == "yarn":
+            raise QkvError("model.rope_dims with rope_scaling=yarn: YaRN's factor on the turned pairs alone is not "
+                           "supported by qkv")
         self._validate_layers()
         if self.bigram_vocab < 0 or self.bigram_vocab == 1:
             raise QkvError(f"model.bigram_vocab={self.bigram_vocab} must be 0 (none) or at least 2 rows")

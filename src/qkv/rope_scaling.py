@@ -61,9 +61,17 @@ def base_frequencies(head_dim: int, base: float) -> np.ndarray:
     return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
-def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING) -> tuple[np.ndarray, float]:
-    """(theta (Dh/2,) float64, m): pair i turns by pos * theta_i, and cos and sin are multiplied by m."""
-    theta = base_frequencies(head_dim, base)
+def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING,
+                rotated: int = 0) -> tuple[np.ndarray, float]:
+    """(theta (Dh/2,) float64, m): pair i turns by pos * theta_i, and cos and sin are multiplied by m.
+    `rotated` < Dh (partial rotation): the first rotated / 2 pairs turn at base^(-2i/rotated), the others by 0,
+    unturned (model.rope_dims)."""
+    rotated = rotated or head_dim
+    theta, m = scaled(base_frequencies(rotated, base), rotated, base, scaling)
+    return np.concatenate([theta, np.zeros((head_dim - rotated) // 2)]), m
+
+
+def scaled(theta: np.ndarray, dim: int, base: float, scaling: RopeScaling) -> tuple[np.ndarray, float]:
     s = scaling.factor
     if scaling.kind == "none":
         return theta, 1.0
@@ -71,7 +79,7 @@ def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING) -
         return theta / s, 1.0
     if scaling.kind == "llama3":
         return llama3(theta, scaling), 1.0
-    return yarn(theta, head_dim, base, scaling)
+    return yarn(theta, dim, base, scaling)
 
 
 def llama3(theta: np.ndarray, scaling: RopeScaling) -> np.ndarray:

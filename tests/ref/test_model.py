@@ -38,6 +38,7 @@ VARIANTS = {  # together: every positional, norm, placement, activation, FFN and
                       rope_theta=100.0),
     "llama3-rope": dict(positional="rope", rope_scaling="llama3", rope_factor=8.0, rope_original_context=16,
                         rope_theta=10000.0),
+    "partial-rope": dict(positional="rope", rope_dims=2, rope_theta=100.0),  # 2 of each head's dimensions turned
 }
 # the torch engine's kernels at model level (padded, so the masks combine with each pattern); seq 18 reaches
 # the random kernel's first random distance (w + 1 + 12)

@@ -115,9 +115,11 @@ def is_lora_run(source: str) -> bool:
 
     from qkv.config import RunConfig
     from qkv.files import CONFIG_FILE
+    from qkv.formats import hf
 
     path = Path(source)
-    return path.is_dir() and (path / CONFIG_FILE).is_file() and bool(RunConfig.load(path / CONFIG_FILE).train.lora)
+    return (path.is_dir() and (path / CONFIG_FILE).is_file() and not hf.is_hf_dir(path)
+            and bool(RunConfig.load(path / CONFIG_FILE).train.lora))
 
 
 def merge_into(source: str, out: str, adapter: str | None):

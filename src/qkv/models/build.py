@@ -109,7 +109,7 @@ def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -
     return POSITIONALS.get(name or cfg.positional)(
         d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
         rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, t5_buckets=cfg.t5_buckets, causal=causal,
-        rope_scaling=rope_scaling(cfg))
+        rope_scaling=rope_scaling(cfg), rope_dims=cfg.rope_dims)
 
 
 def decoder_positional(cfg: ModelConfig) -> nn.Module:
@@ -156,8 +156,8 @@ def layer_positions(cfg: ModelConfig, plans: tuple[LayerPlan, ...]) -> list[Posi
             continue
         key = (plan.kind, plan.rope_theta)
         if key not in made:
-            made[key] = (Positional() if plan.kind == "nope" else
-                         Rotary(head_dim=cfg.head_dim, rope_theta=plan.rope_theta))  # unscaled
+            made[key] = (Positional() if plan.kind == "nope" else  # (a layer's own base: unscaled)
+                         Rotary(head_dim=cfg.head_dim, rope_theta=plan.rope_theta, rope_dims=cfg.rope_dims))
         own.append(made[key])
     return own
 

@@ -135,13 +135,14 @@ class Rotary(Positional):
 
     even_head_dim = True  # rotates pairs of head coordinates
 
-    def __init__(self, *, head_dim: int, rope_theta: float, rope_scaling: RopeScaling = NO_SCALING, **dims):
+    def __init__(self, *, head_dim: int, rope_theta: float, rope_scaling: RopeScaling = NO_SCALING,
+                 rope_dims: int = 0, **dims):
         super().__init__()
         self.head_dim = head_dim
         self.theta, self.scaling = rope_theta, rope_scaling
         # theta_i (Dh/2,) in float64 on the CPU and m: a plain attribute, not a buffer (a loader's meta-device
         # model has none to fill), moved to the positions' device and dtype when used
-        theta, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling)
+        theta, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling, rope_dims)  # 0 past rope_dims
         self.frequencies = torch.tensor(theta, dtype=torch.float64, device="cpu")
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
 

@@ -234,7 +234,8 @@ def test_written_by_qkv_and_read_by_transformers_gguf_loader(arch, tmp_path):
 
 def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(tmp_path):
     """smollm3: LLaMA's names and Q/K rows permuted, every fourth layer without RoPE (llama.cpp's constant);
-    phi3: fused attn_qkv and ffn_up (gate first), unpermuted. The oracle is the HF model the file was made from."""
+    phi3: fused attn_qkv and ffn_up (gate first), unpermuted; a partial rotation (Phi-4-mini's kind) as
+    rope.dimension_count. The oracles: the HF model the file was made from, and llama.cpp."""
     from tests.formats.gguf import ggml_rows
 
     torch.manual_seed(0)
@@ -242,7 +243,9 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, rms_norm_eps=1e-5)
     models = {"smollm3": transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**small, num_hidden_layers=4)),
               "phi3": transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, num_hidden_layers=2,
-                                                                           tie_word_embeddings=False))}
+                                                                           tie_word_embeddings=False)),
+              "phi3-partial": transformers.Phi3ForCausalLM(transformers.Phi3Config(  # 4 of 8 turned (rope.dimension_count)
+                  **small, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5))}
     base = {"context_length": 128, "embedding_length": 32, "feed_forward_length": 48, "attention.head_count": 4,
             "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
             "rope.dimension_count": 8}
@@ -257,8 +260,9 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
                 for layer in stored.model.layers:
                     for proj, heads in ((layer.self_attn.q_proj, 4), (layer.self_attn.k_proj, 2)):
                         proj.weight.copy_(torch.from_numpy(ggml_rows(proj.weight.numpy(), heads)))
-        path = write(tmp_path / f"{arch}.gguf", stored, arch, QWEN3 if arch == "smollm3" else phi3_block,
-                     {**base, "block_count": len(model.model.layers)})
+        path = write(tmp_path / f"{arch}.gguf", stored, arch.removesuffix("-partial"),
+                     QWEN3 if arch == "smollm3" else phi3_block, {**base, "block_count": len(model.model.layers),
+                                                                  "rope.dimension_count": 4 if "partial" in arch else 8})
         run = qkv.load(path)
         with torch.no_grad():
             expected = model(ids).logits

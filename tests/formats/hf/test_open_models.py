@@ -8,9 +8,11 @@ Sizes exercise what differs: head_dim not D / H, GQA, windows shorter than the r
 import pytest
 import torch
 
+import qkv
+
 transformers = pytest.importorskip("transformers")
 
-from tests.formats.hf import V, check_decoder, check_greedy, perturbed  # noqa: E402
+from tests.formats.hf import V, check_decoder, check_greedy, cli, perturbed, save_hf  # noqa: E402
 
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_attention_heads=4, max_position_embeddings=64,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -50,9 +52,10 @@ def smollm3():
         no_rope_layer_interval=2))  # layers 2 and 4 nope
 
 
-def phi3():
+def phi3(partial: float = 1.0):
     return transformers.Phi3ForCausalLM(transformers.Phi3Config(
-        **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False))
+        **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False,
+        partial_rotary_factor=partial))
 
 
 MODELS = {
@@ -67,8 +70,9 @@ MODELS = {
     "mistral": mistral,
     "smollm3": smollm3,
     "phi3": phi3,
+    "phi4-mini-partial": lambda: phi3(partial=0.75),  # each head turns 6 of its 8 dimensions
 }
-READ_ONLY = {"phi3"}  # written as another family (Mistral: the same function, unfused)
+READ_ONLY = {"phi3", "phi4-mini-partial"}  # written as another family (Mistral: the same function, unfused)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -77,7 +81,17 @@ def test_logits_match_transformers(name, tmp_path):
     check_decoder(perturbed(MODELS[name]()), tmp_path, export=name not in READ_ONLY)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3-rope", "gemma2", "smollm3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3-rope", "gemma2", "smollm3", "phi3", "phi4-mini-partial"])
 def test_greedy_generation_matches_transformers(name, tmp_path):
     torch.manual_seed(1)
     check_greedy(perturbed(MODELS[name]()), tmp_path)
+
+
+def test_a_partial_rotation_is_not_written_as_a_family_that_turns_every_dimension(tmp_path):
+    """LLaMA and Mistral turn every dimension of a head: writing Phi-4-mini's kind as one would change its function."""
+    save_hf(perturbed(phi3(partial=0.75)), tmp_path / "hf")
+    assert qkv.load(tmp_path / "hf").config.model.rope_dims == 6
+    for flag, out in (("--to-hf", tmp_path / "out"), ("--to-gguf", tmp_path / "out.gguf")):
+        code, _, err = cli("convert", str(tmp_path / "hf"), flag, str(out))
+        assert code == 2 and "model.rope_dims=6 (a partial rotation)" in err and err.count("\n") == 1, err
+        assert not out.exists()

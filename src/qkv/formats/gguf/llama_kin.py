@@ -36,11 +36,11 @@ def phi3_config(meta: dict, shapes: dict) -> dict:
                        "by qkv")
     arch = "phi3"
     d_model, n_heads = int(need(meta, f"{arch}.embedding_length")), int(need(meta, f"{arch}.attention.head_count"))
-    if int(meta.get(f"{arch}.rope.dimension_count", d_model // n_heads)) != d_model // n_heads:
-        raise QkvError(f"{arch}.rope.dimension_count: a partial rotation is not supported for Phi-3 by qkv")
-    hf = llama_config(meta, shapes, arch)
+    head_dim = d_model // n_heads
+    rotated = int(meta.get(f"{arch}.rope.dimension_count", head_dim))  # llama.cpp's n_rot: each head's first
+    hf = {**llama_config(meta, shapes, arch), "head_dim": head_dim}  # dimensions turned (Phi-4-mini: 3/4)
     window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
-    return {**hf, "sliding_window": window or None}
+    return {**hf, "sliding_window": window or None, "partial_rotary_factor": rotated / head_dim}
 
 
 GGUF_ARCHS.register("phi3")(GgufArch(hf_config=phi3_config, hf_name=renaming(LLAMA_TOP, PHI3_BLOCK, "model.layers."),

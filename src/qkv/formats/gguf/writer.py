@@ -40,10 +40,10 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
         raise QkvError(f"--dtype {dtype!r} is not allowed; choose from: {', '.join(DTYPES)}")
     if out.exists():
         raise QkvError(f"{out} already exists; choose another file")
+    cfg = run.config.model
+    family = exporter(cfg)  # (first: a model no family writes says so before anything else)
     if run.tokenizer is None:
         raise QkvError(f"{run.path}: has no tokenizer, which a GGUF file carries")
-    cfg = run.config.model
-    family = exporter(cfg)
     _, hf = family.hf_config(cfg)
     name = GGUF_NAMES.get(hf["model_type"], hf["model_type"])  # llama.cpp's name of the architecture
     writes = [n for n in GGUF_ARCHS.names() if GGUF_ARCHS.get(n).metadata is not None]

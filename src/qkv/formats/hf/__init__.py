@@ -104,6 +104,9 @@ def run_config(cfg: ModelConfig, tokenizer_vocab: int) -> RunConfig:
 
 
 def exporter(cfg: ModelConfig) -> HfFamily:
+    if cfg.rope_dims not in (0, cfg.head_dim):
+        raise QkvError(f"model.rope_dims={cfg.rope_dims} (a partial rotation): none of the Hugging Face families qkv "
+                       "writes turns part of a head; this model cannot be written as one")
     for name in HF_FAMILIES.names():
         if HF_FAMILIES.get(name).exports(cfg):
             return HF_FAMILIES.get(name)

@@ -3,7 +3,9 @@ fused tensors. `qkv_proj` holds W^Q, W^K, W^V stacked (H Dh + 2 Hkv Dh rows) and
 up projections (2 F rows, the gate first): split on reading (qkv writes the model as Mistral, or LLaMA without a
 window: the same function, unfused). A `sliding_window` makes
 every layer sliding (Phi-3-mini-4k: 2,047 keys). Phi-3's 128k models scale RoPE by `longrope`, whose factors
-change with the sequence's length: refused with the scalings qkv supports."""
+change with the sequence's length: refused with the scalings qkv supports. A `partial_rotary_factor` below 1
+(Phi-4-mini: 0.75) turns only each head's first dimensions: model.rope_dims, Q's and K's rows put in qkv's
+layout (qkv.formats.hf.rope.partial_rows)."""
 from __future__ import annotations
 
 import torch
@@ -12,20 +14,26 @@ from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.formats.hf import llama
 from qkv.formats.hf.common import HF_FAMILIES, HfFamily, Tensors, ensure
+from qkv.formats.hf.rope import partial_rows
 
 ARCHITECTURE = "Phi3ForCausalLM"
 
 
 def config(hf: dict, architecture: str) -> ModelConfig:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    ensure(isinstance(params, dict) and params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) == 1.0,
-           "partial_rotary_factor below 1: a partial rotation is not supported for Phi-3 by qkv")
+    ensure(isinstance(params, dict), f"rope_parameters={params!r} must be an object")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    head_dim = hf.get("head_dim") or (hf.get("hidden_size") or 0) // max(hf.get("num_attention_heads") or 1, 1)
+    rotated = round(factor * head_dim) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else -1
+    ensure(0 < factor <= 1 and rotated % 2 == 0 and rotated >= 2,
+           f"partial_rotary_factor={factor!r} must turn an even number of each head's {head_dim} dimensions")
     window = hf.get("sliding_window") or 0
     ensure(isinstance(window, int) and window >= 0, f"sliding_window={window!r} must be a positive integer or null")
     n_layers = hf.get("num_hidden_layers") or 0
     sliding = {"layer_types": ("sliding",) * n_layers, "sliding_window": window} if window else {}
+    partial = {"rope_dims": rotated} if rotated != head_dim else {}  # Phi-4-mini: 0.75
     return llama.config({**hf, "rope_parameters": {k: v for k, v in params.items() if k != "partial_rotary_factor"}
-                         or None}, architecture, **sliding)
+                         or None}, architecture, **sliding, **partial)
 
 
 def split(tensors: Tensors, cfg: ModelConfig) -> Tensors:
@@ -50,7 +58,13 @@ def split(tensors: Tensors, cfg: ModelConfig) -> Tensors:
 
 
 def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
-    return llama.to_qkv(split(tensors, cfg), cfg)
+    """The split tensors, Q's and K's rows in qkv's layout of a partial rotation (rope.partial_rows)."""
+    out = split(tensors, cfg)
+    for name in out:
+        heads = cfg.n_heads if name.endswith("q_proj.weight") else cfg.kv_heads if name.endswith("k_proj.weight") else 0
+        if heads and cfg.rope_dims:
+            out[name] = partial_rows(out[name], heads, cfg.head_dim, cfg.rope_dims)
+    return llama.to_qkv(out, cfg)
 
 
 def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:

@@ -72,3 +72,20 @@ def rope_parameters(cfg: ModelConfig) -> dict:
         params.update(original_max_position_embeddings=cfg.rope_original_context, beta_fast=cfg.rope_beta_fast,
                       beta_slow=cfg.rope_beta_slow)
     return params
+
+
+def partial_rows(w, heads: int, head_dim: int, rotated: int):
+    """Q's or K's rows (heads Dh, ...) from HF's partial rotation to qkv's layout (model.rope_dims). HF turns the
+    pairs (i, i + r/2) of each head's first r dimensions and passes the rest through; qkv turns the pairs
+    (j, j + Dh/2), the first r/2 of them, and leaves the others at frequency 0. So each head's dimensions go out
+    in the order [first half of the turned | first half of the passed | second half of the turned | second half
+    of the passed]: the turned pairs meet as qkv pairs them, and q . k, permuted alike in q and k, is unchanged
+    (as the rotate-half layout itself, docs/DEVIATIONS.md)."""
+    import torch
+
+    if rotated in (0, head_dim):
+        return w
+    half, rest = rotated // 2, (head_dim - rotated) // 2
+    order = torch.cat([torch.arange(half), rotated + torch.arange(rest), half + torch.arange(half),
+                       rotated + rest + torch.arange(head_dim - rotated - rest)])
+    return w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
