@@ -122,9 +122,11 @@ def test_peft_adapters_converted_by_qkv_give_peft_logits_in_llama_cpp(arch, rslo
     assert np.abs(expected - plain).max() > 0.05
     theirs = llama_cpp.logits(base, IDS, lora=tmp_path / "a.gguf")
     merged = llama_cpp.logits(tmp_path / "merged.gguf", IDS)
-    assert np.abs(theirs - merged).max() < 1e-5 * np.abs(merged).max()
-    # Gemma: llama.cpp's GELU is a tanh approximation read from an fp16 table, 1e-3 of these logits away
-    assert np.abs(theirs - expected).max() < (1e-4 if arch != "gemma3" else 2e-3 * np.abs(expected).max())
+    # Gemma: llama.cpp's GELU is a tanh approximation read from an fp16 table, so an input that rounds the other
+    # way moves its output by up to 1e-3 (its AVX2 build: 6e-5 of the largest logit between adapter and merged)
+    gelu = arch == "gemma3"
+    assert np.abs(theirs - merged).max() < (1e-3 if gelu else 1e-5) * np.abs(merged).max()
+    assert np.abs(theirs - expected).max() < (2e-3 * np.abs(expected).max() if gelu else 1e-4)
 
 
 def write_adapter(path, *, arch="llama", alpha=8.0, rank=4, extra=(), drop=(), width=64):
