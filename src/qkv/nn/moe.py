@@ -47,10 +47,8 @@ class MoE(nn.Module):
         gates = top_logits.softmax(-1)  # g (N, k)
         kept = self.within_capacity(top.view(*x.shape[:-1], self.top_k))  # (N, k) bool
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.nonzero((top == e) & kept, as_tuple=True)  # tokens routed to e, which choice
-            if rows.numel():
-                out = out.index_add(0, rows, gates[rows, slot, None].to(x.dtype) * expert(tokens[rows]))
+        for expert, rows, gate in dispatch(top, gates, kept, self.experts):
+            out = out.index_add(0, rows, gate[:, None].to(x.dtype) * expert(tokens[rows]))
         self.aux_loss = load_balancing_loss(logits.softmax(-1), top, len(self.experts))
         return out.view_as(x)
 
@@ -66,6 +64,26 @@ class MoE(nn.Module):
         one_hot = torch.nn.functional.one_hot(order, E)  # (T B k, E)
         rank = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # the route's place in its expert's queue
         return (rank < capacity).view(T, B, k).transpose(0, 1).reshape(B * T, k)
+
+
+def dispatch(top: Tensor, gates: Tensor, kept: Tensor, experts: nn.ModuleList):
+    """(expert, its rows, their gates) for each expert that has routes, as an MoE runtime groups them: the kept
+    routes (N k) sorted by expert once (stable: a token's rows stay in order), their counts read in one transfer,
+    then each expert's contiguous run of rows. Work and host syncs follow the experts used, not E: a decoding
+    step of a 128-expert top-8 layer runs 8 experts, where a loop asking each expert for its tokens asks 128
+    times (benchmarks/moe_dispatch.py)."""
+    k = top.shape[-1]
+    routes = torch.nonzero(kept.reshape(-1), as_tuple=True)[0]  # kept routes, token-major   (R,)
+    chosen = top.reshape(-1)[routes]
+    order = torch.argsort(chosen, stable=True)
+    routes, chosen = routes[order], chosen[order]
+    counts = torch.bincount(chosen, minlength=len(experts)).tolist()  # the one transfer to the host
+    start = 0
+    for expert, count in zip(experts, counts):
+        if count:
+            run = routes[start:start + count]
+            yield expert, run // k, gates.reshape(-1)[run]
+        start += count
 
 
 def load_balancing_loss(probs: Tensor, top: Tensor, experts: int) -> Tensor:
