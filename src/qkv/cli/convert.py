@@ -6,6 +6,7 @@ qkv.formats loading when the command runs.
     qkv convert RUN --to-hf DIR              a dir transformers' from_pretrained loads (RUN: any format qkv reads)
     qkv convert RUN --to-gguf F.gguf [--dtype f32|f16|bf16|q8_0|q4_0]   a file llama.cpp and Ollama run
     qkv convert RUN --merge-lora --out RUN2  a LoRA run (or RUN with --adapter PATH) with its adapters folded in
+    qkv convert MODEL --adapter A.gguf --to-peft DIR   an adapter (a GGUF one, a LoRA run's) as a PEFT dir
 
 A LoRA adapter is a LoRA run's own, or --adapter PATH (a PEFT dir or a GGUF adapter file) over RUN. With one,
 --to-gguf writes the adapter alone as a GGUF adapter (llama.cpp applies it over the base file at run time:
@@ -30,6 +31,8 @@ def add_parsers(subparsers) -> None:
     convert.add_argument("--from-gguf", metavar="FILE", help="read a GGUF file (llama.cpp's format)")
     convert.add_argument("--to-gguf", metavar="FILE", help="write RUN as a GGUF file (llama- or gpt2-shaped models); "
                          "a LoRA run, or RUN with --adapter: the adapter alone, as llama.cpp's --lora reads it")
+    convert.add_argument("--to-peft", metavar="DIR", help="write the adapter (a LoRA run's, or --adapter's, e.g. a GGUF "
+                         "adapter file) as a PEFT dir, which peft.PeftModel.from_pretrained loads over the base")
     convert.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
                          help="with --to-gguf: the matrices' type (default f32; an adapter's: f32, f16 or bf16)")
     convert.add_argument("--quant", choices=("int8", "int4"),
@@ -57,6 +60,15 @@ def cmd_convert(args) -> int:
         raise QkvError("--dtype applies to --to-gguf")
     if args.quant and not sources:
         raise QkvError("--quant applies to --from-hf / --from-gguf (a run dir with quantized weights)")
+    if args.to_peft:
+        if sources or targets or args.out or args.merge_lora or not args.run:
+            raise QkvError("--to-peft takes RUN (a LoRA run) or MODEL --adapter PATH, and no other target")
+        if not (is_lora_run(args.run) or args.adapter):
+            raise QkvError(f"{args.run}: has no LoRA adapters (not a run trained with --lora); give --adapter PATH")
+        out = write_peft(args.run, args.adapter or args.run, args.to_peft)
+        print(json.dumps({"from": args.adapter or args.run, "to": str(out)}) if args.json else
+              f"qkv: wrote {out}: a PEFT adapter (peft.PeftModel.from_pretrained(base, \"{out}\"); qkv: --adapter {out})")
+        return 0
     if args.merge_lora and (sources or not args.run or not (args.out or targets)):
         raise QkvError("--merge-lora takes RUN and one of --out RUN2, --to-hf DIR, --to-gguf FILE")
     if args.merge_lora and args.out and not targets:
@@ -132,6 +144,18 @@ def merge_into(source: str, out: str, adapter: str | None):
     if adapter:
         print(merge_adapter(run, adapter), file=sys.stderr)
     return run_dir.save(run, out)
+
+
+def write_peft(base: str, adapter: str, out: str):
+    """The adapter at `adapter` (a GGUF adapter, a PEFT dir, a LoRA run) for the model `base`, as a new PEFT dir."""
+    from pathlib import Path
+
+    from qkv.formats import load_config, peft, read_adapter
+
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise QkvError(f"--to-peft {out}: exists and is not an empty directory; choose another")
+    cfg = load_config(base).model
+    return peft.write_adapter(read_adapter(adapter, cfg, base), cfg, out)
 
 
 def write_gguf_adapter(base: str, adapter: str, out: str, dtype: str):

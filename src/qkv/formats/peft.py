@@ -35,18 +35,36 @@ UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": No
 
 def save_adapter(model: nn.Module, cfg: ModelConfig, spec: LoraSpec, out: str | Path) -> Path:
     """Write the adapters of `model` into `out` (created if needed; these two files replaced atomically)."""
+    layers = {name: LoraPair(A=layer.lora_A.weight, B=layer.lora_B.weight, scaling=layer.scaling)
+              for name, layer in adapters(model).items()}
+    if not layers:
+        raise QkvError("the model has no LoRA adapters to save")
+    return write_adapter(Adapter(layers=layers, origin="the model", spec=spec), cfg, out)
+
+
+def write_adapter(adapter: Adapter, cfg: ModelConfig, out: str | Path) -> Path:
+    """`adapter` as a PEFT dir `out` (created if needed; its two files replaced atomically). PEFT says one rank and
+    one alpha: an adapter read from elsewhere (a GGUF file) must have one rank and one scaling s, written as
+    lora_alpha = s r."""
     out = Path(out)
     names = hf_modules(cfg)
     tensors = {}
-    for name, layer in adapters(model).items():
+    for name, pair in adapter.layers.items():
         hf = names.get(name)
         if hf is None:
             raise QkvError(f"{name}: this model's Hugging Face layout has no module of its own for it (PEFT adapters "
                            "are written for the LLaMA and Qwen2 families)")
-        tensors[f"{PREFIX}{hf}.lora_A.weight"] = layer.lora_A.weight.detach().float().cpu().contiguous()
-        tensors[f"{PREFIX}{hf}.lora_B.weight"] = layer.lora_B.weight.detach().float().cpu().contiguous()
-    if not tensors:
-        raise QkvError("the model has no LoRA adapters to save")
+        tensors[f"{PREFIX}{hf}.lora_A.weight"] = pair.A.detach().float().cpu().contiguous()
+        tensors[f"{PREFIX}{hf}.lora_B.weight"] = pair.B.detach().float().cpu().contiguous()
+    spec = adapter.spec
+    if spec is None:
+        ranks = {pair.rank for pair in adapter.layers.values()}
+        scalings = {pair.scaling for pair in adapter.layers.values()}
+        if len(ranks) != 1 or max(scalings) - min(scalings) > 1e-6 * max(scalings):
+            raise QkvError(f"{adapter.origin}: its pairs have ranks {sorted(ranks)} and scalings {sorted(scalings)}; "
+                           "a PEFT dir says one rank and one alpha")
+        r = ranks.pop()
+        spec = LoraSpec(r=r, alpha=float(scalings.pop() * r), dropout=0.0)
     targets = sorted({key[len(PREFIX):].rsplit(".", 2)[0].rpartition(".")[2] for key in tensors})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
               "lora_dropout": spec.dropout, "target_modules": targets, "use_rslora": spec.rslora,

@@ -293,3 +293,21 @@ def test_every_inference_command_applies_a_gguf_adapter(lora_run, tmp_path, caps
     strip = [page.replace(name, "").replace(f"; LoRA adapter {adapter.name} merged", "")
              for page, name in zip(pages, names)]
     assert strip[0] == strip[1]  # every number of the page the same
+
+
+def test_a_gguf_adapter_becomes_a_peft_dir_peft_loads(lora_run, tmp_path, capsys):
+    """`qkv convert BASE --adapter A.gguf --to-peft DIR`: peft puts DIR over transformers' reading of the base with
+    the LoRA run's logits; an existing non-empty dir is refused, untouched."""
+    base, run, adapter = lora_run
+    rc, out, err = cli("convert", str(base), "--adapter", str(adapter), "--to-peft", str(tmp_path / "peft"))
+    assert rc == 0 and "a PEFT adapter" in out, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base.parent), gguf_file=base.name,
+                                                              dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(model, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        theirs = adapted(torch.tensor([IDS])).logits[0].double().numpy()
+    np.testing.assert_allclose(theirs, qkv_logits(qkv.load(run).model), rtol=0, atol=1e-4)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    rc, _, err = cli("convert", str(base), "--adapter", str(adapter), "--to-peft", str(tmp_path / "busy"))
+    assert rc == 2 and "not an empty directory" in err and (tmp_path / "busy" / "keep.txt").read_text() == "mine"
