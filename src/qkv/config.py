@@ -52,6 +52,12 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
     rope_beta_fast: float = 32.0  # yarn: rotations in the original context above which a pair is kept
     rope_beta_slow: float = 1.0  # yarn: ... below which it is interpolated (divided by s)
+    # longrope (Phi-3 128k): each turned pair's divisor of theta_i, the short set while a forward's positions stay
+    # within rope_original_context and the long set past it (as transformers switches), cos and sin times
+    # rope_attention_factor
+    rope_long_factors: tuple[float, ...] = ()
+    rope_short_factors: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
     rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
     # dimensions of a head RoPE turns, the first rope_dims / 2 pairs of qkv's layout (the rest pass through
     # unturned: Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct); 0 means all of head_dim

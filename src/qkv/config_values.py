@@ -24,6 +24,10 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         value = float(value) if ok else value
     elif kind is str:
         ok = isinstance(value, str)
+    elif _numbers(kind):  # tuple[float, ...]
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                      for v in value)
+        value = tuple(float(v) for v in value) if ok else value
     else:  # tuple[str, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value
@@ -46,14 +50,20 @@ def parse_value(key: str, text: str, kind: Any) -> Any:
             return float(text)
         if kind is str:
             return text
-        return tuple(part for part in text.split(",") if part)
+        parts = tuple(part for part in text.split(",") if part)
+        return tuple(float(part) for part in parts) if _numbers(kind) else parts
     except ValueError:
         raise QkvError(f"{key}={text!r} is not a valid {_type_name(kind)}") from None
 
 
+def _numbers(kind: Any) -> bool:
+    """tuple[float, ...] (a list of numbers in JSON; comma-separated on the command line)."""
+    return typing.get_origin(kind) is tuple and typing.get_args(kind)[:1] == (float,)
+
+
 def _type_name(kind: Any) -> str:
     # tuple[str, ...] is a GenericAlias whose __name__ is "tuple": name it the way JSON writes it
-    return kind.__name__ if isinstance(kind, type) else "list of strings"
+    return kind.__name__ if isinstance(kind, type) else "list of numbers" if _numbers(kind) else "list of strings"
 
 
 def _no_unknown(where: str, raw: dict, allowed) -> None:
@@ -76,8 +86,9 @@ def _finite_and_bounded(section: str, values) -> None:
     for name, kind in field_types(type(values)).items():
         key, value = f"{section}.{name}", getattr(values, name)
         coerce(key, value, kind)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise QkvError(f"{key}={value} must be a finite number")
+        if isinstance(value, float) and not math.isfinite(value) or _numbers(kind) and not all(
+                math.isfinite(v) for v in value):
+            raise QkvError(f"{key}={value} must be a finite number" + ("s" if _numbers(kind) else ""))
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
             raise QkvError(f"{key}={value} is out of range (|value| <= 2^62)")
 

@@ -11,6 +11,9 @@ context's stretch s, so that s L positions map into angles the model knows:
              interpolation (1 - a) theta_i / s + a theta_i, a = (L / lambda_i - low) / (high - low) (Llama 3.1)
     yarn     theta_i blended with theta_i / s by a ramp over the pairs that turn between beta_slow and beta_fast
              times in L positions, and cos, sin scaled by m = 0.1 ln s + 1 (Peng et al. 2023, "YaRN")
+    longrope theta_i / f_i with a searched divisor f_i per pair (Ding et al. 2024, "LongRoPE"; Phi-3 128k): the
+             short set while a forward's positions stay within L, the long set past it (transformers switches
+             per call so; llama.cpp by the context it is given), cos, sin scaled by a given m
 
 `frequencies(head_dim, base, scaling)` returns (theta (Dh/2,) float64, m): what both engines' Rotary turn by
 (plain NumPy: the torch engine takes the array, the reference engine uses it as it is).
@@ -24,7 +27,7 @@ import numpy as np
 
 from qkv.errors import QkvError
 
-SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling
+SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")  # model.rope_scaling
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,19 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    long_factors: tuple[float, ...] = ()  # longrope: f_i past L
+    short_factors: tuple[float, ...] = ()  # longrope: f_i within L
+    attention_factor: float = 1.0  # longrope: m
 
     def check(self) -> "RopeScaling":
         if self.kind not in SCALINGS:
             raise QkvError(f"model.rope_scaling={self.kind!r} is not a RoPE scaling qkv knows; "
                            f"choose from: {', '.join(SCALINGS)}")
-        if self.kind in ("llama3", "yarn") and self.original_context < 1:
+        if self.kind == "longrope" and not (self.long_factors and len(self.long_factors) == len(self.short_factors)
+                                            and min(self.long_factors + self.short_factors) > 0):
+            raise QkvError("model.rope_scaling='longrope' needs model.rope_long_factors and rope_short_factors, "
+                           "one positive divisor a turned pair each")
+        if self.kind in ("llama3", "yarn", "longrope") and self.original_context < 1:
             raise QkvError(f"model.rope_scaling={self.kind!r} needs model.rope_original_context >= 1")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise QkvError(f"model.rope_high_freq_factor={self.high_freq_factor} must exceed "
@@ -61,18 +71,25 @@ def base_frequencies(head_dim: int, base: float) -> np.ndarray:
     return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
-def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING,
-                rotated: int = 0) -> tuple[np.ndarray, float]:
+def frequencies(head_dim: int, base: float, scaling: RopeScaling = NO_SCALING, rotated: int = 0,
+                length: int = 0) -> tuple[np.ndarray, float]:
     """(theta (Dh/2,) float64, m): pair i turns by pos * theta_i, and cos and sin are multiplied by m.
     `rotated` < Dh (partial rotation): the first rotated / 2 pairs turn at base^(-2i/rotated), the others by 0,
-    unturned (model.rope_dims)."""
+    unturned (model.rope_dims). `length`: the positions a forward reaches (longrope's choice of set)."""
     rotated = rotated or head_dim
-    theta, m = scaled(base_frequencies(rotated, base), rotated, base, scaling)
+    theta, m = scaled(base_frequencies(rotated, base), rotated, base, scaling, length)
     return np.concatenate([theta, np.zeros((head_dim - rotated) // 2)]), m
 
 
-def scaled(theta: np.ndarray, dim: int, base: float, scaling: RopeScaling) -> tuple[np.ndarray, float]:
+def scaled(theta: np.ndarray, dim: int, base: float, scaling: RopeScaling,
+           length: int = 0) -> tuple[np.ndarray, float]:
     s = scaling.factor
+    if scaling.kind == "longrope":
+        divisors = scaling.long_factors if length > scaling.original_context else scaling.short_factors
+        if len(divisors) != theta.size:
+            raise QkvError(f"model.rope_long_factors / rope_short_factors have {len(divisors)} entries for "
+                           f"{theta.size} turned pairs")
+        return theta / np.asarray(divisors, dtype=np.float64), scaling.attention_factor
     if scaling.kind == "none":
         return theta, 1.0
     if scaling.kind == "linear":

@@ -39,6 +39,9 @@ VARIANTS = {  # together: every positional, norm, placement, activation, FFN and
     "llama3-rope": dict(positional="rope", rope_scaling="llama3", rope_factor=8.0, rope_original_context=16,
                         rope_theta=10000.0),
     "partial-rope": dict(positional="rope", rope_dims=2, rope_theta=100.0),  # 2 of each head's dimensions turned
+    "longrope": dict(positional="rope", rope_scaling="longrope", rope_original_context=3, rope_theta=100.0,
+                     rope_dims=4, rope_long_factors=(1.5, 3.0), rope_short_factors=(1.0, 1.2),
+                     rope_attention_factor=1.1),  # past 3 positions: the long set
 }
 # the torch engine's kernels at model level (padded, so the masks combine with each pattern); seq 18 reaches
 # the random kernel's first random distance (w + 1 + 12)

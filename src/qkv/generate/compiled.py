@@ -86,6 +86,8 @@ def unsupported(model: nn.Module) -> str | None:
         return f"the {type(positional).__name__} encoding (a score or value bias)"
     if not isinstance(positional, Rotary) and type(positional).rotate is not Positional.rotate:
         return f"the {type(positional).__name__} encoding"
+    if getattr(positional, "long_frequencies", None) is not None:
+        return "longrope (its frequencies change with the positions a step reaches)"
     for block in model.blocks:
         attn = block.attn
         if block.cross_attn is not None or block.residual not in (pre_norm, sandwich_norm):

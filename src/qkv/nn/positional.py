@@ -144,6 +144,11 @@ class Rotary(Positional):
         # model has none to fill), moved to the positions' device and dtype when used
         theta, self.attention_factor = frequencies(head_dim, rope_theta, rope_scaling, rope_dims)  # 0 past rope_dims
         self.frequencies = torch.tensor(theta, dtype=torch.float64, device="cpu")
+        self.long_from, self.long_frequencies = 0, None  # longrope: its long set, for positions past the original
+        if rope_scaling.kind == "longrope":
+            self.long_from = rope_scaling.original_context
+            far, _ = frequencies(head_dim, rope_theta, rope_scaling, rope_dims, length=rope_scaling.original_context + 1)
+            self.long_frequencies = torch.tensor(far, dtype=torch.float64, device="cpu")
         self._last: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -160,7 +165,10 @@ class Rotary(Positional):
         if (last is not None and last[0] is positions and last[1] == version and last[2] == dtype
                 and not torch.is_grad_enabled()):
             return last[3], last[4]
-        cos, sin = rotary_cos_sin(positions, self.frequencies, self.attention_factor, dtype)
+        theta = self.frequencies  # longrope: the long set where this forward reaches past the original context
+        if self.long_frequencies is not None and positions.numel() and int(positions.max()) + 1 > self.long_from:
+            theta = self.long_frequencies
+        cos, sin = rotary_cos_sin(positions, theta, self.attention_factor, dtype)
         self._last = None if torch.is_grad_enabled() else (positions, version, dtype, cos, sin)
         return cos, sin
 

@@ -117,8 +117,8 @@ class Rotary(Positional):
 
     def _cos_sin(self, positions):
         scaling = rope_scaling(self.cfg) if hasattr(self.cfg, "rope_scaling") else NO_SCALING  # (a bare cfg: none)
-        theta, m = frequencies(self.cfg.head_dim, self.cfg.rope_theta, scaling,
-                               getattr(self.cfg, "rope_dims", 0))  # (Dh/2,), m; 0 past rope_dims
+        theta, m = frequencies(self.cfg.head_dim, self.cfg.rope_theta, scaling, getattr(self.cfg, "rope_dims", 0),
+                               int(positions.max()) + 1 if positions.size else 0)  # (Dh/2,), m; 0 past rope_dims
         angles = positions.astype(np.float64)[..., None] * theta  # (B, T, Dh/2)
         angles = np.concatenate((angles, angles), axis=-1)[:, None]  # (B, 1, T, Dh)
         return m * np.cos(angles), m * np.sin(angles)  # m: YaRN's factor (docs/derivations/rope_scaling.md)

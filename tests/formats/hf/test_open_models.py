@@ -52,10 +52,19 @@ def smollm3():
         no_rope_layer_interval=2))  # layers 2 and 4 nope
 
 
-def phi3(partial: float = 1.0):
+def phi3(partial: float = 1.0, **extra):
     return transformers.Phi3ForCausalLM(transformers.Phi3Config(
-        **SMALL, num_hidden_layers=2, num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False,
-        partial_rotary_factor=partial))
+        **{**SMALL, "sliding_window": 6, **extra}, num_hidden_layers=2, num_key_value_heads=2,
+        tie_word_embeddings=False, partial_rotary_factor=partial))
+
+
+def phi3_longrope():
+    """Phi-3 128k's kind: divisors a pair, short within the original 16 positions and long past them."""
+    generator = torch.Generator().manual_seed(5)
+    long, short = (1.0 + 3.0 * torch.rand(4, generator=generator), 1.0 + 0.5 * torch.rand(4, generator=generator))
+    return phi3(max_position_embeddings=64, original_max_position_embeddings=16, sliding_window=None,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 100.0, "long_factor": long.tolist(),
+                                 "short_factor": short.tolist(), "original_max_position_embeddings": 16})
 
 
 MODELS = {
@@ -95,3 +104,18 @@ def test_a_partial_rotation_is_not_written_as_a_family_that_turns_every_dimensio
         code, _, err = cli("convert", str(tmp_path / "hf"), flag, str(out))
         assert code == 2 and "model.rope_dims=6 (a partial rotation)" in err and err.count("\n") == 1, err
         assert not out.exists()
+
+
+def test_phi3_longrope_switches_sets_as_transformers_does(tmp_path):
+    """Within the original context the short divisors, past it the long ones (per forward, as transformers
+    decides), cos and sin times sqrt(1 + ln 4 / ln 16); the reference engine's logits too."""
+    torch.manual_seed(0)
+    model = perturbed(phi3_longrope())
+    save_hf(model, tmp_path / "hf")
+    run = qkv.load(tmp_path / "hf")
+    assert run.config.model.rope_scaling == "longrope" and run.config.model.rope_original_context == 16
+    for length in (10, 30):  # short set, then long
+        ids = torch.randint(0, V, (1, length))
+        with torch.no_grad():
+            expected = model(ids).logits
+            assert (run.model(ids) - expected).abs().max() < 1e-4 * expected.abs().max(), length

@@ -2,11 +2,13 @@
 fused tensors. `qkv_proj` holds W^Q, W^K, W^V stacked (H Dh + 2 Hkv Dh rows) and `gate_up_proj` the gate and
 up projections (2 F rows, the gate first): split on reading (qkv writes the model as Mistral, or LLaMA without a
 window: the same function, unfused). A `sliding_window` makes
-every layer sliding (Phi-3-mini-4k: 2,047 keys). Phi-3's 128k models scale RoPE by `longrope`, whose factors
-change with the sequence's length: refused with the scalings qkv supports. A `partial_rotary_factor` below 1
+every layer sliding (Phi-3-mini-4k: 2,047 keys). Phi-3's 128k models scale RoPE by `longrope`: one divisor a
+pair, a short set within the original context and a long one past it (qkv.rope_scaling). A `partial_rotary_factor` below 1
 (Phi-4-mini: 0.75) turns only each head's first dimensions: model.rope_dims, Q's and K's rows put in qkv's
 layout (qkv.formats.hf.rope.partial_rows)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,8 +34,27 @@ def config(hf: dict, architecture: str) -> ModelConfig:
     n_layers = hf.get("num_hidden_layers") or 0
     sliding = {"layer_types": ("sliding",) * n_layers, "sliding_window": window} if window else {}
     partial = {"rope_dims": rotated} if rotated != head_dim else {}  # Phi-4-mini: 0.75
-    return llama.config({**hf, "rope_parameters": {k: v for k, v in params.items() if k != "partial_rotary_factor"}
-                         or None}, architecture, **sliding, **partial)
+    params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    longrope = {}
+    if params.get("rope_type", params.get("type")) == "longrope":
+        longrope = longrope_fields(hf, params, rotated)
+        params = {"rope_type": "default", "rope_theta": params.get("rope_theta", hf.get("rope_theta", 10000.0))}
+    return llama.config({**hf, "rope_parameters": params or None}, architecture, **sliding, **partial, **longrope)
+
+
+def longrope_fields(hf: dict, params: dict, rotated: int) -> dict:
+    """Phi-3 128k's longrope as transformers computes it (modeling_rope_utils._compute_longrope_parameters): the
+    divisors of the turned pairs, short and long, the original context, and the cos / sin factor m, given or
+    sqrt(1 + ln s / ln L) with s = max_position_embeddings / L."""
+    original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    ensure(isinstance(original, int) and original > 0, "longrope needs original_max_position_embeddings")
+    sets = [params.get(name) for name in ("long_factor", "short_factor")]
+    ensure(all(isinstance(s, list) and len(s) == rotated // 2 and all(isinstance(f, (int, float)) and f > 0 for f in s)
+               for s in sets), f"longrope's long_factor and short_factor must hold {rotated // 2} positive numbers each")
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    m = params.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return {"rope_scaling": "longrope", "rope_original_context": original, "rope_attention_factor": float(m),
+            "rope_long_factors": tuple(map(float, sets[0])), "rope_short_factors": tuple(map(float, sets[1]))}
 
 
 def split(tensors: Tensors, cfg: ModelConfig) -> Tensors:
