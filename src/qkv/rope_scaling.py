@@ -13,7 +13,7 @@ context's stretch s, so that s L positions map into angles the model knows:
              times in L positions, and cos, sin scaled by m = 0.1 ln s + 1 (Peng et al. 2023, "YaRN")
     longrope theta_i / f_i with a searched divisor f_i per pair (Ding et al. 2024, "LongRoPE"; Phi-3 128k): the
              short set while a forward's positions stay within L, the long set past it (transformers switches
-             per call so; llama.cpp by the context it is given), cos, sin scaled by a given m
+             per call so; llama.cpp by the context it is given: docs/DEVIATIONS.md), cos, sin scaled by a given m
 
 `frequencies(head_dim, base, scaling)` returns (theta (Dh/2,) float64, m): what both engines' Rotary turn by
 (plain NumPy: the torch engine takes the array, the reference engine uses it as it is).

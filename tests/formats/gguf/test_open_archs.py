@@ -4,6 +4,7 @@ rope_freqs.weight tensor), from random transformers models: qwen3 and gemma3 rea
 loader's logits; a Llama 3.x model written by qkv (rope_freqs) and read back with transformers' own logits of the
 HF model; and files whose metadata contradicts itself, each refused in one line with exit code 2."""
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -22,6 +23,10 @@ QWEN3 = {**{k: v for k, v in GEMMA.items() if "feedforward" not in k and "post_a
          "post_attention_layernorm": "ffn_norm"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.3, 2.1, 3.7, 5.2],
+            "short_factor": [1.0, 1.1, 1.05, 1.4], "original_max_position_embeddings": 16}
 
 
 def llama_cpp_agrees(path, ids: torch.Tensor, gelu: bool = False) -> float:
@@ -43,7 +48,7 @@ def gguf_name(hf_name: str, block: dict) -> str:
     return f"blk.{layer}.{block['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
-def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.0, drop=()):
+def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.0, drop=(), extra=None):
     """`model`'s weights (norms + `shift`, as llama.cpp stores Gemma's) under llama.cpp's names, a byte-level
     BPE, the architecture's metadata (`metadata`: {key without the arch prefix: value}; None drops a key)."""
     writer = gguf.GGUFWriter(str(path), arch)
@@ -59,6 +64,8 @@ def write(path, model, arch: str, block: dict, metadata: dict, shift: float = 0.
             continue
         w = tensor.detach().numpy().astype(np.float32) + (shift if name.endswith("norm.weight") else 0.0)
         writer.add_tensor(gguf_name(name, block), w, raw_dtype=gguf.GGMLQuantizationType.F32)
+    for name, w in (extra or {}).items():  # tensors that are settings (Phi-3's rope_factors_long / _short)
+        writer.add_tensor(name, np.asarray(w, dtype=np.float32), raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -245,7 +252,10 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
               "phi3": transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, num_hidden_layers=2,
                                                                            tie_word_embeddings=False)),
               "phi3-partial": transformers.Phi3ForCausalLM(transformers.Phi3Config(  # 4 of 8 turned (rope.dimension_count)
-                  **small, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5))}
+                  **small, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5)),
+              "phi3-longrope": transformers.Phi3ForCausalLM(transformers.Phi3Config(  # past 16 positions: the long set
+                  **{**small, "max_position_embeddings": 64}, num_hidden_layers=2, tie_word_embeddings=False,
+                  original_max_position_embeddings=16, rope_parameters=LONGROPE))}
     base = {"context_length": 128, "embedding_length": 32, "feed_forward_length": 48, "attention.head_count": 4,
             "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
             "rope.dimension_count": 8}
@@ -260,9 +270,13 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
                 for layer in stored.model.layers:
                     for proj, heads in ((layer.self_attn.q_proj, 4), (layer.self_attn.k_proj, 2)):
                         proj.weight.copy_(torch.from_numpy(ggml_rows(proj.weight.numpy(), heads)))
-        path = write(tmp_path / f"{arch}.gguf", stored, arch.removesuffix("-partial"),
-                     QWEN3 if arch == "smollm3" else phi3_block, {**base, "block_count": len(model.model.layers),
-                                                                  "rope.dimension_count": 4 if "partial" in arch else 8})
+        longrope = arch.endswith("longrope")
+        meta = {**base, "block_count": len(model.model.layers), "rope.dimension_count": 4 if "partial" in arch else 8,
+                **({"rope.scaling.original_context_length": 16, "context_length": 64,
+                    "rope.scaling.attn_factor": math.sqrt(1 + math.log(4) / math.log(16))} if longrope else {})}
+        path = write(tmp_path / f"{arch}.gguf", stored, arch.partition("-")[0], QWEN3 if arch == "smollm3" else
+                     phi3_block, meta, extra={"rope_factors_long.weight": LONGROPE["long_factor"],
+                                              "rope_factors_short.weight": LONGROPE["short_factor"]} if longrope else None)
         run = qkv.load(path)
         with torch.no_grad():
             expected = model(ids).logits
