@@ -96,29 +96,29 @@ def read_adapter(path: str | Path, cfg: ModelConfig, base: str | None = None) ->
     if meta.get("general.architecture") != name:
         raise QkvError(f"{path}: an adapter for a {meta.get('general.architecture')!r} model; this model is {name!r}")
     modules = {hf_name: qkv_name for qkv_name, hf_name in hf_modules(cfg).items()}
-    bases = {}
+    targets = {}
     for tensor in file.names:
-        base, part = tensor[:-len(PARTS[0])], tensor[-len(PARTS[0]):]
+        target, part = tensor[:-len(PARTS[0])], tensor[-len(PARTS[0]):]
         if part not in PARTS:
             raise QkvError(f"{path}: holds {tensor!r}, which is no LoRA tensor (BASE.lora_a or BASE.lora_b)")
-        bases.setdefault(base, set()).add(part)
+        targets.setdefault(target, set()).add(part)
     layers = {}
-    for base, parts in bases.items():
+    for target, parts in targets.items():  # each adapted base tensor
         if parts != set(PARTS):
-            raise QkvError(f"{path}: {base} has {sorted(parts)[0]} without its other half")
-        hf_name = arch.hf_name(base)
+            raise QkvError(f"{path}: {target} has {sorted(parts)[0]} without its other half")
+        hf_name = arch.hf_name(target)
         qkv_name = modules.get(hf_name.removesuffix(".weight")) if hf_name else None
         if qkv_name is None:
-            raise QkvError(f"{path}: adapts {base}, which is no linear layer of this model's blocks that qkv "
+            raise QkvError(f"{path}: adapts {target}, which is no linear layer of this model's blocks that qkv "
                            "adapts (an adapter for another base?)")
-        a, b = file.tensor(base + PARTS[0]), file.tensor(base + PARTS[1])
+        a, b = file.tensor(target + PARTS[0]), file.tensor(target + PARTS[1])
         try:
             b = arch.to_hf(hf_name, b, hf) if a.ndim == b.ndim == 2 else None
         except ValueError:  # rows Q's heads cannot be unpermuted in
             b = None
         if b is None:
-            raise QkvError(f"{path}: {base}'s lora_a {tuple(a.shape)} and lora_b "
-                           f"{tuple(file.tensor(base + PARTS[1]).shape)} are not (r, K) and (N, r) for this model")
+            raise QkvError(f"{path}: {target}'s lora_a {tuple(a.shape)} and lora_b "
+                           f"{tuple(file.tensor(target + PARTS[1]).shape)} are not (r, K) and (N, r) for this model")
         rank = a.shape[0]
         scaling = float(alpha) / rank if alpha and rank else 1.0  # llama.cpp: alpha 0 means no scaling
         layers[qkv_name] = LoraPair(A=torch.from_numpy(np.ascontiguousarray(a)),
