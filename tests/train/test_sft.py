@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import qkv
 from qkv.config import ModelConfig
 from qkv.data.sft import IGNORE, Examples, PackedBatches
-from qkv.errors import QkvError
 from qkv.formats.chat import template_for
 from qkv.models import build_model
 from qkv.train import sft
@@ -141,7 +140,7 @@ def test_a_bad_row_is_an_error_naming_it(tiny, tmp_path, capsys, row, message):
     data = rows_file(tmp_path / "rows.jsonl", [{"prompt": "a", "completion": "b"}, row])
     rc, out, err = cli(capsys, "train", "--task", "sft", "--init", str(path), "--data", str(data), "--out",
                        str(tmp_path / "run"), "--max-steps", "1", "--quiet")
-    assert rc == 2 and f"rows.jsonl:2: " in err and message in err and "Traceback" not in err, err
+    assert rc == 2 and "rows.jsonl:2: " in err and message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
 
 

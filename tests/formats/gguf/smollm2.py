@@ -95,3 +95,34 @@ def greedy_as_transformers(run, theirs, ids: list[int], tokens: int) -> None:
     with torch.no_grad():
         expected = theirs.generate(prompt, max_new_tokens=tokens, do_sample=False, eos_token_id=None)
     assert ours.tolist() == expected.tolist()
+
+
+def lora_sft_loads_in_peft(run, theirs, tmp_path: Path) -> None:
+    """A few LoRA SFT steps on the real file (`run`, read by qkv): the loss falls, and the run dir's adapters,
+    loaded by peft onto transformers' reading of the same file (`theirs`), give qkv's logits of the run."""
+    import copy
+    import json
+
+    import peft
+    import torch
+
+    import qkv
+    from qkv.cli import main
+
+    rows = [{"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
+                          {"role": "assistant", "content": "Hamlet was written by William Shakespeare."}]}] * 8
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    assert main(["train", "--task", "sft", "--init", str(run.path), "--data", str(data), "--out", str(out),
+                 "--max-steps", "3", "--lora", "r=8,alpha=16,targets=q,v", "--set", "train.seq_len=64", "--set",
+                 "train.batch_size=2", "--set", "train.lr=2e-3", "--set", "train.warmup_steps=0", "--set",
+                 "train.log_every=1", "--set", "train.precision=fp32", "--set", "train.eval_batches=1", "--quiet",
+                 "--no-sample"]) == 0
+    losses = [float(line.split(",")[1]) for line in (out / "metrics.csv").read_text().splitlines()[1:]
+              if line.split(",")[1]]
+    assert losses[-1] < losses[0], losses
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(out)).eval()
+    ids = torch.tensor([run.tokenizer.bos_ids + run.tokenizer.encode("Who wrote Hamlet? It was")])
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)

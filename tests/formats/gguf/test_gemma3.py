@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-import qkv
-from tests.formats.gguf.smollm2 import bundled_works, greedy_as_transformers, require_gemma3, with_transformers
+from tests.formats.gguf.smollm2 import (bundled_works, greedy_as_transformers, lora_sft_loads_in_peft, require_gemma3,
+                                       with_transformers)
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 LONG = " ".join(["Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."] * 40)
@@ -95,30 +95,8 @@ def test_the_commands_on_the_real_file(gemma, tmp_path):
 
 
 def test_lora_sft_of_the_real_file_loads_in_peft_with_qkvs_logits(gemma, tmp_path):
-    import copy
-
-    import peft
-
-    from qkv.cli import main
-
     run, theirs, _ = gemma
-    rows = [{"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
-                          {"role": "assistant", "content": "Hamlet was written by William Shakespeare."}]}] * 8
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out = tmp_path / "run"
-    assert main(["train", "--task", "sft", "--init", str(run.path), "--data", str(data), "--out", str(out),
-                 "--max-steps", "3", "--lora", "r=8,alpha=16,targets=q,v", "--set", "train.seq_len=64", "--set",
-                 "train.batch_size=2", "--set", "train.lr=2e-3", "--set", "train.warmup_steps=0", "--set",
-                 "train.log_every=1", "--set", "train.precision=fp32", "--set", "train.eval_batches=1", "--quiet",
-                 "--no-sample"]) == 0
-    losses = [float(line.split(",")[1]) for line in (out / "metrics.csv").read_text().splitlines()[1:]
-              if line.split(",")[1]]
-    assert losses[-1] < losses[0], losses
-    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(out)).eval()
-    ids = torch.tensor([[2] + run.tokenizer.encode("Who wrote Hamlet? It was")])
-    with torch.no_grad():
-        torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
+    lora_sft_loads_in_peft(run, theirs, tmp_path)
 
 
 def test_its_sentencepiece_tokenizer_is_written_and_read_back(gemma, tmp_path):

@@ -1,16 +1,14 @@
 """SmolLM2-135M-Instruct from its GGUF file (llama architecture, 30 layers, GQA 9/3, Q4_1 and Q8_0 tensors,
 ChatML), end to end against transformers reading the same file: logits, greedy text, the tokenizer on the
 bundled works and hostile strings, the chat, and qkv serve's chat completions through the openai client."""
-import json
-
 import pytest
 import torch
 
-import qkv
 from qkv.formats.base import Chat
 from qkv.formats.chat import template_for
 from qkv.generate.chat import ChatSession
-from tests.formats.gguf.smollm2 import bundled_works, greedy_as_transformers, require_smollm2, with_transformers
+from tests.formats.gguf.smollm2 import (bundled_works, greedy_as_transformers, lora_sft_loads_in_peft, require_smollm2,
+                                       with_transformers)
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n):", "1, 2, 3, 5, 8,",
@@ -97,29 +95,5 @@ def test_serve_speaks_chatml_and_stops_at_im_end(smol):
 def test_lora_sft_of_the_real_file_end_to_end(smol, tmp_path):
     """A few LoRA SFT steps on SmolLM2 itself (ChatML rows): the loss falls, the adapters load in peft onto
     transformers' reading of the same file with qkv's logits."""
-    import copy
-
-    import peft
-
-    from qkv.cli import main
-
-    path = require_smollm2()
     ours, theirs, _ = smol
-    rows = [{"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
-                          {"role": "assistant", "content": "Hamlet was written by William Shakespeare."}]}] * 8
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out = tmp_path / "run"
-    rc = main(["train", "--task", "sft", "--init", str(path), "--data", str(data), "--out", str(out), "--max-steps",
-               "3", "--lora", "r=8,alpha=16,targets=q,v", "--set", "train.seq_len=64", "--set",
-               "train.batch_size=2", "--set", "train.lr=2e-3", "--set", "train.warmup_steps=0", "--set",
-               "train.log_every=1", "--set", "train.precision=fp32", "--set", "train.eval_batches=1", "--quiet",
-               "--no-sample"])
-    assert rc == 0
-    losses = [float(line.split(",")[1]) for line in (out / "metrics.csv").read_text().splitlines()[1:]
-              if line.split(",")[1]]
-    assert losses[-1] < losses[0], losses
-    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(out)).eval()
-    ids = torch.tensor([ours.tokenizer.encode("Who wrote Hamlet? It was")])
-    with torch.no_grad():
-        torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
+    lora_sft_loads_in_peft(ours, theirs, tmp_path)
