@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.formats import merge_adapter
 from qkv.formats import peft as qkv_peft
 from tests.cli.test_main import cli
 from tests.formats.gguf import write_llama
@@ -64,7 +65,8 @@ def test_qkv_loads_an_adapter_made_by_peft(tmp_path, rslora):
                 param.normal_(0, 0.2)
     model.save_pretrained(str(tmp_path / "adapter"))
     run = qkv.load(gguf_file)
-    spec = qkv_peft.load_adapter(run.model, run.config.model, tmp_path / "adapter")
+    spec = qkv_peft.read_spec(tmp_path / "adapter")
+    assert "merged into" in merge_adapter(run, tmp_path / "adapter")
     assert spec.rslora == rslora and sorted(spec.targets) == ["down", "q", "v"]
     with torch.no_grad():
         torch.testing.assert_close(run.model(IDS), model.eval()(IDS).logits, rtol=1e-4, atol=1e-4)
@@ -143,7 +145,7 @@ def test_qlora_trains_over_a_quantized_base_and_resumes(lora_run, tmp_path, caps
             for child_name, child in list(module.named_children()):
                 if isinstance(child, torch.nn.Linear) and module_name.startswith("blocks."):
                     child.weight.copy_(QuantLinear.from_linear(child, base).weight)  # the frozen base it trained on
-    qkv_peft.load_adapter(expected.model, expected.config.model, out)
+    merge_adapter(expected, out)
     torch.testing.assert_close(qkv.load(out).model(IDS).detach(), expected.model(IDS).detach(), rtol=1e-4, atol=1e-4)
     rc, _, err = cli(capsys, "train", "--out", str(out), "--resume", "--max-steps", "5", "--quiet", "--no-sample")
     assert rc == 0 and "resuming from the checkpoint at step 4" in err, err

@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's format: a dir with adapter_config.json and adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(transformers_model, dir)` loads onto the Hugging Face model qkv exports
-(qkv.formats.hf), and which qkv loads onto its own model (`--adapter DIR`, qkv.formats.lora).
+(qkv.formats.hf), and which qkv reads (`read_adapter`) to put over its own model (`--adapter DIR`: qkv.formats.merge_adapter).
 
 Names: qkv's `blocks.3.attn.q_proj` is the HF module `model.layers.3.self_attn.q_proj`, found through the
 family's own export rules (a module whose weight is renamed, not transposed or joined: LLaMA, Qwen2); its
@@ -22,7 +22,7 @@ from torch import nn
 from qkv import files
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
-from qkv.formats.lora import Adapter, LoraPair, apply_adapter, check_adapter, hf_modules
+from qkv.formats.lora import Adapter, LoraPair, check_adapter, hf_modules
 from qkv.models import build_model
 from qkv.nn.lora import ALL_LINEAR, TARGETS, LoraSpec, adapters, check_spec, is_target
 
@@ -131,10 +131,3 @@ def read_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
     if extra:
         raise QkvError(f"{path / WEIGHTS}: tensors for no layer of this model: {', '.join(extra[:3])}")
     return check_adapter(Adapter(layers=layers, origin=str(path / WEIGHTS), spec=spec), cfg)
-
-
-def load_adapter(model: nn.Module, cfg: ModelConfig, path: str | Path) -> LoraSpec:
-    """Put the adapters of the PEFT dir `path` over `model`'s layers and load them (qkv.formats.lora)."""
-    adapter = read_adapter(path, cfg)
-    apply_adapter(model, adapter)
-    return adapter.spec
