@@ -17,6 +17,7 @@ class Section:
     rate: float = 0.5
     name: str = "x"
     paths: tuple[str, ...] = ()
+    factors: tuple[float, ...] = ()
 
 
 KINDS = field_types(Section)
@@ -24,7 +25,7 @@ KINDS = field_types(Section)
 
 @pytest.mark.parametrize("field,value,want", [
     ("flag", True, True), ("count", 3, 3), ("rate", 2, 2.0), ("rate", 0.25, 0.25), ("name", "a", "a"),
-    ("paths", ["a", "b"], ("a", "b")),
+    ("paths", ["a", "b"], ("a", "b")), ("factors", [1, 2.5], (1.0, 2.5)),
 ])
 def test_coerce_accepts_json_values_of_the_fields_type(field, value, want):
     got = coerce(f"s.{field}", value, KINDS[field])
@@ -33,7 +34,7 @@ def test_coerce_accepts_json_values_of_the_fields_type(field, value, want):
 
 @pytest.mark.parametrize("field,value", [
     ("flag", 1), ("count", True), ("count", 1.5), ("rate", False), ("rate", "0.1"), ("name", 3),
-    ("paths", "a"), ("paths", ["a", 1]),
+    ("paths", "a"), ("paths", ["a", 1]), ("factors", ["1.0"]), ("factors", [True]),
 ])
 def test_coerce_refuses_other_types_naming_the_key(field, value):
     """A bool is not an int (nor an int a bool): JSON's true must not pass for 1."""
@@ -44,12 +45,14 @@ def test_coerce_refuses_other_types_naming_the_key(field, value):
 @pytest.mark.parametrize("field,text,want", [
     ("flag", "true", True), ("flag", "0", False), ("flag", "False", False), ("count", "-7", -7),
     ("rate", "1e-3", 1e-3), ("name", "rope", "rope"), ("paths", "a,b,", ("a", "b")), ("paths", "", ()),
+    ("factors", "1,2.5e0", (1.0, 2.5)),
 ])
 def test_parse_value_reads_the_command_line_form(field, text, want):
     assert parse_value(f"s.{field}", text, KINDS[field]) == want
 
 
-@pytest.mark.parametrize("field,text", [("flag", "yes"), ("count", "1.5"), ("count", "ten"), ("rate", "fast")])
+@pytest.mark.parametrize("field,text", [("flag", "yes"), ("count", "1.5"), ("count", "ten"), ("rate", "fast"),
+                                        ("factors", "1,x")])
 def test_parse_value_refuses_what_is_not_that_type(field, text):
     with pytest.raises(QkvError, match=rf"s\.{field}='{text}' is not a valid"):
         parse_value(f"s.{field}", text, KINDS[field])

@@ -143,6 +143,10 @@ class ModelConfig:
         if self.rope_dims and (self.rope_dims % 2 or not 2 <= self.rope_dims <= self.head_dim):
             raise QkvError(f"model.rope_dims={self.rope_dims} must be an even number in 2..head_dim={self.head_dim} "
                            "(or 0: all)")
+        turned = (self.rope_dims or self.head_dim) // 2
+        if self.rope_scaling == "longrope" and not len(self.rope_long_factors) == len(self.rope_short_factors) == turned:
+            raise QkvError(f"model.rope_long_factors / rope_short_factors have {len(self.rope_long_factors)} / "
+                           f"{len(self.rope_short_factors)} entries: longrope needs one a turned pair, {turned}")
         if self.rope_dims not in (0, self.head_dim) and self.rope_scaling == "yarn":
             raise QkvError("model.rope_dims with rope_scaling=yarn: YaRN's factor on the turned pairs alone is not "
                            "supported by qkv")

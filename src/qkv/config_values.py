@@ -88,7 +88,7 @@ def _finite_and_bounded(section: str, values) -> None:
         coerce(key, value, kind)
         if isinstance(value, float) and not math.isfinite(value) or _numbers(kind) and not all(
                 math.isfinite(v) for v in value):
-            raise QkvError(f"{key}={value} must be a finite number" + ("s" if _numbers(kind) else ""))
+            raise QkvError(f"{key}={value} must be " + ("finite numbers" if _numbers(kind) else "a finite number"))
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
             raise QkvError(f"{key}={value} is out of range (|value| <= 2^62)")
 

@@ -221,6 +221,8 @@ def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):
     (dict(positional="alibi"), "ALiBi encoding"),
     (dict(attention="local", window=4, positional="rope"), "local attention kernel"),
     (dict(bigram_vocab=32, positional="rope"), "bigram"),
+    (dict(positional="rope", rope_scaling="longrope", rope_original_context=8, rope_long_factors=(2.0,) * 8,
+          rope_short_factors=(1.0,) * 8), "longrope"),  # (its frequencies change with a step's position)
 ])
 def test_what_it_does_not_cover_is_refused_with_the_reason(overrides, reason):
     with pytest.raises(ValueError, match=reason):
