@@ -13,6 +13,7 @@ keeps as modules of their own (LLaMA, Qwen2/3, Mistral, SmolLM3, Gemma).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,7 @@ def check_adapter(adapter: Adapter, cfg: ModelConfig) -> Adapter:
                            "(an adapter for another base?)")
         if not (torch.isfinite(pair.A).all() and torch.isfinite(pair.B).all()):
             raise QkvError(f"{adapter.origin}: {name} holds a NaN or infinite number")
-        if not (pair.scaling > 0 and torch.isfinite(torch.tensor(pair.scaling))):
+        if not (pair.scaling > 0 and math.isfinite(pair.scaling)):
             raise QkvError(f"{adapter.origin}: {name}'s scaling {pair.scaling} must be a positive number")
     return adapter
 
