@@ -78,8 +78,23 @@ class ModelConfig:
     moe_experts: int = 0  # E; 0 means a dense FFN
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0 means no capacity limit
+    # how each family routes (qkv.nn.moe, docs/derivations/moe-routing.md): scores softmax | sigmoid over all E
+    # router logits; the top k chosen (by the scores plus moe_choice_bias where set, within the moe_group_top_k
+    # best of moe_groups groups where set); their gates the chosen scores, renormalised to sum 1 when
+    # moe_norm_topk, times moe_scale. Mixtral: softmax + norm (softmax over the top-k logits, note 002's gate);
+    # OLMoE: softmax, not renormalised; DeepSeek-V2: softmax, groups, scale; DeepSeek-V3: sigmoid, bias, groups
+    moe_scoring: str = "softmax"
+    moe_norm_topk: bool = True
+    moe_scale: float = 1.0
+    moe_groups: int = 0  # G > 1: experts in G groups of E / G, tokens routed within the moe_group_top_k best
+    moe_group_top_k: int = 0
+    moe_choice_bias: bool = False  # a per-expert bias b_e added to the scores to choose, never to the gates
+    moe_d_ff: int = 0  # an expert's hidden width; 0 means d_ff (DeepSeek, Qwen3-MoE: narrower than a dense layer)
+    moe_shared_experts: int = 0  # S > 0: one FFN of S * moe_d_ff every token passes through beside its experts
+    moe_dense_layers: tuple[int, ...] = ()  # layers (from 0) whose FFN is dense (d_ff) in an MoE model
     attention: str = "sdpa"
     qk_norm: bool = False  # RMS-normalise each head's q and k (learnt gain, before RoPE): Dehghani et al. 2023
+    qk_norm_whole: bool = False  # ... over all heads' features of q and of k at once (OLMo 2, OLMoE)
     logit_softcap: float = 0.0  # c > 0: a decoder's logits c tanh(z / c) (Gemma 2, Team et al. 2024); 0 = none
     bigram_vocab: int = 0  # N > 0: a decoder's hashed bigram embedding, N rows (modded-nanogpt); 0 = none
     window: int = 0  # local / dilated / random kernels
@@ -128,6 +143,9 @@ class ModelConfig:
             raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
+        self._validate_experts()
+        if self.qk_norm_whole and not self.qk_norm:
+            raise QkvError("model.qk_norm_whole=true needs model.qk_norm=true")
         if not 0.0 <= self.dropout < 1.0:
             raise QkvError(f"model.dropout={self.dropout} must be in [0, 1)")
         _positive("model.norm_eps", self.norm_eps)
@@ -155,6 +173,35 @@ class ModelConfig:
             raise QkvError(f"model.bigram_vocab={self.bigram_vocab} must be 0 (none) or at least 2 rows")
         self._validate_family()
         return self
+
+    def _validate_experts(self) -> None:
+        """The routing fields against the expert count (their meaning: qkv.nn.moe)."""
+        for name in ("moe_groups", "moe_group_top_k", "moe_d_ff", "moe_shared_experts"):
+            _at_least(f"model.{name}", getattr(self, name), 0)
+        _positive("model.moe_scale", self.moe_scale)
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise QkvError(f"model.moe_scoring={self.moe_scoring!r}; choose from: softmax, sigmoid")
+        if self.moe_groups > 1:
+            if self.moe_experts % self.moe_groups:
+                raise QkvError(f"model.moe_groups={self.moe_groups} must divide model.moe_experts={self.moe_experts}")
+            if not 1 <= self.moe_group_top_k <= self.moe_groups:
+                raise QkvError(f"model.moe_group_top_k={self.moe_group_top_k} must be in 1..model.moe_groups="
+                               f"{self.moe_groups}")
+            if self.moe_top_k > self.moe_group_top_k * (self.moe_experts // self.moe_groups):
+                raise QkvError(f"model.moe_top_k={self.moe_top_k} is more than the "
+                               f"{self.moe_group_top_k * (self.moe_experts // self.moe_groups)} experts of "
+                               f"model.moe_group_top_k={self.moe_group_top_k} groups")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.decoder_layers]
+        if bad:
+            raise QkvError(f"model.moe_dense_layers has {bad[0]}, not a layer of 0..{self.decoder_layers - 1}")
+        if not self.moe_experts:
+            changed = [name for name, default in (("moe_scoring", "softmax"), ("moe_norm_topk", True),
+                                                  ("moe_scale", 1.0), ("moe_groups", 0), ("moe_group_top_k", 0),
+                                                  ("moe_choice_bias", False), ("moe_d_ff", 0),
+                                                  ("moe_shared_experts", 0), ("moe_dense_layers", ()))
+                       if getattr(self, name) != default]
+            if changed:
+                raise QkvError(f"model.{changed[0]}={getattr(self, changed[0])!r} needs experts: set model.moe_experts")
 
     def _validate_layers(self) -> None:
         """The per-layer plan's sizes (its names are qkv.plan's to check)."""

@@ -28,6 +28,9 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                       for v in value)
         value = tuple(float(v) for v in value) if ok else value
+    elif _integers(kind):  # tuple[int, ...]
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        value = tuple(value) if ok else value
     else:  # tuple[str, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value
@@ -51,6 +54,8 @@ def parse_value(key: str, text: str, kind: Any) -> Any:
         if kind is str:
             return text
         parts = tuple(part for part in text.split(",") if part)
+        if _integers(kind):
+            return tuple(int(part) for part in parts)
         return tuple(float(part) for part in parts) if _numbers(kind) else parts
     except ValueError:
         raise QkvError(f"{key}={text!r} is not a valid {_type_name(kind)}") from None
@@ -61,9 +66,16 @@ def _numbers(kind: Any) -> bool:
     return typing.get_origin(kind) is tuple and typing.get_args(kind)[:1] == (float,)
 
 
+def _integers(kind: Any) -> bool:
+    """tuple[int, ...] (a list of integers in JSON; comma-separated on the command line)."""
+    return typing.get_origin(kind) is tuple and typing.get_args(kind)[:1] == (int,)
+
+
 def _type_name(kind: Any) -> str:
     # tuple[str, ...] is a GenericAlias whose __name__ is "tuple": name it the way JSON writes it
-    return kind.__name__ if isinstance(kind, type) else "list of numbers" if _numbers(kind) else "list of strings"
+    if isinstance(kind, type):
+        return kind.__name__
+    return "list of numbers" if _numbers(kind) else "list of integers" if _integers(kind) else "list of strings"
 
 
 def _no_unknown(where: str, raw: dict, allowed) -> None:
@@ -89,7 +101,8 @@ def _finite_and_bounded(section: str, values) -> None:
         if isinstance(value, float) and not math.isfinite(value) or _numbers(kind) and not all(
                 math.isfinite(v) for v in value):
             raise QkvError(f"{key}={value} must be " + ("finite numbers" if _numbers(kind) else "a finite number"))
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT or _integers(kind) and any(
+                abs(v) > INT_LIMIT for v in value):
             raise QkvError(f"{key}={value} is out of range (|value| <= 2^62)")
 
 

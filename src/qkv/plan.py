@@ -11,6 +11,10 @@ on a base of 10,000 against the global layers' 1,000,000, SmolLM3 leaves RoPE ou
              (unscaled, Gemma 3), else as a global layer
     nope     attention over every key before it, with no rotation (SmolLM3's no_rope_layers)
 
+and its FFN: in a mixture-of-experts model (model.moe_experts > 0) every layer routes its tokens to experts
+but those model.moe_dense_layers lists, whose FFN is dense and model.d_ff wide (DeepSeek's first layers,
+Qwen3-MoE's mlp_only_layers).
+
 `layer_plans(cfg)` gives one `LayerPlan` per layer; the builder (qkv.models.build), the KV cache
 (qkv.nn.cache: a sliding layer's ring), the compiled decoding step, the calculators (qkv.analysis), the reference
 engine (qkv.ref.model) and the checks read it, and nothing else asks "which layer is this". It is plain Python
@@ -40,6 +44,7 @@ class LayerPlan:
     window: int  # keys it sees, itself included; 0: every key before it
     rope_theta: float | None  # its own RoPE base, unscaled (Gemma 3's local one), or None: the model's encoding
     # (none at all for a nope layer)
+    moe: bool = False  # its FFN is a mixture of experts (qkv.nn.moe), else dense
 
     @property
     def own_positions(self) -> bool:
@@ -71,12 +76,13 @@ def layer_plans(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
         raise QkvError(f"model.layer_types needs model.positional='rope' (its kinds differ in their rotation), "
                        f"got {cfg.positional!r}")
     plans = []
-    for kind in layer_kinds(cfg):
+    for i, kind in enumerate(layer_kinds(cfg)):
+        moe = bool(cfg.moe_experts) and i not in cfg.moe_dense_layers
         if kind == "sliding":
             local = cfg.rope_local_theta or None
-            plans.append(LayerPlan(kind, cfg.sliding_window, local))
+            plans.append(LayerPlan(kind, cfg.sliding_window, local, moe))
         else:
-            plans.append(LayerPlan(kind, 0, None))
+            plans.append(LayerPlan(kind, 0, None, moe))
     return tuple(plans)
 
 

@@ -98,6 +98,35 @@ def _moe(i):
     return out.reshape(B, T, D)
 
 
+@oracle(*cases.MOE_ROUTINGS)
+def _moe_routed(i):
+    """The families' routing written out token by token with torch ops (the sort by plain Python)."""
+    name = next(n for n, spec in cases.MOE_ROUTINGS.items() if ("shared.up_proj.weight" in i) == spec.get("shared", False)
+                and ("router_bias" in i) == spec.get("bias", False))
+    r = cases.MOE_ROUTINGS[name]["routing"]
+    x = i["x"].reshape(-1, D)
+    logits = x @ i["router.weight"].T
+    scores = logits.softmax(-1) if r.scoring == "softmax" else torch.sigmoid(logits)
+    bias = i.get("router_bias")
+    glu = _ffn_module("glu", "silu")
+    rows = []
+    for n in range(x.shape[0]):
+        ranked = [scores[n, e].item() + (bias[e].item() if bias is not None else 0.0) for e in range(4)]
+        allowed = range(4)
+        if r.groups:  # the better of 2 groups
+            groups = [ranked[:2], ranked[2:]]
+            rank = [sum(sorted(g)[-2:]) if r.scoring == "sigmoid" else max(g) for g in groups]
+            allowed = range(0, 2) if rank[0] >= rank[1] else range(2, 4)
+        top = sorted(allowed, key=lambda e: -ranked[e])[:2]
+        weights = torch.stack([scores[n, e] for e in top])
+        gates = r.scale * (weights / weights.sum() if r.normalize else weights)
+        row = sum(g * functional_call(glu, sub(i, f"experts.{e}"), (x[n:n + 1],))[0] for g, e in zip(gates, top))
+        if "shared.up_proj.weight" in i:
+            row = row + functional_call(glu, sub(i, "shared"), (x[n:n + 1],))[0]
+        rows.append(row)
+    return torch.stack(rows).reshape(B, T, D)
+
+
 def attention_reference(q, k, v, *, mask, causal, bias, scale, pattern=None):
     scores = q @ k.transpose(-1, -2) * scale
     if bias is not None:

@@ -24,11 +24,13 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         q, k, v = fused(h).split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if attn.qk_norm_whole:  # over all heads' features (OLMoE)
+        q, k = attn.q_norm(q), attn.k_norm(k)
     if T == 1:  # one column: no transpose
         q, k, v = q.view(B, H, 1, Dh), k.view(B, Hkv, 1, Dh), v.view(B, Hkv, 1, Dh)
     else:  # (B, heads, T, Dh)
         q, k, v = (t.view(B, T, t.shape[-1] // Dh, Dh).transpose(1, 2) for t in (q, k, v))
-    if attn.q_norm is not None:
+    if attn.q_norm is not None and not attn.qk_norm_whole:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rope is not None:
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)

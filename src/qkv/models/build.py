@@ -24,7 +24,7 @@ from qkv.nn.init import INITS
 from qkv.nn.kernels import KERNELS
 from qkv.nn.norms import NORMS
 from qkv.nn.positional import POSITIONALS, Positional, Rotary
-from qkv.nn.moe import MoE
+from qkv.nn.moe import MoE, Routing
 from qkv.nn.residual import RESIDUALS, sublayer_norm
 from qkv.registry import Registry
 
@@ -126,17 +126,25 @@ def attention(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = No
     kernel = cfg.attention if not cross or KERNELS.get(cfg.attention).full else "sdpa"
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
                      dropout=cfg.dropout, window=cfg.window, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+                     qk_norm_whole=cfg.qk_norm_whole,
                      head_dim=cfg.head_dim, sliding=plan.window if plan is not None else 0,
                      scale=cfg.query_scale ** -0.5 if cfg.query_scale else 0.0, softcap=cfg.attn_softcap,
                      positional=own_positions)
 
 
-def ffn(cfg: ModelConfig) -> nn.Module:
-    """The dense FFN `cfg.ffn`, or a mixture of moe_experts of them when moe_experts > 0."""
-    if cfg.moe_experts:
-        return MoE(cfg.d_model, cfg.d_ff, experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+def routing(cfg: ModelConfig) -> Routing:
+    return Routing(scoring=cfg.moe_scoring, normalize=cfg.moe_norm_topk, scale=cfg.moe_scale, groups=cfg.moe_groups,
+                   group_top_k=cfg.moe_group_top_k)
+
+
+def ffn(cfg: ModelConfig, plan: LayerPlan | None = None) -> nn.Module:
+    """The dense FFN `cfg.ffn`, or a mixture of moe_experts of them (moe_d_ff wide) where the layer's plan
+    says (every layer of an encoder stack when moe_experts > 0)."""
+    if plan.moe if plan is not None else cfg.moe_experts:
+        return MoE(cfg.d_model, cfg.moe_d_ff or cfg.d_ff, experts=cfg.moe_experts, top_k=cfg.moe_top_k,
                    capacity_factor=cfg.moe_capacity_factor, ffn=cfg.ffn, activation=cfg.activation,
-                   bias=cfg.bias, dropout=cfg.dropout)
+                   bias=cfg.bias, dropout=cfg.dropout, routing=routing(cfg), choice_bias=cfg.moe_choice_bias,
+                   shared_d_ff=cfg.moe_shared_experts * (cfg.moe_d_ff or cfg.d_ff))
     return FFNS.get(cfg.ffn)(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
                              dropout=cfg.dropout)
 
@@ -164,7 +172,7 @@ def layer_positions(cfg: ModelConfig, plans: tuple[LayerPlan, ...]) -> list[Posi
 
 def block(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = None,
           own_positions: Positional | None = None) -> Block:
-    return Block(attn=attention(cfg, plan=plan, own_positions=own_positions), ffn=ffn(cfg), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
+    return Block(attn=attention(cfg, plan=plan, own_positions=own_positions), ffn=ffn(cfg, plan), attn_norm=sublayer_norm_of(cfg), ffn_norm=sublayer_norm_of(cfg),
                  residual=RESIDUALS.get(cfg.norm_placement).apply, cross_attn=attention(cfg, cross=True) if cross else None,
                  cross_norm=sublayer_norm_of(cfg) if cross else None)
 

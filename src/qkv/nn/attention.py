@@ -34,11 +34,13 @@ class Attention(nn.Module):
     hook_points = ("q", "k", "v", "scores", "pattern", "z", "out")  # qkv.nn.hookpoints
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
                  dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None, head_dim: int = 0,
-                 sliding: int = 0, scale: float = 0.0, softcap: float = 0.0, positional: Positional | None = None):
+                 sliding: int = 0, scale: float = 0.0, softcap: float = 0.0, positional: Positional | None = None,
+                 qk_norm_whole: bool = False):
         """`head_dim`: Dh where it is not D / H; `sliding` W > 0: each query sees its last W keys (itself
         included: a sliding layer of qkv.plan); `scale`: the scores' factor where it is not Dh^-1/2;
         `softcap` c > 0: scores c tanh(s / c) before the mask (Gemma 2); `positional`: the layer's own rotation
-        where it differs from the model's (a local RoPE base, or none: qkv.plan)."""
+        where it differs from the model's (a local RoPE base, or none: qkv.plan); `qk_norm_whole`: the q/k norm
+        over all heads' features at once (OLMo 2, OLMoE) rather than each head's."""
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = head_dim or d_model // n_heads
@@ -51,10 +53,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)  # W^V (Hkv*Dh, D)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # W^O (D, H*Dh)
         # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3, modded-nanogpt): q_h <- RMSNorm(q_h), k_h <- RMSNorm(k_h)
-        # over each head's Dh features, one learnt gain per feature shared by the heads; bounds the logits
+        # over each head's Dh features, one learnt gain per feature shared by the heads; bounds the logits.
+        # qk_norm_whole: q <- RMSNorm(q), k <- RMSNorm(k) over all H*Dh (Hkv*Dh) features, a gain for each
         qk = qk_norm_eps is not None
-        self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk else None
-        self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk else None
+        self.qk_norm_whole = qk and qk_norm_whole
+        q_width, k_width = (n_heads * self.head_dim, n_kv_heads * self.head_dim) if qk_norm_whole else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, eps=qk_norm_eps) if qk else None
+        self.k_norm = RMSNorm(k_width, eps=qk_norm_eps) if qk else None
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
@@ -67,13 +72,13 @@ class Attention(nn.Module):
         if fused is not None:  # [Q K V] = x [W^Q; W^K; W^V]^T in one product (qkv.nn.fuse, inference)
             kv = self.n_kv_heads * self.head_dim
             q, k, v = fused(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
-            q, k, v = (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
-                       self.split_heads(v, self.n_kv_heads))
         else:
-            q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
-            k = self.split_heads(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
-            v = self.split_heads(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, S_new, Dh)
-        if self.q_norm is not None:
+            q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)  # (B, T, H*Dh), (B, S_new, Hkv*Dh)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
+                   self.split_heads(v, self.n_kv_heads))  # (B, H, T, Dh), (B, Hkv, S_new, Dh)
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, which keeps the norm
         q, k = (self.positional or ctx.positional).rotate(q, k, ctx.positions)
         q, k, v = point(self, "q", q), point(self, "k", k), point(self, "v", v)  # qkv.nn.hookpoints

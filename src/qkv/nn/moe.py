@@ -1,14 +1,21 @@
-"""Mixture-of-Experts FFN with top-k gating and a load-balancing loss (note 002 "混合专家"; note 000 LLM
-§6.3 auxiliary losses; Shazeer et al. 2017, Switch Transformer (Fedus et al. 2022), GShard capacity):
+"""Mixture-of-Experts FFN with top-k routing and a load-balancing loss (note 002 "混合专家"; note 000 LLM
+§6.3 auxiliary losses; Shazeer et al. 2017, Switch Transformer (Fedus et al. 2022), GShard capacity), routed
+as each open family routes (docs/derivations/moe-routing.md):
 
-    p = softmax(x W_r^T)                 router probabilities over E experts   (N, E)
-    top = the k largest p per token;     g = softmax(logits[top]) = p[top] / sum p[top]
-    y = sum_{e in top, kept} g_e FFN_e(x)
+    l = x W_r^T                          router logits over E experts                        (N, E)
+    s = softmax(l)  or  sigmoid(l)       scores (Routing.scoring; sigmoid: DeepSeek-V3)
+    top = the k largest s + b            b: a per-expert bias used only to choose (DeepSeek-V3's
+                                         auxiliary-loss-free balancing; 0 elsewhere), within the
+                                         group_top_k best of G groups where G > 1 (DeepSeek-V2/V3)
+    g = s[top] / sum s[top]  (normalize) or s[top];  g <- scale g   the gates                 (N, k)
+    y = sum_{e in top, kept} g_e FFN_e(x)  +  FFN_shared(x)          (shared experts: DeepSeek)
     aux = E * sum_e f_e P_e              f_e = share of the N k routes that go to e (no gradient),
-                                         P_e = mean_n p_ne (Switch eq. 4; top-1 gives Switch's f_e)
+                                         P_e = mean_n p_ne, p = s (softmax) or s / sum_e s (sigmoid)
 
+Softmax with normalize is softmax over the top-k logits (Mixtral, gpt-oss, note 002's gate: the scores'
+shared denominator cancels); Qwen3-MoE normalises when its config's norm_topk_prob says so; OLMoE does not.
 Note 002's sketch averages the chosen experts' outputs with weight 1/k and no gate, so the router gets no
-gradient; qkv weighs them by the renormalised gates (docs/DEVIATIONS.md), as qkv.ref.moe does.
+gradient; qkv weighs them by the gates (docs/DEVIATIONS.md), as qkv.ref.moe does.
 Capacity (model.moe_capacity_factor = c > 0): each expert takes at most ceil(c N k / E) routes of a forward
 call, served by position (every row's position 0, then position 1, ...; a token's first choice before its
 second), so a token is never dropped because of a later one: the decoder stays causal. A dropped route adds
@@ -18,39 +25,117 @@ training device (GShard, Switch); generate with moe_capacity_factor = 0.
 
 The aux loss of the latest forward is kept in `MoE.aux_loss`; `aux_loss(model)` sums them, and the
 training loop adds train.aux_loss_weight * aux_loss(model) to the loss: forward needs no output flag.
-Parameter names: router.weight (E, D), experts.{e}.<the dense FFN's names> (as qkv.ref.moe).
+Parameter names: router.weight (E, D), experts.{e}.<the dense FFN's names> (as qkv.ref.moe), shared.<the
+dense FFN's names>; the choice bias is the buffer router_bias (E,).
+Hook points (qkv.nn.hookpoints): `scores` s (B, T, E); `gates` (B, T, E), each token's gate of every expert,
+0 for those it did not choose (formed only when hooked; a replacement routes each token to the k largest of
+its row, with those entries as gates); `post` the layer's output (B, T, D).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from qkv.nn.ffn import FFNS
+from qkv.nn.hookpoints import point, wants
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family turns router logits into k experts and their gates (module docstring)."""
+
+    scoring: str = "softmax"  # softmax | sigmoid
+    normalize: bool = True  # the k chosen scores divided by their sum
+    scale: float = 1.0  # the gates' factor (DeepSeek's routed_scaling_factor)
+    groups: int = 0  # G > 1: choose within the group_top_k best groups of E / G experts
+    group_top_k: int = 0
+
+
+def route(logits: Tensor, routing: Routing, top_k: int, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(top (N, k), gates (N, k), scores (N, E)) of router logits (N, E) in fp32."""
+    scores = scores_of(logits, routing)
+    return *choose(scores, routing, top_k, bias), scores
+
+
+def scores_of(logits: Tensor, routing: Routing) -> Tensor:
+    return logits.softmax(-1) if routing.scoring == "softmax" else logits.sigmoid()
+
+
+def choose(scores: Tensor, routing: Routing, top_k: int, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(top (N, k), gates (N, k)) of scores (N, E): the k largest s + b (within the best groups), their s as
+    gates, normalised and scaled as `routing` says."""
+    ranked = scores if bias is None else scores + bias
+    if routing.groups > 1:
+        ranked = within_groups(ranked, routing.groups, routing.group_top_k, best_two=routing.scoring == "sigmoid")
+    top = ranked.topk(top_k, dim=-1).indices  # (N, k), largest first
+    gates = scores.gather(-1, top)
+    if routing.normalize:
+        gates = gates / gates.sum(-1, keepdim=True)
+    return top, gates * routing.scale if routing.scale != 1.0 else gates
+
+
+def within_groups(choose: Tensor, groups: int, keep: int, best_two: bool) -> Tensor:
+    """Group-limited routing: each token's E experts in `groups` runs of E / G, ranked by their best score
+    (DeepSeek-V2) or the sum of their two best (DeepSeek-V3, `best_two`); the experts outside the `keep` best
+    groups get -inf, so the top k come from those (DeepSeek's reference code; transformers writes 0 there, the
+    same choice while every biased score is positive)."""
+    N, E = choose.shape
+    grouped = choose.view(N, groups, E // groups)
+    rank = grouped.topk(2, dim=-1).values.sum(-1) if best_two else grouped.amax(-1)  # (N, G)
+    chosen = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(keep, dim=-1).indices, True)
+    return grouped.masked_fill(~chosen[..., None], float("-inf")).view(N, E)
+
+
+def balance_probs(scores: Tensor, routing: Routing) -> Tensor:
+    """p, each token's scores as a distribution over the experts: P_e = mean_n p_ne of the balance loss."""
+    return scores if routing.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
 
 
 class MoE(nn.Module):
+    hook_points = ("scores", "gates", "post")  # qkv.nn.hookpoints
+
     def __init__(self, d_model: int, d_ff: int, *, experts: int, top_k: int, capacity_factor: float = 0.0,
-                 ffn: str = "mlp", activation: str, bias: bool, dropout: float = 0.0):
+                 ffn: str = "mlp", activation: str, bias: bool, dropout: float = 0.0,
+                 routing: Routing = Routing(), choice_bias: bool = False, shared_d_ff: int = 0):
         super().__init__()
-        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.top_k, self.capacity_factor, self.routing = top_k, capacity_factor, routing
         self.router = nn.Linear(d_model, experts, bias=False)  # W_r (E, D)
+        if choice_bias:  # b (E,): chooses, never weighs; moved by the load, not by gradients (qkv.train)
+            self.register_buffer("router_bias", torch.zeros(experts))
+        else:
+            self.router_bias = None
         self.experts = nn.ModuleList(
             FFNS.get(ffn)(d_model, d_ff, activation=activation, bias=bias, dropout=dropout) for _ in range(experts))
+        self.shared = (FFNS.get(ffn)(d_model, shared_d_ff, activation=activation, bias=bias, dropout=dropout)
+                       if shared_d_ff else None)
         self.aux_loss = torch.zeros(())  # of the latest forward
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         tokens = x.reshape(-1, x.shape[-1])  # (N, D)
-        logits = self.router(tokens).to(torch.promote_types(x.dtype, torch.float32))  # softmax in fp32 (N, E)
-        top_logits, top = logits.topk(self.top_k, dim=-1)  # (N, k), largest first
-        gates = top_logits.softmax(-1)  # g (N, k)
+        logits = self.router(tokens).to(torch.promote_types(x.dtype, torch.float32))  # routed in fp32 (N, E)
+        scores = scores_of(logits, self.routing)
+        scores = point(self, "scores", scores.view(*x.shape[:-1], -1)).view_as(scores)
+        top, gates = choose(scores, self.routing, self.top_k, self.router_bias)
+        if wants(self, "gates"):
+            top, gates = self.hooked_gates(top, gates, x.shape)
         kept = self.within_capacity(top.view(*x.shape[:-1], self.top_k))  # (N, k) bool
         out = torch.zeros_like(tokens)
         for expert, rows, gate in dispatch(top, gates, kept, self.experts):
             out = out.index_add(0, rows, gate[:, None].to(x.dtype) * expert(tokens[rows]))
-        self.aux_loss = load_balancing_loss(logits.softmax(-1), top, len(self.experts))
-        return out.view_as(x)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.aux_loss = load_balancing_loss(balance_probs(scores, self.routing), top, len(self.experts))
+        return point(self, "post", out.view_as(x))
+
+    def hooked_gates(self, top: Tensor, gates: Tensor, shape) -> tuple[Tensor, Tensor]:
+        """The gates as a (B, T, E) point; a replacement's k largest entries of each row become the routes."""
+        dense = torch.zeros(top.shape[0], len(self.experts), dtype=gates.dtype, device=gates.device)
+        dense = point(self, "gates", dense.scatter(1, top, gates).view(*shape[:-1], -1)).reshape(top.shape[0], -1)
+        top = dense.topk(self.top_k, dim=-1).indices
+        return top, dense.gather(-1, top)
 
     def within_capacity(self, top: Tensor) -> Tensor:
         """Routes each expert accepts, top (B, T, k) -> (B*T, k) bool: at most ceil(c N k / E) per expert,

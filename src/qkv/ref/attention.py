@@ -56,6 +56,7 @@ class AttentionCache(NamedTuple):
     cross: bool  # keys and values came from a memory (cross-attention)
     q_norm: tuple | None = None  # model.qk_norm: the per-head RMSNorm caches of q and k, else None
     k_norm: tuple | None = None
+    qk_norm_whole: bool = False  # model.qk_norm_whole: the norms ran on the merged rows (B, T, H*Dh)
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -90,9 +91,14 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     v, cv = linear_forward(source, **scope(params, "v_proj"))
     kv_heads = ctx.n_heads * k.shape[-1] // q.shape[-1]
     groups = ctx.n_heads // kv_heads
-    q, k, v = split_heads(q, ctx.n_heads), split_heads(k, kv_heads), split_heads(v, kv_heads)
     cqn = ckn = None
-    if "q_norm.weight" in params:  # QK-norm: RMSNorm over each head's Dh features, before the rotation
+    # model.qk_norm_whole: the gain spans every head (with one head the two norms are one)
+    whole = "q_norm.weight" in params and ctx.n_heads > 1 and params["q_norm.weight"].shape[-1] == q.shape[-1]
+    if whole:  # QK-norm over all H*Dh features of q (Hkv*Dh of k) at once (OLMoE), before the split
+        q, cqn = rmsnorm_forward(scope(params, "q_norm"), q, ctx.norm_eps)
+        k, ckn = rmsnorm_forward(scope(params, "k_norm"), k, ctx.norm_eps)
+    q, k, v = split_heads(q, ctx.n_heads), split_heads(k, kv_heads), split_heads(v, kv_heads)
+    if "q_norm.weight" in params and not whole:  # QK-norm: RMSNorm over each head's Dh features, before the rotation
         q, cqn = rmsnorm_forward(scope(params, "q_norm"), q, ctx.norm_eps)
         k, ckn = rmsnorm_forward(scope(params, "k_norm"), k, ctx.norm_eps)
     q, k, crot = ctx.positional.rotate_forward(q, k, ctx.positions)
@@ -105,7 +111,7 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
                                       scale=ctx.scale or Dh ** -0.5, value_bias=value_bias, **capped)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
     return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None,
-                             q_norm=cqn, k_norm=ckn)
+                             q_norm=cqn, k_norm=ckn, qk_norm_whole=whole)
 
 
 def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> np.ndarray:
@@ -124,11 +130,15 @@ def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> n
         positional_grads.add(ctx.positional.value_param, dvalue_table)
     dk, dv = repeat_kv_backward(dk, groups), repeat_kv_backward(dv, groups)
     dq, dk = ctx.positional.rotate_backward(dq, dk, cache.rotation)
-    if cache.q_norm is not None:  # the norms' backward (docs/derivations/rmsnorm.md), gains summed over heads
+    if cache.q_norm is not None and not cache.qk_norm_whole:  # the norms' backward (docs/derivations/rmsnorm.md),
+        dq = rmsnorm_backward(dq, cache.q_norm, grads.scope("q_norm"))  # gains summed over heads
+        dk = rmsnorm_backward(dk, cache.k_norm, grads.scope("k_norm"))
+    dq, dk = merge_heads(dq), merge_heads(dk)
+    if cache.qk_norm_whole:  # over all heads' features: the same rule on the merged rows
         dq = rmsnorm_backward(dq, cache.q_norm, grads.scope("q_norm"))
         dk = rmsnorm_backward(dk, cache.k_norm, grads.scope("k_norm"))
-    dx = linear_backward(merge_heads(dq), cache.q_proj, grads.scope("q_proj"))  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
-    dsource = (linear_backward(merge_heads(dk), cache.k_proj, grads.scope("k_proj"))
+    dx = linear_backward(dq, cache.q_proj, grads.scope("q_proj"))  # dW_Q = H^T dQ; dH = dQ W_Q^T + ...
+    dsource = (linear_backward(dk, cache.k_proj, grads.scope("k_proj"))
                + linear_backward(merge_heads(dv), cache.v_proj, grads.scope("v_proj")))
     if cache.cross:
         grads.at("").add(MEMORY_GRAD, dsource)  # 000 §8.4: every decoder layer reads the same memory

@@ -20,7 +20,7 @@ import numpy as np
 from qkv.ref.attention import attention_backward, attention_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.functional import Grads, scope
-from qkv.ref.moe import MoECache, moe_backward, moe_forward
+from qkv.ref.moe import MoECache, Routing, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.registry import Registry
 
@@ -104,11 +104,14 @@ def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
 
 
 def ffn_sublayer(params: dict, cfg, aux_weight: float) -> Sublayer:
-    if cfg.moe_experts:
+    if "router.weight" in params:  # an MoE layer (qkv.plan: a model's moe_dense_layers have none)
+        routing = Routing(*(getattr(cfg, f"moe_{name}", default) for name, default in (
+            ("scoring", "softmax"), ("norm_topk", True), ("scale", 1.0), ("groups", 0), ("group_top_k", 0))))
+
         def forward(x):
             return moe_forward(params, x, ffn=cfg.ffn, activation=cfg.activation, experts=cfg.moe_experts,
                                top_k=cfg.moe_top_k, aux_weight=aux_weight,
-                               capacity_factor=getattr(cfg, "moe_capacity_factor", 0.0))
+                               capacity_factor=getattr(cfg, "moe_capacity_factor", 0.0), routing=routing)
         backward = moe_backward
     else:
         ffn = FFNS.get(cfg.ffn)

@@ -12,7 +12,7 @@ from qkv.ref.block import block_backward, block_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.flash import flash_backward, flash_forward
 from qkv.ref.gradcheck import CASES, Case, layer_grads
-from qkv.ref.moe import moe_backward, moe_forward
+from qkv.ref.moe import Routing, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.config import ModelConfig
 from qkv.ref.model import loss_and_grads
@@ -121,6 +121,33 @@ CASES.register("moe_top2")(Case(
     _moe_inputs,
     lambda i: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=3, top_k=2, aux_weight=0.0),
     lambda dy, c: layer_grads(moe_backward, dy, c)))
+
+# each family's routing (qkv.nn.moe): OLMoE's unnormalised gates, DeepSeek-V2's groups ranked by their best
+# score with a scale and a shared expert, DeepSeek-V3's sigmoid scores with a choosing bias and groups ranked
+# by their two best
+MOE_ROUTINGS = {
+    "moe_olmoe": dict(routing=Routing(normalize=False)),
+    "moe_deepseek_v2": dict(routing=Routing(normalize=False, scale=2.5, groups=2, group_top_k=1), shared=True),
+    "moe_deepseek_v3": dict(routing=Routing(scoring="sigmoid", scale=2.5, groups=2, group_top_k=1), shared=True,
+                            bias=True),
+}
+
+
+def _routed_inputs(rng, shared=False, bias=False, **_):
+    params = _moe_inputs(rng, experts=4)
+    if shared:
+        params.update(_ffn_inputs(rng, "glu", "shared."))
+    if bias:  # positive: the groups' ranks then agree with transformers' masking by 0 (qkv.nn.moe)
+        params["router_bias"] = rng.uniform(0.0, 0.1, size=4)
+    return params
+
+
+for _name, _spec in MOE_ROUTINGS.items():
+    CASES.register(_name)(Case(
+        lambda rng, _spec=_spec: _routed_inputs(rng, **_spec),
+        lambda i, _spec=_spec: moe_forward(i, i["x"], ffn="glu", activation="silu", experts=4, top_k=2,
+                                           routing=_spec["routing"]),
+        lambda dy, c: layer_grads(moe_backward, dy, c)))
 
 # ---- attention kernels -----------------------------------------------------------------------
 
