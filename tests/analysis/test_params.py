@@ -15,6 +15,10 @@ from qkv.nn import registries
 BASE = dict(vocab_size=37, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=20)
 VARIANTS = [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"ffn": "glu", "activation": "silu"},
             {"moe_experts": 3, "moe_top_k": 2}, {"moe_experts": 2, "moe_top_k": 1, "ffn": "glu"},
+            {"moe_experts": 4, "moe_top_k": 2, "ffn": "glu", "moe_d_ff": 8, "moe_shared_experts": 2,
+             "moe_choice_bias": True},  # DeepSeek's kind (the bias a buffer, no parameter)
+            {"moe_experts": 4, "moe_top_k": 2, "moe_dense_layers": (0,)}, {"qk_norm": True, "qk_norm_whole": True,
+                                                                          "n_kv_heads": 2},
             {"tie_embeddings": False}, {"bias": False}, {"bigram_vocab": 50}, {"norm": "rmsnorm"}, {"embed_norm": True},
             {"type_vocab_size": 2}, {"head": "mlm"}, {"head": "mlm", "tie_embeddings": False},
             {"head": "classifier", "n_classes": 3}, {"n_encoder_layers": 3, "n_decoder_layers": 1}]
@@ -75,6 +79,17 @@ def test_components_add_up_and_moe_active():
     dense = params.dense_ffn(cfg)
     assert counts["total"] - counts["active"] == cfg.n_layers * 3 * dense  # 3 of 4 experts idle per token
     assert counts["non_embedding"] == counts["total"] - counts["embedding"] - counts["positional"]
+
+
+def test_active_parameters_of_routed_dense_and_shared_layers():
+    """Per token: the dense layer whole, k of E experts, the router and the shared experts of each MoE layer."""
+    cfg = ModelConfig(**{**BASE, "n_layers": 3}, ffn="glu", moe_experts=6, moe_top_k=2, moe_d_ff=10,
+                      moe_shared_experts=1, moe_dense_layers=(0,), bias=False)
+    counts = params.breakdown(cfg)
+    D, expert = 16, 3 * 16 * 10
+    assert counts["ffn"] == 3 * 16 * 24 + 2 * (6 * expert + D * 6 + expert)
+    assert counts["total"] - counts["active"] == 2 * 4 * expert
+    assert counts["total"] == built_count(cfg)
 
 
 def test_gqa_shrinks_kv_projections_only():

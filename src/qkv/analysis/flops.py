@@ -12,7 +12,8 @@ compute it.
 Per layer, B sequences of T queries over S keys (S = T for self-attention), FLOPs forward:
     projections   2 B T D (H Dh) + 2 B S D (2 Hkv Dh) + 2 B T (H Dh) D       (W^Q; W^K, W^V; W^O)
     scores        2 B H T S Dh (Q K^T) + 2 B H T S Dh (A V)                   (note 000 §10.1.1-2)
-    FFN           2 B T D F x 2 (mlp), x 3 (glu); MoE: top_k experts + router 2 B T D E
+    FFN           2 B T D F x 2 (mlp), x 3 (glu); MoE: top_k experts (moe_d_ff wide) + the shared experts
+                  + router 2 B T D E; the plan's dense layers (model.moe_dense_layers) as a dense FFN
     LM head       2 B T D V
 Backward = 2 x forward: every matmul y = x W needs dx = dy W^T and dW = x^T dy (LLM §3.2).
 """
@@ -52,12 +53,10 @@ def score_pairs(kernel: str, T: int, S: int, window: int, causal: bool = False) 
     return T * S if spec.score_pairs is None else spec.score_pairs(T, S, window)
 
 
-def ffn(cfg: ModelConfig, tokens: int) -> int:
-    """A dense FFN's FLOPs are 2 x its weights per token (biases add, not multiply-add: not counted)."""
-    weights = params.dense_ffn(replace(cfg, bias=False))
-    if not cfg.moe_experts:
-        return MAC * tokens * weights
-    return MAC * tokens * (cfg.moe_top_k * weights + cfg.d_model * cfg.moe_experts)
+def ffn(cfg: ModelConfig, tokens: int, moe: bool | None = None) -> int:
+    """An FFN's FLOPs are 2 x the weights a token uses (biases add, not multiply-add: not counted): k experts,
+    the router and the shared experts of an MoE layer (`moe`, default: whether the model has experts)."""
+    return MAC * tokens * params.active_ffn(replace(cfg, bias=False), moe)
 
 
 def lm_head(cfg: ModelConfig, tokens: int) -> int:
@@ -75,14 +74,14 @@ def encoder_head(cfg: ModelConfig, batch: int, T: int) -> int:
 
 
 def _stack(cfg: ModelConfig, layers: int, batch: int, T: int, prefix: str, source: int = 0,
-           causal: bool = False) -> dict[str, int]:
+           causal: bool = False, decoder: bool = False) -> dict[str, int]:
     tokens = batch * T
     parts = {f"{prefix}attention_projections": layers * attention_projections(cfg, tokens, tokens),
              f"{prefix}attention_scores": layers * attention_scores(cfg, batch, T, T, causal)}
     if source:
         parts[f"{prefix}cross_attention_projections"] = layers * attention_projections(cfg, tokens, batch * source)
         parts[f"{prefix}cross_attention_scores"] = layers * attention_scores(cfg, batch, T, source)
-    parts[f"{prefix}ffn"] = layers * ffn(cfg, tokens)
+    parts[f"{prefix}ffn"] = sum(ffn(cfg, tokens, moe) for moe in params.routed_layers(cfg, layers, decoder))
     return parts
 
 
@@ -94,7 +93,8 @@ def forward(cfg: ModelConfig, *, batch: int = 1, seq: int | None = None, source_
     if batch <= 0 or T <= 0 or S <= 0:
         raise QkvError(f"batch={batch} and seq={T} must be positive")
     if cfg.arch == "decoder":
-        return {**_stack(cfg, cfg.decoder_layers, batch, T, "", causal=True), "lm_head": lm_head(cfg, batch * T)}
+        return {**_stack(cfg, cfg.decoder_layers, batch, T, "", causal=True, decoder=True),
+                "lm_head": lm_head(cfg, batch * T)}
     if cfg.arch == "encoder":
         return {**_stack(cfg, cfg.encoder_layers, batch, T, ""), "head": encoder_head(cfg, batch, T)}
     return {**_stack(cfg, cfg.encoder_layers, batch, S, "encoder."),

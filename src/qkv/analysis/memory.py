@@ -218,31 +218,34 @@ def _attention_layer(cfg: ModelConfig, B: int, T: int, S: int, a: int, stream: i
     return stream * B * T * D / t + a * (elements + B * H * Dh * copied) + kernel + masks
 
 
-def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int, t: int = 1) -> float:
-    D, F = cfg.d_model, cfg.d_ff // t
+def _ffn_layer(cfg: ModelConfig, B: int, T: int, a: int, stream: int, t: int = 1, moe: bool | None = None) -> float:
+    """`moe`: the layer routes (qkv.plan; default: whether the model has experts)."""
+    moe = bool(cfg.moe_experts) if moe is None else moe
+    D, F = cfg.d_model, (cfg.moe_d_ff or cfg.d_ff if moe else cfg.d_ff) // t
     hidden = (4 if cfg.ffn == "glu" else 2) * B * T * F
-    if cfg.moe_experts:  # each token's hidden activations exist once per chosen expert, + router
-        hidden = hidden * cfg.moe_top_k + B * T * cfg.moe_experts * (a + FP32)
+    if moe:  # each token's hidden activations exist once per chosen expert and shared expert, + router
+        hidden = hidden * (cfg.moe_top_k + cfg.moe_shared_experts) + B * T * cfg.moe_experts * (a + FP32)
     masks = B * T * D / t if cfg.dropout else 0
     return stream * B * T * D / t + a * (B * T * D + hidden) + masks  # x, LN(x) (gathered), the hidden units
 
 
 def layer_activations(cfg: ModelConfig, B: int, T: int, a: int, source: int = 0, stream: int | None = None,
-                      t: int = 1, wide: bool = False) -> float:
+                      t: int = 1, wide: bool = False, moe: bool | None = None) -> float:
     """One layer's saved activations (on one of t tensor-parallel ranks); a decoder layer of an
-    encoder-decoder adds cross-attention."""
+    encoder-decoder adds cross-attention. `moe`: its FFN routes (default: whether the model has experts)."""
     stream = a if stream is None else stream
-    total = _attention_layer(cfg, B, T, T, a, stream, t=t, wide=wide) + _ffn_layer(cfg, B, T, a, stream, t)
+    total = _attention_layer(cfg, B, T, T, a, stream, t=t, wide=wide) + _ffn_layer(cfg, B, T, a, stream, t, moe)
     return total + (_attention_layer(cfg, B, T, source, a, stream, self_attention=False, wide=wide) if source else 0)
 
 
-def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int]]:
-    """(T, source length) per layer, encoder layers first."""
+def _layers(cfg: ModelConfig, T: int) -> list[tuple[int, int, bool]]:
+    """(T, source length, whether its FFN routes) per layer, encoder layers first."""
+    moe = bool(cfg.moe_experts)
     if cfg.arch == "encoder":
-        return [(T, 0)] * cfg.encoder_layers
+        return [(T, 0, moe)] * cfg.encoder_layers
     if cfg.arch == "encoder-decoder":
-        return [(T, 0)] * cfg.encoder_layers + [(T, T)] * cfg.decoder_layers
-    return [(T, 0)] * cfg.decoder_layers
+        return [(T, 0, moe)] * cfg.encoder_layers + [(T, T, moe)] * cfg.decoder_layers
+    return [(T, 0, routes) for routes in params.routed_layers(cfg, cfg.decoder_layers, True)]
 
 
 def head_activations(cfg: ModelConfig, B: int, T: int, a: int, autocast: bool = False,
@@ -327,7 +330,8 @@ def activations(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     t, p = (setup.tp, setup.pp) if decoder else (1, 1)
     chunked = chunks_head(cfg, setup)
     wide = autocast and setup.device == "cpu" and running_kernel(cfg) == "sdpa"  # qkv.nn.kernels.sdpa
-    per_layer = [layer_activations(cfg, B, length, a, source, stream, t, wide) for length, source in _layers(cfg, T)]
+    per_layer = [layer_activations(cfg, B, length, a, source, stream, t, wide, moe)
+                 for length, source, moe in _layers(cfg, T)]
     split = t if p == 1 and setup.split_logits else 1  # a pipeline's last stage and label smoothing: whole logits
     head = head_activations(cfg, B, T, a, autocast, chunked, t, vocab_split=split)
     copies = weight_copies(cfg, a, chunked) / t if autocast else 0

@@ -2,11 +2,14 @@
 
 Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E experts):
     attention   D*H*Dh (W^Q) + 2*D*Hkv*Dh (W^K, W^V) + H*Dh*D (W^O)  [+ H*Dh + 2*Hkv*Dh + D biases]
-                [+ 2*Dh QK-norm gains]
+                [+ 2*Dh QK-norm gains; (H + Hkv)*Dh over all heads (model.qk_norm_whole)]
                 = 4 D^2 for MHA without biases (note 000 §2.2.2)
     FFN (mlp)   2*D*F [+ F + D]        (note 000 §4.1: W1 (D, F), W2 (F, D), b1, b2)
     FFN (glu)   3*D*F [+ 2F + D]       (note 003, SwiGLU: gate, up and down projections)
-    MoE         E * FFN + D*E          (E expert FFNs + the router, no bias; note 002)
+    MoE         E * FFN_e + D*E [+ FFN_s]   (E expert FFNs moe_d_ff wide + the router, no bias; note 002;
+                                        the shared experts one FFN S * moe_d_ff wide: DeepSeek)
+                a token uses k * FFN_e + D*E [+ FFN_s] of it ("active"); the plan's dense layers
+                (model.moe_dense_layers: DeepSeek's first three) are dense FFNs, d_ff wide
     LayerNorm   D [+ D]  (gamma, beta; note 000 §5.1);  RMSNorm D (note 003); two per sublayer (pre / post),
                 four with sandwich placement (a norm before and after each sublayer)
 Model: token embedding V*D (a decoder's hashed bigram table adds N*D, model.bigram_vocab), a learned
@@ -16,12 +19,14 @@ Every count here equals `sum(p.numel() for p in build_model(cfg).parameters())` 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from qkv.config import ModelConfig
 from qkv.registry import Registry
 from qkv.models import build
 from qkv.nn.residual import RESIDUALS
+from qkv.plan import layer_plans
 
 # ---- one formula per variant axis; a variant without a formula is counted by building that one module ----
 
@@ -33,7 +38,13 @@ def linear(n_in: int, n_out: int, bias: bool) -> int:
 def attention(cfg: ModelConfig) -> int:
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return (linear(cfg.d_model, q_width, cfg.bias) + 2 * linear(cfg.d_model, kv_width, cfg.bias)
-            + linear(q_width, cfg.d_model, cfg.bias) + (2 * cfg.head_dim if cfg.qk_norm else 0))  # QK-norm gains
+            + linear(q_width, cfg.d_model, cfg.bias) + qk_norm_gains(cfg))
+
+
+def qk_norm_gains(cfg: ModelConfig) -> int:
+    if not cfg.qk_norm:
+        return 0
+    return (cfg.n_heads + cfg.kv_heads) * cfg.head_dim if cfg.qk_norm_whole else 2 * cfg.head_dim
 
 
 FFN_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
@@ -60,18 +71,34 @@ def dense_ffn(cfg: ModelConfig) -> int:
     return _built(build.ffn(cfg))  # a variant added later: count the one module
 
 
-def ffn(cfg: ModelConfig) -> int:
-    """The FFN of one layer: dense, or E experts plus the router (D, E)."""
-    if not cfg.moe_experts:
-        return dense_ffn(cfg)
-    return cfg.moe_experts * dense_ffn(cfg) + cfg.d_model * cfg.moe_experts
+def expert(cfg: ModelConfig, width: int) -> int:
+    """One FFN of cfg.ffn `width` wide (an expert, the shared experts)."""
+    return dense_ffn(replace(cfg, d_ff=width))
 
 
-def active_ffn(cfg: ModelConfig) -> int:
-    """FFN parameters one token uses: top_k experts and the router."""
-    if not cfg.moe_experts:
+def ffn(cfg: ModelConfig, moe: bool | None = None) -> int:
+    """The FFN of one layer: dense, or E experts, the router (D, E) and the shared experts. `moe`: whether
+    this layer routes (qkv.plan), default: whether the model has experts."""
+    if not (cfg.moe_experts if moe is None else moe):
         return dense_ffn(cfg)
-    return cfg.moe_top_k * dense_ffn(cfg) + cfg.d_model * cfg.moe_experts
+    width = cfg.moe_d_ff or cfg.d_ff
+    shared = expert(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else 0
+    return cfg.moe_experts * expert(cfg, width) + cfg.d_model * cfg.moe_experts + shared
+
+
+def active_ffn(cfg: ModelConfig, moe: bool | None = None) -> int:
+    """FFN parameters one token uses: top_k experts, the router and the shared experts."""
+    if not (cfg.moe_experts if moe is None else moe):
+        return dense_ffn(cfg)
+    return ffn(cfg, True) - (cfg.moe_experts - cfg.moe_top_k) * expert(cfg, cfg.moe_d_ff or cfg.d_ff)
+
+
+def routed_layers(cfg: ModelConfig, layers: int, decoder: bool) -> list[bool]:
+    """Whether each layer of a stack routes: a decoder's as its plan says (dense layers listed), every layer
+    of an encoder stack where the model has experts."""
+    if decoder:
+        return [plan.moe for plan in layer_plans(cfg)]
+    return [bool(cfg.moe_experts)] * layers
 
 
 def norm(cfg: ModelConfig) -> int:
@@ -105,8 +132,9 @@ def lm_head(cfg: ModelConfig) -> int:
 COUNTS: Registry[Callable[[ModelConfig], dict[str, int]]] = Registry("architecture")
 
 
-def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False) -> dict[str, int]:
-    parts = {f"{prefix}attention": layers * attention(cfg), f"{prefix}ffn": layers * ffn(cfg),
+def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False, decoder: bool = False) -> dict[str, int]:
+    routed = routed_layers(cfg, layers, decoder)
+    parts = {f"{prefix}attention": layers * attention(cfg), f"{prefix}ffn": sum(ffn(cfg, moe) for moe in routed),
              f"{prefix}norms": layers * 2 * sublayer_norms(cfg)}
     if cross:
         parts[f"{prefix}cross_attention"] = layers * attention(cfg)
@@ -124,7 +152,7 @@ def _embeddings(cfg: ModelConfig, tables: int = 1) -> dict[str, int]:
 
 @COUNTS.register("decoder")
 def decoder(cfg: ModelConfig) -> dict[str, int]:
-    return {**_embeddings(cfg), **_stack(cfg, cfg.decoder_layers, ""), "lm_head": lm_head(cfg)}
+    return {**_embeddings(cfg), **_stack(cfg, cfg.decoder_layers, "", decoder=True), "lm_head": lm_head(cfg)}
 
 
 HEADS: dict[str, Callable[[ModelConfig], int]] = {  # encoder heads (qkv.models.heads, BERT)
@@ -152,15 +180,21 @@ def encoder_decoder(cfg: ModelConfig) -> dict[str, int]:
             **_stack(cfg, cfg.decoder_layers, "decoder.", cross=True), "lm_head": lm_head(cfg)}
 
 
+def unused(cfg: ModelConfig) -> int:
+    """Parameters of the experts a token is not routed to, over every stack."""
+    stacks = {"decoder": [(cfg.decoder_layers, True)], "encoder": [(cfg.encoder_layers, False)],
+              "encoder-decoder": [(cfg.encoder_layers, False), (cfg.decoder_layers, False)]}[cfg.arch]
+    return sum(ffn(cfg, moe) - active_ffn(cfg, moe) for layers, decoder in stacks
+               for moe in routed_layers(cfg, layers, decoder))
+
+
 def breakdown(cfg: ModelConfig) -> dict[str, int]:
     """{component: parameters} plus `total`, `non_embedding` (Kaplan et al.'s N: without the token and
     position tables) and `active` (per token: top-k experts of an MoE)."""
     parts = {name: count for name, count in COUNTS.get(cfg.arch)(cfg).items()}
     total = sum(parts.values())
-    ffn_layers = sum(n // ffn(cfg) for name, n in parts.items() if name.endswith("ffn"))
-    unused = ffn_layers * (ffn(cfg) - active_ffn(cfg))  # the experts a token is not routed to
     return {**parts, "total": total, "non_embedding": total - parts["embedding"] - parts["positional"],
-            "active": total - unused}
+            "active": total - unused(cfg)}
 
 
 def count(cfg: ModelConfig) -> int:
