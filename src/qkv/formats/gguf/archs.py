@@ -36,12 +36,18 @@ class GgufArch:
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
-GGUF_NAMES = {"gemma3_text": "gemma3"}  # llama.cpp's name of an HF model_type where the two differ
+GGUF_NAMES = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}  # llama.cpp's name of an HF
+# model_type where the two differ
 
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# an MoE layer's router and stacked experts (E, out, in) under an FFN module's name (qkv.formats.hf.moe stacks
+# and splits them); a llama file with experts is Mixtral
+MOE_BLOCK = {"ffn_gate_inp": "gate", "ffn_gate_exps": "experts.gate_proj", "ffn_up_exps": "experts.up_proj",
+             "ffn_down_exps": "experts.down_proj"}
+MIXTRAL_BLOCK = {**LLAMA_BLOCK, **{gguf: f"block_sparse_moe.{hf}" for gguf, hf in MOE_BLOCK.items()}}
 
 
 def need(meta: dict, key: str):
@@ -55,7 +61,11 @@ def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
     vocab = shapes["token_embd.weight"][0]
     model_type, architecture = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
-                                "phi3": ("phi3", "Phi3ForCausalLM")}[arch]
+                                "phi3": ("phi3", "Phi3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                "olmoe": ("olmoe", "OlmoeForCausalLM")}[arch]
+    experts = experts_of(meta, arch)
+    if experts and arch == "llama":
+        model_type, architecture = "mixtral", "MixtralForCausalLM"
     return {"model_type": model_type, "architectures": [architecture], "vocab_size": vocab, "hidden_size": d_model,
             "intermediate_size": int(need(meta, f"{arch}.feed_forward_length")),
             "num_hidden_layers": int(need(meta, f"{arch}.block_count")), "num_attention_heads": n_heads,
@@ -64,7 +74,20 @@ def llama_config(meta: dict, shapes: dict, arch: str = "llama") -> dict:
             "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
             "rms_norm_eps": float(need(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
             "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)), "hidden_act": "silu",
-            "tie_word_embeddings": "output.weight" not in shapes, **rope_scaling(meta, arch)}
+            "tie_word_embeddings": "output.weight" not in shapes, **rope_scaling(meta, arch), **experts}
+
+
+def experts_of(meta: dict, arch: str) -> dict:
+    """config.json's expert count and k from `{arch}.expert_count` / `expert_used_count` ({} without experts)."""
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    return {"num_local_experts": experts, "num_experts_per_tok": int(need(meta, f"{arch}.expert_used_count"))}
+
+
+def experts_metadata(hf: dict) -> dict:
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    return {"expert_count": experts, "expert_used_count": hf["num_experts_per_tok"]} if experts else {}
 
 
 LLAMA3_SETTINGS = [(8192, 1.0, 4.0)]  # (original context, low, high) of Llama 3.1-3.3 and 3.2's releases
@@ -187,12 +210,13 @@ def llama_metadata(hf: dict) -> dict:
             "block_count": hf["num_hidden_layers"], "feed_forward_length": hf["intermediate_size"],
             "attention.head_count": hf["num_attention_heads"], "attention.head_count_kv": hf["num_key_value_heads"],
             "rope.dimension_count": hf["head_dim"], "rope.freq_base": float(hf["rope_theta"]),
-            "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "vocab_size": hf["vocab_size"]}
+            "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]), "vocab_size": hf["vocab_size"],
+            **experts_metadata(hf)}
 
 
-GGUF_ARCHS.register("llama")(GgufArch(
-    hf_config=llama_config, hf_name=llama_name, to_hf=llama_to_hf,
-    gguf_name=inverse(LLAMA_TOP, LLAMA_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata,
+GGUF_ARCHS.register("llama")(GgufArch(  # (Mixtral too: a llama file with experts)
+    hf_config=llama_config, hf_name=renaming(LLAMA_TOP, MIXTRAL_BLOCK, "model.layers."), to_hf=llama_to_hf,
+    gguf_name=inverse(LLAMA_TOP, MIXTRAL_BLOCK, "model.layers."), from_hf=llama_from_hf, metadata=llama_metadata,
     settings=("rope_freqs.weight",), write_settings=llama_settings))
 
 

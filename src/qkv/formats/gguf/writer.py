@@ -27,6 +27,7 @@ from qkv.formats.base import Run
 from qkv.formats.gguf.archs import GGUF_ARCHS, GGUF_NAMES
 from qkv.formats.gguf.tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 from qkv.formats.hf import exporter
+from qkv.formats.hf.moe import stack
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 PRE_NAMES = {QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}  # a Split regex before the byte mapping
@@ -41,20 +42,21 @@ def save(run: Run, out: str | Path, dtype: str = "f32") -> Path:
     if out.exists():
         raise QkvError(f"{out} already exists; choose another file")
     cfg = run.config.model
-    family = exporter(cfg)  # (first: a model no family writes says so before anything else)
-    if run.tokenizer is None:
-        raise QkvError(f"{run.path}: has no tokenizer, which a GGUF file carries")
+    family = exporter(cfg)  # (first: a model no family or architecture writes says so before anything else)
     _, hf = family.hf_config(cfg)
     name = GGUF_NAMES.get(hf["model_type"], hf["model_type"])  # llama.cpp's name of the architecture
     writes = [n for n in GGUF_ARCHS.names() if GGUF_ARCHS.get(n).metadata is not None]
     if name not in writes:
         raise QkvError(f"a {hf['model_type']} model has no GGUF form in qkv; it writes {', '.join(writes)} shapes")
     arch = GGUF_ARCHS.get(name)
+    metadata = arch.metadata(hf)
+    if run.tokenizer is None:
+        raise QkvError(f"{run.path}: has no tokenizer, which a GGUF file carries")
     kind = gguf.GGMLQuantizationType[dtype.upper()]
-    tensors = family.to_hf(model_tensors(run.model), cfg)
+    tensors = stack(family.to_hf(model_tensors(run.model), cfg))  # (an MoE's experts as one tensor each)
     with gguf_file(out, name) as writer:
         writer.add_name(Path(run.path).name)
-        for key, value in arch.metadata(hf).items():
+        for key, value in metadata.items():
             writer.add_key_value(f"{name}.{key}", value, value_type(value))
         add_tokenizer(writer, run)
         for name, tensor in tensors.items():

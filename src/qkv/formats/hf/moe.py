@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+import torch
+
 from qkv.config import ModelConfig
 from qkv.formats.hf import llama
 from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, ensure, import_tensors, linear, need,
@@ -102,30 +104,55 @@ def rules(cfg: ModelConfig, family: str) -> list[Rule]:
     return base + out
 
 
-def unstack(tensors: Tensors) -> Tensors:
-    """transformers 5's stacked experts (…experts.gate_up_proj (E, 2F, D), …experts.down_proj (E, D, F)) as each
-    expert's own matrices; any other tensor unchanged."""
+STACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_proj": ("gate_proj",), "up_proj": ("up_proj",),
+           "down_proj": ("down_proj",)}  # a stacked tensor's kind -> the expert matrices it holds, in row order
+
+
+def unstack(tensors: Tensors, family: str, experts: int | None = None) -> Tensors:
+    """Stacked experts as each expert's own matrices under the family's names: transformers 5's modules
+    (…experts.gate_up_proj (E, 2F, D), …experts.down_proj (E, D, F)) and GGUF's, renamed by
+    qkv.formats.gguf (…experts.gate_proj.weight, up_proj, (E, F, D); down_proj (E, D, F)); others unchanged."""
+    names = EXPERT_NAMES.get(family, {})
     out = {}
     for name, tensor in tensors.items():
-        stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+        stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name) or re.fullmatch(
+            r"(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight", name)
         if stacked is None:
             out[name] = tensor
             continue
         prefix, kind = stacked.groups()
-        ensure(tensor.dim() == 3, f"{name} has shape {tuple(tensor.shape)}: stacked experts are (E, out, in)")
+        parts = STACKED[kind]
+        ensure(tensor.dim() == 3 and tensor.shape[1] % len(parts) == 0,
+               f"{name} has shape {tuple(tensor.shape)}: stacked experts are (E, out, in)")
+        ensure(experts is None or tensor.shape[0] == experts,
+               f"{name} stacks {tensor.shape[0]} experts where the config says {experts}")
         for e in range(tensor.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-            else:
-                ensure(tensor.shape[1] % 2 == 0, f"{name} has shape {tuple(tensor.shape)}: gate and up stacked need an "
-                                                 "even row count")
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = tensor[e].chunk(2)
+            for part, rows in zip(parts, tensor[e].chunk(len(parts))):
+                out[f"{prefix}.{e}.{names.get(part, part)}.weight"] = rows
+    return out
+
+
+def stack(tensors: Tensors) -> Tensors:
+    """Each layer's experts as GGUF keeps them: …experts.{e}.<matrix>.weight (Mixtral's w1, w3, w2 or the dense
+    names) stacked in expert order as …experts.gate_proj.weight, up_proj, down_proj (E, out, in)."""
+    canonical = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    groups: dict[tuple[str, str], dict[int, object]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if expert is None:
+            out[name] = tensor
+            continue
+        prefix, e, matrix = expert.groups()
+        groups.setdefault((prefix, canonical.get(matrix, matrix)), {})[int(e)] = tensor
+    for (prefix, matrix), experts in groups.items():
+        out[f"{prefix}.{matrix}.weight"] = torch.stack([experts[e] for e in range(len(experts))])
     return out
 
 
 def reader(family: str):
     def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
-        return import_tensors(unstack(tensors), rules(cfg, family), llama.ignored(cfg))
+        return import_tensors(unstack(tensors, family, cfg.moe_experts), rules(cfg, family), llama.ignored(cfg))
     return to_qkv
 
 
