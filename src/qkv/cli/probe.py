@@ -15,6 +15,8 @@ def add_parsers(sub) -> None:
     probe.add_argument("--text", required=True, help="the text to run through the model")
     probe.add_argument("--lens", action="store_true", help="each layer's residual through the final norm and head")
     probe.add_argument("--heads", action="store_true", help="previous-token, first-token and induction scores per head")
+    probe.add_argument("--experts", action="store_true", help="a mixture of experts' routing: each layer's chosen "
+                                                              "experts and gates per token, and each expert's load")
     probe.add_argument("--attribution", action="store_true",
                        help="each head's, FFN's and the embedding's direct term in the target's logit at the last "
                             "position (Pre-LN decoders)")
@@ -39,15 +41,16 @@ def cmd_probe(args) -> int:
 
     from safetensors.torch import save_file
 
-    from qkv.interp import (direct_logit_attribution, head_patching_map, head_scores, induction_scores, logit_lens,
-                            patching_map, steering_vector)
+    from qkv.interp import (direct_logit_attribution, expert_routes, head_patching_map, head_scores, induction_scores,
+                            logit_lens, patching_map, steering_vector)
     from qkv.models.build import architecture_of
 
     vector = (args.minus, args.layer, args.out)
     if any(v is not None for v in vector) and not all(v is not None for v in vector):
         raise QkvError("a steering vector needs --minus TEXT, --layer N and --out FILE together")
-    if not (args.lens or args.heads or args.attribution or args.minus is not None or args.corrupt is not None):
-        raise QkvError("probe: give --lens, --heads, --attribution or several (or --minus, --layer, --out)")
+    if not (args.lens or args.heads or args.attribution or args.experts or args.minus is not None
+            or args.corrupt is not None):
+        raise QkvError("probe: give --lens, --heads, --attribution, --experts or several (or --minus, --layer, --out)")
     if args.out is not None and Path(args.out).exists():
         raise QkvError(f"--out {args.out} exists; not overwriting it")
     if args.per_head and args.corrupt is None:
@@ -105,6 +108,8 @@ def cmd_probe(args) -> int:
         scores = head_scores(run.model, ids)
         result["heads"] = {**scores, "induction": induction_scores(run.model, tokenizer.vocab_size,
                                                                    prefix=[int(ids[0, 0])])}
+    if args.experts:
+        result["experts"] = expert_routes(run.model, ids)
     print(strict_json(result) if args.json else describe(result))
     return 0
 
@@ -146,6 +151,13 @@ def describe(result: dict) -> str:
             ranked = sorted(((s, f"{i}.{h}") for i, layer in enumerate(heads[name]) for h, s in enumerate(layer)),
                             reverse=True)[:5]
             lines.append(f"  {name:<15} " + "  ".join(f"{where} {s:.2f}" for s, where in ranked))
+    if "experts" in result:
+        lines.append("expert routing (each token's experts:gates, largest first; the busiest experts' share of routes):")
+        for layer in result["experts"]:
+            busiest = sorted(range(len(layer["load"])), key=lambda e: -layer["load"][e])[:4]
+            lines.append(f"  {layer['point']}  load " + "  ".join(f"{e}:{layer['load'][e]:.2f}" for e in busiest))
+            for token, experts, gates in zip(result["tokens"], layer["experts"], layer["gates"]):
+                lines.append(f"    {token!r:<14} " + " ".join(f"{e}:{g:.2f}" for e, g in zip(experts, gates)))
     return "\n".join(lines)
 
 

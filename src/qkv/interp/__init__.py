@@ -5,6 +5,7 @@ qkv-trained run, an imported Hugging Face model and a GGUF file.
     logits, cache = run_with_cache(model, ids, names=["blocks.3.resid_post", "blocks.3.attn.pattern"])
     logits = run_with_hooks(model, ids, hooks=[("blocks.3.attn.z", zero_head(5))])
     lens = logit_lens(model, ids)          # each layer's residual through the final norm and the head
+    routes = expert_routes(model, ids)     # an MoE's chosen experts and gates per layer and token
 """
 from __future__ import annotations
 
@@ -285,3 +286,24 @@ def head_patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, ans
     cache, recovered, _ = _patching(model, clean, corrupted, names, answer, wrong)
     return [[recovered([(name, patch_head_from(cache, h))]) for h in range(block.attn.n_heads)]
             for name, block in zip(names, model.blocks)]
+
+
+def expert_routes(model: nn.Module, input_ids: Tensor) -> list[dict]:
+    """Each MoE layer's routing of one sequence (batch 1), read at its `gates` point (qkv.nn.moe): per token the
+    chosen experts and their gates (largest first), and per expert the share of the routes it took."""
+    from qkv.nn.moe import MoE
+
+    top_k = {f"{name}.gates": module.top_k for name, module in model.named_modules() if isinstance(module, MoE)}
+    names = list(top_k)
+    if not names:
+        raise QkvError("the model has no mixture-of-experts layer: nothing routes")
+    if input_ids.shape[0] != 1:
+        raise QkvError("expert_routes reads one sequence (batch 1)")
+    _, cache = run_with_cache(model, input_ids, names=names)
+    layers = []
+    for name in names:
+        gates = cache[name][0].float()  # (T, E)
+        values, experts = gates.topk(top_k[name], dim=-1)
+        load = torch.bincount(experts.reshape(-1), minlength=gates.shape[-1]).float() / experts.numel()
+        layers.append({"point": name, "experts": experts.tolist(), "gates": values.tolist(), "load": load.tolist()})
+    return layers

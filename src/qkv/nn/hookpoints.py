@@ -18,6 +18,11 @@ qualified name in the model and the point's:
     blocks.{i}.resid_mid          the stream after the attention residual                      (B, T, D)
     blocks.{i}.ffn.pre            the FFN's hidden activation, act(x W1^T) or act(x W_g^T) * x W_u^T (B, T, F)
     blocks.{i}.ffn.post           the FFN sublayer's output                                    (B, T, D)
+    blocks.{i}.ffn.router         an MoE layer's router scores s over its E experts (qkv.nn.moe) (B, T, E)
+    blocks.{i}.ffn.gates          each token's gate of every expert, 0 where not chosen; formed
+                                  only when hooked (a replacement reroutes)                    (B, T, E)
+                                  (each expert's own points: blocks.{i}.ffn.experts.{e}.pre / .post,
+                                  over the rows routed to it)
     blocks.{i}.resid_post         the stream leaving block i                                   (B, T, D)
     final_norm                    LN(H^L), what the head reads                                 (B, T, D)
     logits                        the head's output                                            (B, T, V)

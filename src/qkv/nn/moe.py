@@ -27,9 +27,10 @@ The aux loss of the latest forward is kept in `MoE.aux_loss`; `aux_loss(model)` 
 training loop adds train.aux_loss_weight * aux_loss(model) to the loss: forward needs no output flag.
 Parameter names: router.weight (E, D), experts.{e}.<the dense FFN's names> (as qkv.ref.moe), shared.<the
 dense FFN's names>; the choice bias is the buffer router_bias (E,).
-Hook points (qkv.nn.hookpoints): `scores` s (B, T, E); `gates` (B, T, E), each token's gate of every expert,
-0 for those it did not choose (formed only when hooked; a replacement routes each token to the k largest of
-its row, with those entries as gates); `post` the layer's output (B, T, D).
+Hook points (qkv.nn.hookpoints): `router` the scores s (B, T, E), before the choice (a replacement routes by it);
+`gates` (B, T, E), each token's gate of every expert, 0 for those it did not choose (formed only when hooked; a
+replacement routes each token to the k largest of its row, with those entries as gates); `post` the layer's
+output (B, T, D).
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def balance_probs(scores: Tensor, routing: Routing) -> Tensor:
 
 
 class MoE(nn.Module):
-    hook_points = ("scores", "gates", "post")  # qkv.nn.hookpoints
+    hook_points = ("router", "gates", "post")  # qkv.nn.hookpoints
 
     def __init__(self, d_model: int, d_ff: int, *, experts: int, top_k: int, capacity_factor: float = 0.0,
                  ffn: str = "mlp", activation: str, bias: bool, dropout: float = 0.0,
@@ -117,7 +118,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # (N, D)
         logits = self.router(tokens).to(torch.promote_types(x.dtype, torch.float32))  # routed in fp32 (N, E)
         scores = scores_of(logits, self.routing)
-        scores = point(self, "scores", scores.view(*x.shape[:-1], -1)).view_as(scores)
+        scores = point(self, "router", scores.view(*x.shape[:-1], -1)).view_as(scores)
         top, gates = choose(scores, self.routing, self.top_k, self.router_bias)
         if wants(self, "gates"):
             top, gates = self.hooked_gates(top, gates, x.shape)
