@@ -36,7 +36,7 @@ def test_probe_json_is_the_logit_lens_and_the_head_scores(capsys, model):
     assert sum(t for _, t in found["components"]) + found["constant"] == pytest.approx(found["logit"], abs=1e-4)
 
 
-@pytest.mark.parametrize("argv, message", [(["--text", "x"], "give --lens, --heads, --attribution or several"),
+@pytest.mark.parametrize("argv, message", [(["--text", "x"], "give --lens, --heads, --attribution, --experts or several"),
                                            (["--text", "x", "--heads", "--target", "x"], "--target applies to --lens"),
                                            (["--text", "", "--lens"], "--text is empty")])
 def test_bad_probe_options_get_one_line(capsys, model, argv, message):
