@@ -104,11 +104,11 @@ def forward_steps(family: str) -> list[dict]:
         steps += attention_steps("cross_attn", "Cross-attention")
     steps += [
         step("ffn", "forward", "Feed-forward network", "FFN(x) = act(x W_1 + b_1) W_2 + b_2;  GLU: (act(x W_g) * "
-             "x W_u) W_d;  MoE: sum over the top-k experts g_e FFN_e(x)", "note 000 §4, LLM §2.2.2; note 003 "
+             "x W_u) W_d;  MoE: sum over the top-k experts g_e FFN_e(x) (+ the shared experts)", "note 000 §4, LLM §2.2.2; note 003 "
              "(SwiGLU, MoE)", "ffn.md", "Each token passes through the same two-layer network independently; "
              "the hidden units that fire (act > 0) are bright.",
              [panel("hidden act(.) (which units fire)", "{L}.ffn.hidden", "tokens x f"),
-              panel("router probabilities p = softmax(x W_r)", "{L}.ffn.router_probs", "tokens x e"),
+              panel("router scores s = softmax(x W_r) (sigmoid: DeepSeek-V3)", "{L}.ffn.router_probs", "tokens x e"),
               panel("chosen experts (their indices, one column per slot of the top-k)", "{L}.ffn.experts", "tokens x k"),
               panel("gates g (per slot)", "{L}.ffn.gates", "tokens x k"),
               panel("FFN output", "{L}.ffn.output", "tokens x d")], scope="layer", part="ffn"),

@@ -148,9 +148,9 @@ class Recorder:
         part["k_raw"] = split_heads(k_raw, heads * k_raw.shape[-1] // q_raw.shape[-1])
 
     def _ffn(self, part: dict, cache) -> None:
-        if isinstance(cache, MoECache):  # routing: p = softmax(x W_r), the top-k experts and their gates
+        if isinstance(cache, MoECache):  # routing: the scores s, the top-k experts and their gates
             tokens = cache.shape[:-1]  # the engine routes (N, .) rows: back to (B, T, .)
-            part.update(router_probs=cache.probs.reshape(*tokens, -1), experts=cache.top.reshape(*tokens, -1),
+            part.update(router_probs=cache.scores.reshape(*tokens, -1), experts=cache.top.reshape(*tokens, -1),
                         gates=cache.gates.reshape(*tokens, -1))
             return
         if isinstance(cache, GLUCache):
