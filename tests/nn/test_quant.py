@@ -104,6 +104,20 @@ def test_int8_takes_torchs_kernel_for_decode_rows_and_short_prompts_and_the_dens
     assert (prompt.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # two bf16 roundings at most
 
 
+@pytest.mark.parametrize("width", [20, 24, 56])
+def test_an_int8_layer_of_a_width_torchs_kernel_cannot_take_uses_the_dense_form(monkeypatch, width):
+    """torch's int8 kernel crashes the process on bf16 rows of a width not a multiple of 16 (an MoE expert's
+    down projection: Qwen3-MoE-shaped 20): such a layer multiplies (x q^T) s instead, with the same products."""
+    layer = QuantLinear.from_linear(_linear(torch.randn(32, width)), "int8")
+    layer.compute_dtype = None
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: pytest.fail("torch's int8 kernel was called"))
+    x = torch.randn(3, width).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+    exact = x.float() @ layer.weight.t()
+    assert (y.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max() * 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU-only path: run on a machine with CUDA")
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_on_a_gpu_the_layer_dequantizes_for_the_product_and_trains_through_it(kind):
@@ -165,8 +179,17 @@ def test_int4_codes_are_held_two_a_byte():
     assert layer.codes.shape == (16, 32) and layer.codes.dtype == torch.uint8
 
 
-def test_int4_takes_whole_groups_only():
-    assert int4_supported(torch.zeros(8, 64)) and not int4_supported(torch.zeros(8, 48))
+def test_int4_takes_whole_groups_and_outputs_in_sixteens_only():
+    """What torch's packing accepts: whole groups of inputs, outputs in multiples of 16 (it refuses 8 and 6)."""
+    assert int4_supported(torch.zeros(16, 64)) and not int4_supported(torch.zeros(16, 48))
+    assert not int4_supported(torch.zeros(8, 64)) and not int4_supported(torch.zeros(6, 64))
+    for rows in (16, 8):
+        codes = torch.zeros(rows, 32, dtype=torch.int32)
+        if int4_supported(torch.zeros(rows, 64)):
+            torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        else:
+            with pytest.raises(RuntimeError):
+                torch._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
 # ------------------------------------------------------------------------------------------- whole models
@@ -198,6 +221,29 @@ def test_a_model_at_each_precision_stays_close_to_fp32(tmp_path, dtype, quant, m
     if quant != "none":  # the head above 4 bits: bf16 where the CPU has it natively, else int8
         assert f"the head {head_kind()}" in description
         assert head_of(run.model) == head_kind()
+
+
+@pytest.mark.parametrize("dtype, quant", [("fp32", "int8"), ("bf16", "int8"), ("fp32", "int4")])
+def test_an_moe_keeps_its_routers_exact_at_each_precision(dtype, quant):
+    """A Qwen3-MoE-shaped model (experts 20 wide: widths torch's int8 and int4 kernels cannot take in every form):
+    the routers stay nn.Linear, unquantized (their scores choose the experts), the experts are quantized, and the
+    logits stay close to fp32's."""
+    from qkv.config import ModelConfig
+    from qkv.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=300, d_model=64, n_heads=4, n_layers=2, d_ff=96, ffn="glu",
+                                    activation="silu", norm="rmsnorm", positional="rope", bias=False,
+                                    moe_experts=6, moe_top_k=2, moe_d_ff=20)).eval()
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        reference = model(ids)
+        weights.prepare(model, dtype=dtype, quant=quant)
+        logits = model(ids)
+    routers = [m for name, m in model.named_modules() if name.endswith("router")]
+    assert len(routers) == 2 and all(type(m) is nn.Linear for m in routers)
+    assert isinstance(model.blocks[0].ffn.experts[0].up_proj, QuantLinear)
+    assert kl(reference, logits) < 5e-3
 
 
 @pytest.mark.parametrize("flag, head", [("avx512_bf16", "bf16"), (None, "int8")])

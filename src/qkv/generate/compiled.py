@@ -52,6 +52,7 @@ from qkv.generate.step_attention import attend
 from qkv.generate.watch import ModelWatch, hooked, kernel_operands
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache, RingLayerCache
+from qkv.nn.moe import MoE
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
@@ -97,6 +98,8 @@ def unsupported(model: nn.Module) -> str | None:
         if attn.positional is not None and not isinstance(attn.positional, Rotary) and (
                 type(attn.positional).rotate is not Positional.rotate):
             return f"a layer's {type(attn.positional).__name__} encoding"
+        if isinstance(block.ffn, MoE):  # (its routes are data: each step multiplies other experts' weights)
+            return "a mixture-of-experts layer"
     if hooked(model):
         return "hooks on the model (they must see their layers run)"
     return None

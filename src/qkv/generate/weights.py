@@ -34,8 +34,8 @@ from qkv.formats import Run
 from qkv.formats import load as load_any
 from qkv.nn.decoding_linear import summed_form_faster
 from qkv.nn.fuse import fuse_projections
-from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantization_of,
-                          quantize_model)
+from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantizable,
+                          quantization_of, quantize_model)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -200,8 +200,8 @@ def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none",
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
         if quant != "none":
-            for module in model.modules():
-                if type(module) is nn.Linear:
+            for name, module in model.named_modules():
+                if quantizable(name, module):
                     kind = kind_for(quant, module, module is head, group)
                     if kind == "bf16":
                         module.weight.copy_(module.weight.to(torch.bfloat16).float())

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import QkvError
-from qkv.nn.quant import QUANTS, QuantLinear
+from qkv.nn.quant import QUANTS, QuantLinear, quantizable
 from qkv.nn.swap import swap
 
 # the spec's short names -> the last part of qkv's module names (also PEFT's / HF's names for LLaMA and Qwen2)
@@ -160,7 +160,7 @@ def lora_model(model: nn.Module, spec: LoraSpec, *, empty: bool = False) -> list
             return QuantLinear.from_linear(linear, spec.base)
 
         with torch.no_grad():
-            swap(model, lambda name, module: type(module) is nn.Linear and name.startswith("blocks."), quantized)
+            swap(model, lambda name, module: quantizable(name, module) and name.startswith("blocks."), quantized)
     return apply_lora(model, spec)
 
 

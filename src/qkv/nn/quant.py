@@ -75,9 +75,16 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 
 def int4_supported(weight: Tensor, group: int = GROUP) -> bool:
-    """torch's CPU int4 kernel needs whole groups and an even number of inputs."""
+    """torch's CPU int4 kernel needs whole groups, an even number of inputs and outputs in multiples of 16 (its
+    packing refuses others)."""
     n, k = weight.shape
-    return k % group == 0 and k % 2 == 0 and n % 2 == 0
+    return k % group == 0 and k % 2 == 0 and n % 16 == 0
+
+
+def quantizable(name: str, module: nn.Module) -> bool:
+    """A linear layer that --quant and QLoRA quantize: every nn.Linear but an MoE's router (qkv.nn.moe), whose
+    scores choose the experts: small (E x D), and kept exact as llama.cpp and transformers keep it."""
+    return type(module) is nn.Linear and not name.endswith("router")
 
 
 class QuantLinear(nn.Module):
@@ -198,7 +205,7 @@ class QuantLinear(nn.Module):
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
                 return summed_product(flat, codes, scale=scale)
-            if dense:  # q_ij exact in bf16 and fp32 (|q| <= 127)
+            if dense or self.in_features % INT8_KERNEL_K:  # q_ij exact in bf16 and fp32 (|q| <= 127)
                 return torch.nn.functional.linear(flat, codes.to(flat.dtype)).mul_(scale)  # (x q^T) s
             return torch._weight_int8pack_mm(flat, codes, scale)
         packed, scales_and_zeros = operands
@@ -209,6 +216,8 @@ class QuantLinear(nn.Module):
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
+INT8_KERNEL_K = 16  # torch's int8 kernel takes bf16 rows of a multiple of 16 features (others crash the process:
+# torch 2.13, K = 20, 24, 40, 56 measured); a layer of another width takes the dense form
 DENSE_PROMPT = 64  # positions a row from which a prompt's int8 products take the dense form (int8_dense)
 
 
@@ -312,7 +321,7 @@ def quantize_model(model: nn.Module, quant: str, group: int = GROUP, *, empty: b
         return QuantLinear.from_linear(linear, kind, group)
 
     with torch.no_grad():
-        swap(model, lambda name, module: type(module) is nn.Linear, make)
+        swap(model, quantizable, make)
     return counts
 
 
