@@ -78,7 +78,7 @@ class ModelConfig:
     moe_experts: int = 0  # E; 0 means a dense FFN
     moe_top_k: int = 2
     moe_capacity_factor: float = 0.0  # 0 means no capacity limit
-    # how each family routes (qkv.nn.moe, docs/derivations/moe-routing.md): scores softmax | sigmoid over all E
+    # how each family routes (qkv.nn.moe, docs/derivations/moe.md): scores softmax | sigmoid over all E
     # router logits; the top k chosen (by the scores plus moe_choice_bias where set, within the moe_group_top_k
     # best of moe_groups groups where set); their gates the chosen scores, renormalised to sum 1 when
     # moe_norm_topk, times moe_scale. Mixtral: softmax + norm (softmax over the top-k logits, note 002's gate);

@@ -1,6 +1,6 @@
 """Mixture-of-Experts FFN with top-k routing and a load-balancing loss (note 002 "混合专家"; note 000 LLM
 §6.3 auxiliary losses; Shazeer et al. 2017, Switch Transformer (Fedus et al. 2022), GShard capacity), routed
-as each open family routes (docs/derivations/moe-routing.md):
+as each open family routes (docs/derivations/moe.md):
 
     l = x W_r^T                          router logits over E experts                        (N, E)
     s = softmax(l)  or  sigmoid(l)       scores (Routing.scoring; sigmoid: DeepSeek-V3)

@@ -1,5 +1,5 @@
 """Mixture-of-Experts FFN with top-k routing, forward and backward (note 002 "混合专家"; 000 LLM §6.3 aux loss),
-routed as the open families route (qkv.nn.moe; docs/derivations/moe-routing.md):
+routed as the open families route (qkv.nn.moe; docs/derivations/moe.md):
 
     l = x W_r^T;   s = softmax(l) or sigmoid(l)          scores (N, E)
     top = the k largest s + b (within the best groups)   b: a bias that only chooses (no gradient)
@@ -8,7 +8,7 @@ routed as the open families route (qkv.nn.moe; docs/derivations/moe-routing.md):
     aux = E * sum_e f_e P_e            (Switch Transformer load balance; f_e = share of the N*k routes that
                                         go to e, not differentiable; P_e = mean_n p_ne, p = s for softmax,
                                         s / sum_e s for sigmoid)
-Backward, row by row (docs/derivations/moe-routing.md): dFFN_e(x) = g_e dy for the tokens routed to e;
+Backward, row by row (docs/derivations/moe.md): dFFN_e(x) = g_e dy for the tokens routed to e;
 dg_e = dy . FFN_e(x); dw = c dg, and through the normalisation dw_i <- (dw_i - sum_j dw_j g_j / c) / sum w
 (the quotient rule: g / c = w / sum w); the chosen scores get dw, the others nothing from the gates; the aux
 term adds E f_e / N to dp (through p = s / sum s for sigmoid, the same quotient rule); then
