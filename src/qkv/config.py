@@ -262,6 +262,9 @@ class TrainConfig:
     accumulation: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0
     aux_loss_weight: float = 0.01  # MoE load-balancing loss weight
+    router_z_loss_weight: float = 0.0  # MoE router z-loss weight (ST-MoE: mean_n (logsumexp_e l_ne)^2); 0 = none
+    moe_bias_rate: float = 0.0  # gamma > 0: DeepSeek-V3's auxiliary-loss-free balancing, each step
+    # b_e += gamma sign(mean load - load_e) on the experts' choosing bias (model.moe_choice_bias)
     precision: str = "fp32"
     activation_checkpointing: bool = False
     checkpoint_every: int = 0  # steps; 0 means only at the end
@@ -300,7 +303,8 @@ class TrainConfig:
                      "max_bad_steps", "spike_window", "loss_scale_window"):
             _positive(f"train.{name}", getattr(self, name))
         for name in ("peak_flops", "max_time", "warmup_steps", "checkpoint_every", "eval_every", "threads", "weight_decay",
-                     "grad_clip", "min_lr", "aux_loss_weight", "batch_warmup_steps", "seq_warmup_steps", "base_batch",
+                     "grad_clip", "min_lr", "aux_loss_weight", "router_z_loss_weight", "moe_bias_rate",
+                     "batch_warmup_steps", "seq_warmup_steps", "base_batch",
                      "spike_factor"):
             _at_least(f"train.{name}", getattr(self, name), 0)
         for name in ("lr", "eps", "muon_lr", "dpo_beta"):

@@ -24,7 +24,13 @@ residual alone. Capacity is per call (N tokens), so a KV-cache step (N = B) is n
 training device (GShard, Switch); generate with moe_capacity_factor = 0.
 
 The aux loss of the latest forward is kept in `MoE.aux_loss`; `aux_loss(model)` sums them, and the
-training loop adds train.aux_loss_weight * aux_loss(model) to the loss: forward needs no output flag.
+training loop adds train.aux_loss_weight * aux_loss(model) to the loss: forward needs no output flag. Beside it
+the router z-loss (ST-MoE, Zoph et al. 2022) z = mean_n (logsumexp_e l_ne)^2, `z_loss(model)`, weighted by
+train.router_z_loss_weight: it keeps the router logits small, where bf16 rounds them less. DeepSeek-V3's
+auxiliary-loss-free balancing moves the choosing bias instead of adding a loss: training forwards count each
+expert's routes (`MoE.routed`), and after each optimizer step `nudge_choice_bias(model, gamma)` sets
+b_e += gamma sign(mean_e load - load_e) (Wang et al. 2024): an overloaded expert is chosen less, without a
+gradient that pulls against the language loss.
 Parameter names: router.weight (E, D), experts.{e}.<the dense FFN's names> (as qkv.ref.moe), shared.<the
 dense FFN's names>; the choice bias is the buffer router_bias (E,).
 Hook points (qkv.nn.hookpoints): `router` the scores s (B, T, E), before the choice (a replacement routes by it);
@@ -112,7 +118,8 @@ class MoE(nn.Module):
             FFNS.get(ffn)(d_model, d_ff, activation=activation, bias=bias, dropout=dropout) for _ in range(experts))
         self.shared = (FFNS.get(ffn)(d_model, shared_d_ff, activation=activation, bias=bias, dropout=dropout)
                        if shared_d_ff else None)
-        self.aux_loss = torch.zeros(())  # of the latest forward
+        self.aux_loss = self.z_loss = torch.zeros(())  # of the latest forward
+        self.routed: Tensor | None = None  # each expert's routes counted by training forwards (choice bias)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         tokens = x.reshape(-1, x.shape[-1])  # (N, D)
@@ -129,6 +136,11 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.aux_loss = load_balancing_loss(balance_probs(scores, self.routing), top, len(self.experts))
+        self.z_loss = logits.logsumexp(-1).square().mean()
+        if self.training and self.router_bias is not None:
+            with torch.no_grad():
+                counts = torch.bincount(top[kept], minlength=len(self.experts)).float()
+                self.routed = counts if self.routed is None else self.routed + counts
         return point(self, "post", out.view_as(x))
 
     def hooked_gates(self, top: Tensor, gates: Tensor, shape) -> tuple[Tensor, Tensor]:
@@ -182,3 +194,20 @@ def aux_loss(model: nn.Module) -> Tensor:
     """The sum of every MoE layer's load-balancing loss from the latest forward (0 without MoE)."""
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
     return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
+def z_loss(model: nn.Module) -> Tensor:
+    """The sum of every MoE layer's router z-loss from the latest forward (0 without MoE)."""
+    losses = [m.z_loss for m in model.modules() if isinstance(m, MoE)]
+    return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
+def nudge_choice_bias(model: nn.Module, rate: float, reduce=None) -> None:
+    """After an optimizer step: each MoE layer's choosing bias b_e += rate * sign(mean load - load_e), the load
+    counted over the step's training forwards (`reduce(tensor)`: summed over data-parallel ranks), then reset."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.router_bias is not None and module.routed is not None:
+            load = module.routed if reduce is None else reduce(module.routed)
+            with torch.no_grad():
+                module.router_bias += rate * torch.sign(load.mean() - load).to(module.router_bias.dtype)
+            module.routed = None

@@ -70,6 +70,12 @@ def check_run(cfg: RunConfig) -> RunConfig:
     choice("train.objective", cfg.train.objective, ("auto", *OBJECTIVES.names()))
     choice("data.spelling", cfg.data.spelling, SPELLINGS)
     choice("data.corpus", cfg.data.corpus, tuple(BUNDLED_CORPORA))
+    if cfg.train.moe_bias_rate and not cfg.model.moe_choice_bias:
+        raise QkvError(f"train.moe_bias_rate={cfg.train.moe_bias_rate} moves the experts' choosing bias: set "
+                       "model.moe_choice_bias=true (with model.moe_experts)")
+    if cfg.train.router_z_loss_weight and not cfg.model.moe_experts:
+        raise QkvError(f"train.router_z_loss_weight={cfg.train.router_z_loss_weight} needs routers: set "
+                       "model.moe_experts")
     whole = getattr(OPTIMIZERS.get(cfg.train.optimizer), "whole_matrices", False)  # e.g. Muon's orthogonalisation
     if whole and (cfg.parallel.zero or cfg.parallel.tp > 1):
         raise QkvError(f"train.optimizer={cfg.train.optimizer} updates whole matrices: it does not run on ZeRO / "

@@ -2,7 +2,8 @@
 
 One optimizer step (note 000 LLM §4-§6, §10.2, §10.4), over the b = rows(step) rows of the batch split
 into micro-batches of batch_size / accumulation rows (b_i rows each):
-    L_i = CE_i + alpha * aux_i                  (aux: the MoE balance loss, LLM §6.3; alpha train.aux_loss_weight)
+    L_i = CE_i + alpha * aux_i [+ beta * z_i]   (aux: the MoE balance loss, LLM §6.3; alpha train.aux_loss_weight;
+                                                z: the router z-loss, beta train.router_z_loss_weight)
     g = sum_i (b_i / b) grad L_i                (accumulation: exactly the gradient of the whole batch)
     g <- g * min(1, c / ||g||_2)                (global-norm clipping, LLM §4.3)
     theta <- AdamW(theta, g, lr(step))          (LLM §4.1, decoupled decay), unless g or the loss is not finite
@@ -33,7 +34,7 @@ from qkv.data.dataset import Prepared
 from qkv.models import build_model
 from qkv.nn.linear_cross_entropy import vocab_parallel_loss
 from qkv.nn.lora import lora_model, parse_spec
-from qkv.nn.moe import MoE, aux_loss
+from qkv.nn.moe import MoE, aux_loss, nudge_choice_bias, z_loss
 from qkv.train import checkpoint, objectives
 from qkv.parallel import layout as parallel
 from qkv.train.checkpoint import State, seed_everything
@@ -154,6 +155,8 @@ class Trainer:
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
         if not skipped:
             self.scaler.step(self.optimizer)
+            if self.tc.moe_bias_rate:  # DeepSeek-V3's balancing: the choosing bias follows the step's load
+                nudge_choice_bias(self.model, self.tc.moe_bias_rate, reduce=self.layout.dp_mean)
         self.scaler.update()  # fp16: halve S after an overflow, double it after loss_scale_window good steps
         self.optimizer.zero_grad(set_to_none=True)
         self.guards.count_skip(self.state, skipped, loss_value, norm_value,
@@ -171,6 +174,8 @@ class Trainer:
             if self.has_moe:  # B8: + alpha * the balance loss of this forward (note 000 LLM §6.3)
                 aux = aux_loss(self.model)
                 objective = loss + self.tc.aux_loss_weight * aux
+                if self.tc.router_z_loss_weight:  # + the router z-loss (ST-MoE; qkv.nn.moe)
+                    objective = objective + self.tc.router_z_loss_weight * z_loss(self.model)
             self.scaler.scale(objective * share).backward()
         return loss.detach(), aux.detach()
 
