@@ -58,6 +58,7 @@ class ModelConfig:
     rope_long_factors: tuple[float, ...] = ()
     rope_short_factors: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
+    rope_yarn_mscale: float = 0.0  # yarn: cos and sin times this where set (DeepSeek: 1); 0 means 0.1 ln s + 1
     rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
     # dimensions of a head RoPE turns, the first rope_dims / 2 pairs of qkv's layout (the rest pass through
     # unturned: Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct); 0 means all of head_dim
@@ -93,6 +94,13 @@ class ModelConfig:
     moe_shared_experts: int = 0  # S > 0: one FFN of S * moe_d_ff every token passes through beside its experts
     moe_dense_layers: tuple[int, ...] = ()  # layers (from 0) whose FFN is dense (d_ff) in an MoE model
     attention: str = "sdpa"
+    # multi-head latent attention (DeepSeek-V2/V3; qkv.nn.mla) where mla_kv_rank r > 0: keys and values from one
+    # r-wide latent a token, the position from one shared RoPE key mla_rope_dims wide (head_size = its nope dims +
+    # those), queries through a mla_q_rank-wide latent (0: a full projection), values mla_v_dims wide (0: head_dim)
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_rope_dims: int = 0
+    mla_v_dims: int = 0
     qk_norm: bool = False  # RMS-normalise each head's q and k (learnt gain, before RoPE): Dehghani et al. 2023
     qk_norm_whole: bool = False  # ... over all heads' features of q and of k at once (OLMo 2, OLMoE)
     logit_softcap: float = 0.0  # c > 0: a decoder's logits c tanh(z / c) (Gemma 2, Team et al. 2024); 0 = none
@@ -144,6 +152,7 @@ class ModelConfig:
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
         self._validate_experts()
+        self._validate_latent()
         if self.qk_norm_whole and not self.qk_norm:
             raise QkvError("model.qk_norm_whole=true needs model.qk_norm=true")
         if not 0.0 <= self.dropout < 1.0:
@@ -155,7 +164,7 @@ class ModelConfig:
         _at_least("model.t5_buckets", self.t5_buckets, 2)
         _at_least("model.moe_capacity_factor", self.moe_capacity_factor, 0)
         _at_least("model.logit_softcap", self.logit_softcap, 0)
-        for name in ("attn_softcap", "query_scale", "rope_local_theta"):
+        for name in ("attn_softcap", "query_scale", "rope_local_theta", "rope_yarn_mscale"):
             _at_least(f"model.{name}", getattr(self, name), 0)
         _positive("model.rope_factor", self.rope_factor)
         if self.rope_dims and (self.rope_dims % 2 or not 2 <= self.rope_dims <= self.head_dim):
@@ -202,6 +211,24 @@ class ModelConfig:
                        if getattr(self, name) != default]
             if changed:
                 raise QkvError(f"model.{changed[0]}={getattr(self, changed[0])!r} needs experts: set model.moe_experts")
+
+    def _validate_latent(self) -> None:
+        """Multi-head latent attention's sizes (qkv.nn.mla)."""
+        for name in ("mla_kv_rank", "mla_q_rank", "mla_rope_dims", "mla_v_dims"):
+            _at_least(f"model.{name}", getattr(self, name), 0)
+        if not self.mla_kv_rank:
+            used = [n for n in ("mla_q_rank", "mla_rope_dims", "mla_v_dims") if getattr(self, n)]
+            if used:
+                raise QkvError(f"model.{used[0]}={getattr(self, used[0])} belongs to latent attention: set model.mla_kv_rank")
+            return
+        if self.mla_rope_dims % 2 or not 2 <= self.mla_rope_dims < self.head_dim:
+            raise QkvError(f"model.mla_rope_dims={self.mla_rope_dims} must be even and in 2..head_dim - 1 "
+                           f"(head_dim={self.head_dim}: the rope dims and the latent's nope dims)")
+        if self.arch != "decoder" or self.positional != "rope" or self.layer_types or self.n_kv_heads not in (
+                0, self.n_heads) or self.qk_norm or self.attn_softcap or self.rope_dims:
+            raise QkvError("model.mla_kv_rank: latent attention is built for a decoder with positional='rope', every "
+                           "layer global, no q/k norm, soft cap, partial rotation or grouped K/V heads (its heads "
+                           "share the latent)")
 
     def _validate_layers(self) -> None:
         """The per-layer plan's sizes (its names are qkv.plan's to check)."""

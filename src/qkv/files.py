@@ -83,10 +83,13 @@ def _non_persistent(model: "nn.Module", buffer_name: str) -> set[str]:
 
 
 def load_model_tensors(model: "nn.Module", tensors: dict[str, "torch.Tensor"], origin: str) -> None:
-    """Copy `tensors` into `model`; every parameter must be present with its shape."""
+    """Copy `tensors` into `model`; every parameter and floating-point persistent buffer (an MoE's choosing bias)
+    must be present with its shape (a quantized layer's integer codes have their own loader: qkv.formats.run_dir)."""
     import torch
 
-    expected = dict(model.named_parameters())
+    buffers = {name: b for name, b in model.named_buffers()
+               if b.is_floating_point() and name.rpartition(".")[2] not in _non_persistent(model, name)}
+    expected = {**dict(model.named_parameters()), **buffers}
     for name, param in expected.items():
         if name not in tensors:
             raise QkvError(f"{origin}: missing tensor {name!r}; the file does not match config.json")

@@ -57,7 +57,8 @@ def rope_scaling(cfg: ModelConfig) -> RopeScaling:
     return RopeScaling(kind=cfg.rope_scaling, factor=cfg.rope_factor, original_context=cfg.rope_original_context,
                        low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                        beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, long_factors=cfg.rope_long_factors,
-                       short_factors=cfg.rope_short_factors, attention_factor=cfg.rope_attention_factor).check()
+                       short_factors=cfg.rope_short_factors, attention_factor=cfg.rope_attention_factor,
+                       yarn_mscale=cfg.rope_yarn_mscale).check()
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ class RopeScaling:
     long_factors: tuple[float, ...] = ()  # longrope: f_i past L
     short_factors: tuple[float, ...] = ()  # longrope: f_i within L
     attention_factor: float = 1.0  # longrope: m
+    yarn_mscale: float = 0.0  # yarn: m where set (DeepSeek's mscale / mscale_all_dim ratio); 0: 0.1 ln s + 1
 
     def check(self) -> "RopeScaling":
         if self.kind not in SCALINGS:
@@ -124,5 +125,5 @@ def yarn(theta: np.ndarray, head_dim: int, base: float, scaling: RopeScaling) ->
     high = high if high != low else high + 0.001  # a ramp of width 0 would divide by 0
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     kept = 1 - ramp  # 1: the pair keeps theta_i, 0: theta_i / s
-    m = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    m = scaling.yarn_mscale or (0.1 * math.log(s) + 1.0 if s > 1 else 1.0)
     return theta / s * (1 - kept) + theta * kept, m

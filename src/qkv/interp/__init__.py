@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from qkv.errors import QkvError
 from qkv.nn.hookpoints import Hook, hook_names, hooked
+from qkv.nn.moe import MoE
 from qkv.nn.norms import LayerNorm
 from qkv.nn.residual import pre_norm, sandwich_norm
 
@@ -291,8 +292,6 @@ def head_patching_map(model: nn.Module, clean: Tensor, corrupted: Tensor, *, ans
 def expert_routes(model: nn.Module, input_ids: Tensor) -> list[dict]:
     """Each MoE layer's routing of one sequence (batch 1), read at its `gates` point (qkv.nn.moe): per token the
     chosen experts and their gates (largest first), and per expert the share of the routes it took."""
-    from qkv.nn.moe import MoE
-
     top_k = {f"{name}.gates": module.top_k for name, module in model.named_modules() if isinstance(module, MoE)}
     names = list(top_k)
     if not names:

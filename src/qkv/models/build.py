@@ -17,6 +17,7 @@ from qkv.models.heads import POOLINGS, ClassifierHead, EncoderClassifier, Encode
 from qkv.plan import LayerPlan, check_plan, layer_plans, rope_scaling
 from qkv.nn import registries
 from qkv.nn.attention import Attention
+from qkv.nn.mla import LatentAttention
 from qkv.nn.block import Block
 from qkv.nn.ffn import ACTIVATIONS, FFNS
 from qkv.nn.linear_cross_entropy import SoftCapHead
@@ -106,8 +107,8 @@ def norm(cfg: ModelConfig) -> nn.Module:
 def positional(cfg: ModelConfig, causal: bool = True, name: str | None = None) -> nn.Module:
     """`causal` says whether the stack is masked causally (decoders) or not (encoders); an encoding whose
     form depends on it may read it, the others ignore it. `name` overrides cfg.positional."""
-    return POSITIONALS.get(name or cfg.positional)(
-        d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
+    return POSITIONALS.get(name or cfg.positional)(  # (latent attention turns its rope dims alone: qkv.nn.mla)
+        d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.mla_rope_dims or cfg.head_dim, max_seq_len=cfg.max_seq_len,
         rope_theta=cfg.rope_theta, max_distance=cfg.max_distance, t5_buckets=cfg.t5_buckets, causal=causal,
         rope_scaling=rope_scaling(cfg), rope_dims=cfg.rope_dims)
 
@@ -119,11 +120,16 @@ def decoder_positional(cfg: ModelConfig) -> nn.Module:
 
 
 def attention(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = None,
-              own_positions: Positional | None = None) -> Attention:
+              own_positions: Positional | None = None) -> Attention | LatentAttention:
     """Self-attention with `cfg.attention`, as `plan` says for its layer (its window; `own_positions`: its
     rotation where it is not the model's). Cross-attention always attends to the whole source (note 000
     §8.4): a local window or a linear approximation of it has no meaning between two sequences."""
     kernel = cfg.attention if not cross or KERNELS.get(cfg.attention).full else "sdpa"
+    if cfg.mla_kv_rank and not cross:
+        return LatentAttention(cfg.d_model, cfg.n_heads, kv_rank=cfg.mla_kv_rank, q_rank=cfg.mla_q_rank,
+                               head_dim=cfg.head_dim, rope_dims=cfg.mla_rope_dims, v_dim=cfg.mla_v_dims or cfg.head_dim,
+                               norm_eps=cfg.norm_eps, kernel=kernel, bias=cfg.bias, dropout=cfg.dropout,
+                               scale=cfg.query_scale ** -0.5 if cfg.query_scale else 0.0)
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, kernel=kernel, bias=cfg.bias,
                      dropout=cfg.dropout, window=cfg.window, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
                      qk_norm_whole=cfg.qk_norm_whole,

@@ -69,6 +69,7 @@ class DecoderLM(Embeddings):
         attn = self.blocks[0].attn
         weight = self.tok_emb.weight
         windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.plan)
-        return KVCache(len(self.blocks), batch, attn.n_kv_heads, max_len, attn.head_dim,
-                       dtype=self.kv_dtype or weight.dtype, device=weight.device,
-                       window=rolling_window(attn.kernel_name, attn.window) if rolling else 0, layer_windows=windows)
+        heads, k_dim, v_dim = attn.cache_dims  # (latent attention: one key head of the latent, no values)
+        return KVCache(len(self.blocks), batch, heads, max_len, k_dim, dtype=self.kv_dtype or weight.dtype,
+                       device=weight.device, window=rolling_window(attn.kernel_name, attn.window) if rolling else 0,
+                       layer_windows=windows, v_dim=v_dim)

@@ -63,6 +63,11 @@ class Attention(nn.Module):
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
+    @property
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(key heads, key width, value width) of its KV cache."""
+        return self.n_kv_heads, self.head_dim, self.head_dim
+
     def forward(self, x: Tensor, ctx: AttentionContext, cache: LayerCache | None = None,
                 memory: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape

@@ -43,10 +43,12 @@ def unwritten(shape: tuple[int, ...], *, dtype, device) -> Tensor:
 
 
 class LayerCache:
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device):
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *, dtype, device,
+                 v_dim: int | None = None):
+        """`v_dim`: the values' width where it is not the keys' (0: none kept, latent attention's: qkv.nn.mla)."""
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = unwritten(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, Dh)
-        self.v = unwritten(shape, dtype=dtype, device=device)
+        self.v = unwritten(shape[:-1] + (head_dim if v_dim is None else v_dim,), dtype=dtype, device=device)
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,7 +146,8 @@ def rolling_window(kernel: str, window: int) -> int:
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 *, dtype=torch.float32, device=None, window: int = 0, layer_windows: tuple[int, ...] = ()):
+                 *, dtype=torch.float32, device=None, window: int = 0, layer_windows: tuple[int, ...] = (),
+                 v_dim: int | None = None):
         """`window` > 0: a rolling cache (module docstring): only the last `window` columns are kept.
         `layer_windows`: each layer's sliding window W (0: global), a ring of W + RING_SPARE columns where W > 0."""
         self.window = window
@@ -155,7 +158,7 @@ class KVCache:
         else:
             self.layers = [RingLayerCache(batch, n_kv_heads, min(w + RING_SPARE, max_len), head_dim, dtype=dtype,
                                           device=device) if w and w + RING_SPARE < max_len else
-                           LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                           LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, v_dim=v_dim)
                            for w in self.layer_windows]
         self.max_len = max_len
         self.length = 0
