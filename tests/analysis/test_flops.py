@@ -16,6 +16,9 @@ from qkv.models.build import ARCHITECTURES
 BASE = dict(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64, attention="naive")
 CASES = [("decoder", {}), ("decoder", {"n_kv_heads": 1}), ("decoder", {"ffn": "glu", "activation": "silu", "bias": False}),
          ("decoder", {"tie_embeddings": False, "positional": "rope"}), ("decoder", {"moe_experts": 4, "moe_top_k": 2}),
+         ("decoder", {"positional": "rope", "head_size": 12, "mla_kv_rank": 16, "mla_q_rank": 8, "mla_rope_dims": 4,
+                      "mla_v_dims": 10}),
+         ("decoder", {"positional": "rope", "head_size": 12, "mla_kv_rank": 16, "mla_rope_dims": 4}),
          ("decoder", {"moe_experts": 4, "moe_top_k": 2, "ffn": "glu", "bias": False, "moe_d_ff": 16,
                       "moe_shared_experts": 1, "moe_dense_layers": (1,), "moe_scoring": "sigmoid"}),
          ("encoder", {}), ("encoder", {"head": "mlm"}), ("encoder", {"head": "classifier", "n_classes": 3}),

@@ -380,10 +380,13 @@ def kv_cache(cfg: ModelConfig, *, batch: int, seq: int, bytes_per_element: int =
     """Inference KV cache: K and V of every decoder layer, 2 B T Hkv Dh elements a layer (GQA/MQA shrink Hkv),
     T the layer's columns: all seq tokens for a global layer, a sliding layer's ring of W + RING_SPARE slots
     where that is fewer (qkv.plan, qkv.nn.cache: generate and chat keep them so); an encoder-decoder also
-    caches the cross-attention K, V over the S source tokens."""
+    caches the cross-attention K, V over the S source tokens. Latent attention (qkv.nn.mla) caches r + d_R
+    elements a token a layer: the latent and the shared RoPE key, whatever its head count."""
     if cfg.arch == "encoder":
         return 0
     per_column = 2 * cfg.kv_heads * cfg.head_dim * bytes_per_element  # one token's K and V in one layer
+    if cfg.mla_kv_rank:
+        per_column = (cfg.mla_kv_rank + cfg.mla_rope_dims) * bytes_per_element
     if cfg.arch == "decoder" and cfg.layer_types:
         columns = sum(cached_columns(plan, seq) for plan in layer_plans(cfg))
         return per_column * batch * columns

@@ -2,6 +2,7 @@
 
 Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E experts):
     attention   D*H*Dh (W^Q) + 2*D*Hkv*Dh (W^K, W^V) + H*Dh*D (W^O)  [+ H*Dh + 2*Hkv*Dh + D biases]
+                latent (qkv.nn.mla): D r_q + r_q + r_q H Dh (or D H Dh) + D (r + d_R) + r + r H (d_N + d_V) + H d_V D
                 [+ 2*Dh QK-norm gains; (H + Hkv)*Dh over all heads (model.qk_norm_whole)]
                 = 4 D^2 for MHA without biases (note 000 §2.2.2)
     FFN (mlp)   2*D*F [+ F + D]        (note 000 §4.1: W1 (D, F), W2 (F, D), b1, b2)
@@ -36,9 +37,21 @@ def linear(n_in: int, n_out: int, bias: bool) -> int:
 
 
 def attention(cfg: ModelConfig) -> int:
+    if cfg.mla_kv_rank:
+        return latent_attention(cfg)
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return (linear(cfg.d_model, q_width, cfg.bias) + 2 * linear(cfg.d_model, kv_width, cfg.bias)
             + linear(q_width, cfg.d_model, cfg.bias) + qk_norm_gains(cfg))
+
+
+def latent_attention(cfg: ModelConfig) -> int:
+    """Multi-head latent attention (qkv.nn.mla): W_DQ, its norm and W_UQ (or W_Q), [W_DKV ; W_KR], the latent's
+    norm, [W_UK ; W_UV] and W_O."""
+    H, Dh, r, rq = cfg.n_heads, cfg.head_dim, cfg.mla_kv_rank, cfg.mla_q_rank
+    v_dim = cfg.mla_v_dims or Dh
+    q = linear(cfg.d_model, rq, cfg.bias) + rq + rq * H * Dh if rq else cfg.d_model * H * Dh
+    kv = linear(cfg.d_model, r + cfg.mla_rope_dims, cfg.bias) + r + r * H * (Dh - cfg.mla_rope_dims + v_dim)
+    return q + kv + linear(H * v_dim, cfg.d_model, cfg.bias)
 
 
 def qk_norm_gains(cfg: ModelConfig) -> int:

@@ -69,9 +69,9 @@ def cmd_calc(args) -> int:
     if args.run is not None:
         if args.preset or args.config or args.set:
             raise QkvError("calc takes a model's file or a config (--preset, --config, --set), not both")
-        from qkv.formats import load
+        from qkv.formats import load_config
 
-        cfg = load(args.run).config  # the model as its file has it
+        cfg = load_config(args.run)  # the model as its file has it, its weights unread (a config.json alone will do)
     else:
         cfg = calc.resolve(args.preset, args.config, args.set)
     result = calc.calculate(cfg, seq=args.seq, batch=args.batch, precision=args.precision,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.analysis import memory
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,3 +81,5 @@ def test_what_v3_reads_as_and_its_latent_cache(tmp_path):
     cache = run.model.new_cache(2, 40)
     layer = cache.layers[0]
     assert layer.k.shape == (2, 1, 40, 16 + 4) and layer.v.shape[-1] == 0  # [c ; k^R] a token, nothing else
+    held = sum(layer.k.nbytes + layer.v.nbytes for layer in cache.layers)
+    assert memory.kv_cache(cfg, batch=2, seq=40, bytes_per_element=4) == held  # qkv calc's figure is what it holds
