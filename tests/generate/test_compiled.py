@@ -407,3 +407,6 @@ def test_an_moe_model_is_refused_with_its_reason():
     model = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
                                     moe_experts=4, moe_top_k=2, moe_dense_layers=(0,)))
     assert unsupported(model) == "a mixture-of-experts layer"
+    latent = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
+                                     head_size=6, mla_kv_rank=5, mla_rope_dims=2))
+    assert unsupported(latent).startswith("latent attention")

@@ -7,7 +7,7 @@ from qkv.ref.attention import repeat_kv
 
 from tests.ref.autograd import cases, check_against_torch
 
-CASES = cases("attention_", "cross_attention")
+CASES = cases("attention_", "cross_attention", "mla_")  # (mla_: multi-head latent attention, qkv.ref.mla)
 
 
 @pytest.mark.parametrize("case", CASES)

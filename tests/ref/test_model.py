@@ -84,10 +84,19 @@ MOE_VARIANTS = {"top2of3": dict(moe_experts=3, moe_top_k=2, ffn="glu", activatio
                                     moe_d_ff=6, moe_dense_layers=(0,)),
                 "deepseek_v3": dict(moe_experts=4, moe_top_k=2, ffn="glu", activation="silu", moe_scoring="sigmoid",
                                     moe_scale=2.5, moe_groups=2, moe_group_top_k=1, moe_choice_bias=True,
-                                    moe_shared_experts=1, moe_d_ff=6, moe_dense_layers=(0,))}
+                                    moe_shared_experts=1, moe_d_ff=6, moe_dense_layers=(0,)),
+                # DeepSeek-V3's whole layer: latent attention (q through its latent, the scores' scale set) over
+                # V3's routing; the torch engine computes MLA absorbed, the reference per head
+                "deepseek_v3_mla": dict(moe_experts=4, moe_top_k=2, ffn="glu", activation="silu", moe_scoring="sigmoid",
+                                        moe_scale=2.5, moe_groups=2, moe_group_top_k=1, moe_choice_bias=True,
+                                        moe_shared_experts=1, moe_dense_layers=(0,), positional="rope", norm="rmsnorm",
+                                        bias=False, head_size=6, mla_kv_rank=5, mla_q_rank=4, mla_rope_dims=4,
+                                        mla_v_dims=3, query_scale=10.0),
+                "mla_full_q": dict(moe_experts=2, moe_top_k=2, positional="rope", norm="rmsnorm", bias=False,
+                                   head_size=6, mla_kv_rank=5, mla_rope_dims=2)}
 
 
-MOE_DRAWS = {"olmoe": (2, 8), "deepseek_v2": (0, 8), "deepseek_v3": (0, 8)}
+MOE_DRAWS = {"olmoe": (2, 8), "deepseek_v2": (0, 8), "deepseek_v3": (0, 8), "deepseek_v3_mla": (2, 8)}
 
 
 @pytest.mark.parametrize("moe", list(MOE_VARIANTS))

@@ -11,6 +11,7 @@ from qkv.nn import positional as tpos
 from qkv.nn.attention import Attention, AttentionContext
 from qkv.nn.block import Block
 from qkv.nn.ffn import ACTIVATIONS, GLU, MLP
+from qkv.nn.mla import LatentAttention
 from qkv.nn.norms import LayerNorm, RMSNorm
 from qkv.nn.residual import RESIDUALS
 from qkv.ref import cases
@@ -204,6 +205,25 @@ def _attention_oracle(kv_heads=H, positional="none", cross=False, mask=False):
 
 ORACLES["attention_mha"] = _attention_oracle()
 ORACLES["attention_gqa_rope_padding"] = _attention_oracle(kv_heads=1, positional="rope", mask=True)
+
+
+def _latent_oracle(q_rank: int, mask: bool = False):
+    """The torch engine's LatentAttention, which computes in the absorbed form (qkv.nn.mla): the reference engine's
+    per-head keys and values against it."""
+    def run(i):
+        m = cases.MLA
+        module = LatentAttention(D, m["heads"], kv_rank=m["rank"], q_rank=q_rank, head_dim=m["nope"] + m["rope"],
+                                 rope_dims=m["rope"], v_dim=m["v_dim"], norm_eps=1e-5).double()
+        pos = tpos.Rotary(head_dim=m["rope"], rope_theta=10000.0).double()
+        positions = torch.arange(T).expand(B, T)
+        padding = torch.from_numpy(cases._padding_mask(T, T)) if mask else None
+        ctx = AttentionContext(pos, positions, positions, padding, not mask)
+        return functional_call(module, {k: v for k, v in i.items() if k != "x"}, (i["x"], ctx))
+    return run
+
+
+ORACLES["mla_latent_q"] = _latent_oracle(cases.MLA["q_rank"])
+ORACLES["mla_full_q_padding"] = _latent_oracle(0, mask=True)
 ORACLES["attention_alibi"] = _attention_oracle(positional="alibi")
 ORACLES["cross_attention"] = _attention_oracle(cross=True)
 

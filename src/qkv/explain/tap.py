@@ -23,6 +23,7 @@ from qkv.ref.attention import split_heads
 from qkv.ref.ffn import GLUCache
 from qkv.ref.functional import ACTIVATIONS, Grads, linear_backward, linear_forward, scope
 from qkv.ref.kernels import Kernel, NaiveCache, kernel_grads, naive_steps
+from qkv.ref.mla import LatentCache
 from qkv.ref.moe import MoECache
 from qkv.ref.norms import LayerNormCache
 
@@ -141,6 +142,9 @@ class Recorder:
         model.qk_norm's norm and the rotation)."""
         heads = cache.ctx.n_heads
         part["merged"] = cache.o_proj[0]  # Concat(head_1..head_h)   (B, T, H*Dh)
+        if isinstance(cache, LatentCache):  # latent attention: q and k are made from latents, not one projection
+            part["cross"] = False
+            return
         part["cross"] = cache.cross
         q_raw = linear_forward(cache.q_proj[0], **scope(params, "q_proj"))[0]  # H W_Q, as the forward
         k_raw = linear_forward(cache.k_proj[0], **scope(params, "k_proj"))[0]

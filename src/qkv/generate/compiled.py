@@ -52,6 +52,7 @@ from qkv.generate.step_attention import attend
 from qkv.generate.watch import ModelWatch, hooked, kernel_operands
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache, RingLayerCache
+from qkv.nn.mla import LatentAttention
 from qkv.nn.moe import MoE
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
@@ -91,6 +92,8 @@ def unsupported(model: nn.Module) -> str | None:
         return "longrope (its frequencies change with the positions a step reaches)"
     for block in model.blocks:
         attn = block.attn
+        if isinstance(attn, LatentAttention):
+            return "latent attention (its cache holds latents: the general step decodes from them)"
         if block.cross_attn is not None or block.residual not in (pre_norm, sandwich_norm):
             return "a block other than pre-norm (or sandwich) self-attention + FFN"
         if attn.kernel_name not in DENSE_KERNELS or attn.window:

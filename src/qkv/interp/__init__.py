@@ -180,10 +180,11 @@ def direct_logit_attribution(model: nn.Module, input_ids: Tensor, *, position: i
     for i, block in enumerate(blocks):
         attn = block.attn
         through, shift = outputs[i, "attn"][1]
-        z = cache[f"blocks.{i}.attn.z"][0, :, position].double()  # (H, Dh)
+        z = cache[f"blocks.{i}.attn.z"][0, :, position].double()  # (H, Dh) (latent attention: (H, d_V))
         w_o = attn.o_proj.weight.detach().double()  # (D, H*Dh)
+        width = z.shape[-1]
         for h in range(attn.n_heads):
-            out_h = w_o[:, h * attn.head_dim:(h + 1) * attn.head_dim] @ z[h]  # (D,)
+            out_h = w_o[:, h * width:(h + 1) * width] @ z[h]  # (D,)
             components.append((f"blocks.{i}.attn.head{h}", term(out_h, through)))
         if attn.o_proj.bias is not None:
             components.append((f"blocks.{i}.attn.bias", term(attn.o_proj.bias.detach(), through)))

@@ -20,6 +20,7 @@ import numpy as np
 from qkv.ref.attention import attention_backward, attention_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.functional import Grads, scope
+from qkv.ref.mla import latent_backward, latent_forward
 from qkv.ref.moe import MoECache, Routing, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.registry import Registry
@@ -100,6 +101,8 @@ def sublayer_norm(params: dict, cfg):
 
 
 def attention_sublayer(params: dict, ctx, memory=None) -> Sublayer:
+    if "kv_a_proj.weight" in params:  # multi-head latent attention (model.mla_kv_rank: qkv.ref.mla)
+        return Sublayer(lambda x: latent_forward(params, x, ctx), latent_backward)
     return Sublayer(lambda x: attention_forward(params, x, ctx, memory), attention_backward)
 
 

@@ -12,6 +12,7 @@ from qkv.ref.block import block_backward, block_forward
 from qkv.ref.ffn import FFNS
 from qkv.ref.flash import flash_backward, flash_forward
 from qkv.ref.gradcheck import CASES, Case, layer_grads
+from qkv.ref.mla import latent_backward, latent_forward
 from qkv.ref.moe import Routing, moe_backward, moe_forward
 from qkv.ref.norms import NORMS
 from qkv.config import ModelConfig
@@ -242,6 +243,36 @@ def _attention_case(kv_heads=H, positional_name="none", cross=False, mask=False)
 
     return Case(inputs, forward, lambda dy, cache: with_memory(layer_grads(attention_backward, dy, cache)))
 
+
+MLA = dict(heads=H, nope=3, rope=2, v_dim=3, rank=5, q_rank=4)  # the latent attention cases' sizes
+
+
+def latent_params(rng, q_rank: int) -> dict:
+    """qkv.nn.mla.LatentAttention's parameters (no biases, as DeepSeek's): MLA's sizes above."""
+    h, n, r_, v, c = MLA["heads"], MLA["nope"], MLA["rope"], MLA["v_dim"], MLA["rank"]
+    params = ({**linear_params(rng, "q_a_proj", q_rank, D, False), "q_a_norm.weight": 1 + _normal(rng, q_rank, scale=0.2),
+               **linear_params(rng, "q_b_proj", h * (n + r_), q_rank, False)} if q_rank else
+              linear_params(rng, "q_proj", h * (n + r_), D, False))
+    params.update(linear_params(rng, "kv_a_proj", c + r_, D, False))
+    params["kv_a_norm.weight"] = 1 + _normal(rng, c, scale=0.2)
+    params.update(linear_params(rng, "kv_b_proj", h * (n + v), c, False))
+    params.update(linear_params(rng, "o_proj", D, h * v, False))
+    return params
+
+
+def _latent_case(q_rank: int, mask: bool = False):
+    def forward(i):
+        pos = positional.POSITIONALS.get("rope")(cfg(head_dim=MLA["rope"]))
+        ctx = AttentionContext(pos, np.broadcast_to(np.arange(T), (B, T)), np.broadcast_to(np.arange(T), (B, T)),
+                               _padding_mask(T, T) if mask else None, not mask, kernels.KERNELS.get("naive")(cfg()), H)
+        return latent_forward(i, i["x"], ctx)
+
+    return Case(lambda rng: {"x": _normal(rng, B, T, D), **latent_params(rng, q_rank)}, forward,
+                lambda dy, cache: layer_grads(latent_backward, dy, cache))
+
+
+CASES.register("mla_latent_q")(_latent_case(q_rank=MLA["q_rank"]))
+CASES.register("mla_full_q_padding")(_latent_case(q_rank=0, mask=True))
 
 CASES.register("attention_mha")(_attention_case())
 CASES.register("attention_gqa_rope_padding")(_attention_case(kv_heads=1, positional_name="rope", mask=True))

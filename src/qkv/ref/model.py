@@ -64,7 +64,9 @@ def make_context(cfg, input_ids, attention_mask, causal: bool, params: dict | No
     model ("encoder." for an encoder under a head or in an encoder-decoder); `positional` overrides
     cfg.positional (the encoder-decoder's decoder takes T5's causal twin, as qkv.models.build)."""
     positions, mask = positions_and_mask(input_ids, attention_mask, causal)
-    return AttentionContext(POSITIONALS.get(positional or cfg.positional)(cfg), positions, positions, mask,
+    turned = replace(cfg, head_size=cfg.mla_rope_dims) if getattr(cfg, "mla_kv_rank", 0) else cfg  # (latent
+    # attention turns its shared RoPE dims alone: qkv.nn.mla)
+    return AttentionContext(POSITIONALS.get(positional or cfg.positional)(turned), positions, positions, mask,
                             causal=causal and mask is None, kernel=KERNELS.get(cfg.attention)(cfg),
                             n_heads=cfg.n_heads, params=scope(params or {}, "positional"),
                             positional_prefix=f"{prefix}positional.", norm_eps=cfg.norm_eps)

@@ -83,3 +83,16 @@ def test_what_v3_reads_as_and_its_latent_cache(tmp_path):
     assert layer.k.shape == (2, 1, 40, 16 + 4) and layer.v.shape[-1] == 0  # [c ; k^R] a token, nothing else
     held = sum(layer.k.nbytes + layer.v.nbytes for layer in cache.layers)
     assert memory.kv_cache(cfg, batch=2, seq=40, bytes_per_element=4) == held  # qkv calc's figure is what it holds
+
+
+def test_direct_logit_attribution_adds_up_with_latent_heads(tmp_path):
+    """Each head's term through W_O's d_V columns (qkv.nn.mla's z is (B, H, T, d_V)), the FFNs' and the
+    embedding's: together with the constant they are the logit."""
+    from qkv.interp import direct_logit_attribution
+
+    torch.manual_seed(0)
+    run = qkv.load(save_hf(routed(v3()), tmp_path / "hf"))
+    found = direct_logit_attribution(run.model.double(), torch.randint(0, V, (1, 9)))
+    heads = [name for name, _ in found["components"] if ".attn.head" in name]
+    assert len(heads) == 3 * 4
+    assert sum(term for _, term in found["components"]) + found["constant"] == pytest.approx(found["logit"], abs=1e-9)
