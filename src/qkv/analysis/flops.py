@@ -12,8 +12,8 @@ compute it.
 Per layer, B sequences of T queries over S keys (S = T for self-attention), FLOPs forward:
     projections   2 B T D (H Dh) + 2 B S D (2 Hkv Dh) + 2 B T (H Dh) D       (W^Q; W^K, W^V; W^O)
     scores        2 B H T S Dh (Q K^T) + 2 B H T S Dh (A V)                   (note 000 §10.1.1-2)
-    latent        projections 2 B T (D r_q + r_q H Dh + D (r + d_R) + H d_N r + H r d_V + H d_V D),
-                  scores 2 B H T S (r + d_R) + 2 B H T S r (qkv.nn.mla's absorbed form)
+    latent        projections 2 B T (D r_q + r_q H Dh + D (r + d_R) + r H (d_N + d_V) + H d_V D),
+                  scores 2 B H T S Dh + 2 B H T S d_V (qkv.nn.mla's form without a cache)
     FFN           2 B T D F x 2 (mlp), x 3 (glu); MoE: top_k experts (moe_d_ff wide) + the shared experts
                   + router 2 B T D E; the plan's dense layers (model.moe_dense_layers) as a dense FFN
     LM head       2 B T D V
@@ -32,11 +32,11 @@ MAC = 2  # FLOPs per multiply-add
 
 
 def attention_projections(cfg: ModelConfig, tokens: int, source_tokens: int) -> int:
-    if cfg.mla_kv_rank:  # latent attention as qkv.nn.mla computes it: W_UK absorbed into q, W_UV after A
+    if cfg.mla_kv_rank:  # latent attention as qkv.nn.mla computes a whole sequence: each head's k and v formed
         H, Dh, r, rq, d_r = cfg.n_heads, cfg.head_dim, cfg.mla_kv_rank, cfg.mla_q_rank, cfg.mla_rope_dims
         v_dim = cfg.mla_v_dims or Dh
         q = cfg.d_model * rq + rq * H * Dh if rq else cfg.d_model * H * Dh
-        return MAC * tokens * (q + cfg.d_model * (r + d_r) + H * (Dh - d_r) * r + H * r * v_dim + H * v_dim * cfg.d_model)
+        return MAC * tokens * (q + cfg.d_model * (r + d_r) + r * H * (Dh - d_r + v_dim) + H * v_dim * cfg.d_model)
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return MAC * (tokens * cfg.d_model * q_width + source_tokens * cfg.d_model * 2 * kv_width
                   + tokens * q_width * cfg.d_model)
@@ -46,9 +46,9 @@ def attention_scores(cfg: ModelConfig, batch: int, T: int, S: int, causal: bool 
     """Q K^T and A V over every head; linear attention (note 000 §15.2) instead does phi(K)^T V and
     phi(Q) (phi(K)^T V), 2 x 2 B H T Dh^2, plus its normaliser."""
     H, Dh = cfg.n_heads, cfg.head_dim
-    if cfg.mla_kv_rank:  # scores over [c ; k^R] (r + d_R), values the latents (r)
+    if cfg.mla_kv_rank:  # scores over Dh, values d_V wide
         pairs = score_pairs(cfg.attention, T, S, cfg.window, causal)
-        return MAC * batch * H * pairs * (2 * cfg.mla_kv_rank + cfg.mla_rope_dims)
+        return MAC * batch * H * pairs * (Dh + (cfg.mla_v_dims or Dh))
     if cfg.attention == "linear":
         return MAC * batch * H * (2 * S * Dh * Dh + T * Dh * Dh + T * Dh)
     return MAC * 2 * batch * H * score_pairs(cfg.attention, T, S, cfg.window, causal) * Dh

@@ -13,17 +13,20 @@ RoPE key that all heads share:
 
 W_DKV and W_KR are one matrix (kv_a_proj: r + d_R rows), W_UK and W_UV one (kv_b_proj: H (d_N + d_V) rows), as
 the checkpoints keep them. The point of MLA is its cache: only c_t and k_t^R, r + d_R numbers a token a layer
-(576 in V3, against 2 H Dh = 32,768 for MHA of its width). qkv computes every call the way the paper decodes,
-with W_UK absorbed into the query and W_UV applied after the weights:
+(576 in V3, against 2 H Dh = 32,768 for MHA of its width). A call with a KV cache (generation) computes the way the
+paper decodes, with W_UK absorbed into the query and W_UV applied after the weights:
 
     q_t,h . k_j,h = (W_UK,h^T q_t,h^N) . c_j + q_t,h^R . k_j^R     =  [W_UK,h^T q^N ; q^R] . [c_j ; k_j^R]
     o_t,h = W_UV,h sum_j a_tj,h c_j
 
 so attention runs over one shared key head of [c ; k^R] (r + d_R wide) whose first r columns are the values
 (multi-query attention over the latent), the cache holds exactly that key, and the per-head keys and values are
-never formed. The scores' scale stays Dh^-1/2 (times YaRN's mscale^2 where the checkpoint sets it:
-model.query_scale). Hook points as Attention's: q (B, H, T, r + d_R), the absorbed queries; k (B, 1, S, r + d_R),
-the latent keys; v (B, 1, S, r); scores / pattern (formed when hooked); z (B, H, T, d_V) after W_UV; out.
+never formed. A call without a cache (training, scoring a text) forms them, as the paper trains: its scores cost
+H (Dh + d_V) a pair instead of H (2r + d_R) (3.4x fewer at V3's sizes). The scores' scale stays Dh^-1/2 (times
+YaRN's mscale^2 where the checkpoint sets it: model.query_scale). Hook points as Attention's, in the form the call
+takes: per head q, k (B, H, T, Dh) and v (B, H, T, d_V) without a cache; with one the absorbed queries
+(B, H, T, r + d_R), the latent keys (B, 1, S, r + d_R) and values (B, 1, S, r); scores / pattern (formed when
+hooked); z (B, H, T, d_V); out.
 """
 from __future__ import annotations
 
@@ -85,26 +88,43 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj(x).split((self.kv_rank, self.rope_dims), dim=-1)
         latent = self.kv_a_norm(latent)[:, None]  # c (B, 1, T, r)
         q_rope, k_rope = ctx.positional.rotate(q_rope, k_rope[:, None], ctx.positions)  # (B, H | 1, T, d_R)
+        k_rope = k_rope.to(latent.dtype)
+        if cache is None:  # a whole sequence (training, scoring): each head's keys and values, cheaper here
+            z = self.per_head(q_nope, q_rope, latent, k_rope, ctx)
+        else:  # from and into the latent cache (generation): W_UK absorbed, W_UV after the weights
+            z = self.absorbed(q_nope, q_rope, latent, k_rope, ctx, cache)
+        z = point(self, "z", z)  # (B, H, T, d_V)
+        return self.dropout(point(self, "out", self.o_proj(z.transpose(1, 2).reshape(B, T, -1))))
+
+    def per_head(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, ctx) -> Tensor:
+        """The paper's training form: k_h = [W_UK,h c ; k^R], v_h = W_UV,h c for every head."""
+        B, H, T, _ = q_nope.shape
+        up = self.kv_b_proj(latent[:, 0]).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = up.split((self.nope, self.v_dim), dim=-1)
+        q = point(self, "q", torch.cat((q_nope, q_rope), dim=-1))  # (B, H, T, Dh)
+        k = point(self, "k", torch.cat((k_nope, k_rope.expand(B, H, T, self.rope_dims)), dim=-1))
+        return self.attend(q, k, point(self, "v", v), ctx)  # (B, H, T, d_V)
+
+    def absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, ctx, cache: LayerCache) -> Tensor:
+        """Decoding's form: multi-query attention of [W_UK,h^T q^N ; q^R] over the cached [c ; k^R]."""
+        B, H = q_nope.shape[:2]
         w_uk, w_uv = self.up()
-        q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)  # [W_UK^T q^N ; q^R]
-        k = torch.cat((latent, k_rope.to(latent.dtype)), dim=-1)  # [c ; k^R] (B, 1, T, r + d_R)
-        q, k = point(self, "q", q), point(self, "k", k)
-        if cache is not None:
-            k, _ = cache.append(k, k[..., :0])  # (B, 1, S, r + d_R): the latent cache
-            k = k if k.dtype == q.dtype else k.to(q.dtype)
+        q = point(self, "q", torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1))
+        k = point(self, "k", torch.cat((latent, k_rope), dim=-1))  # (B, 1, T, r + d_R)
+        k, _ = cache.append(k, k[..., :0])  # (B, 1, S, r + d_R): the latent cache
+        k = k if k.dtype == q.dtype else k.to(q.dtype)
         v = point(self, "v", k[..., :self.kv_rank])  # the values are the latents (B, 1, S, r)
-        keys, values = k.expand(B, self.n_heads, *k.shape[2:]), v.expand(B, self.n_heads, *v.shape[2:])
+        out = self.attend(q, k.expand(B, H, *k.shape[2:]), v.expand(B, H, *v.shape[2:]), ctx)  # (B, H, T, r)
+        return torch.einsum("bhtr,hvr->bhtv", out, w_uv)  # W_UV,h sum_j a_j c_j
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         dropout = self.attn_dropout if self.training else 0.0
         if wants(self, "scores") or wants(self, "pattern"):
             weights = weights_for(self.kernel_name)
-            pattern = weights(q, keys, mask=ctx.mask, causal=ctx.causal, bias=None, scale=self.scale,
+            pattern = weights(q, k, mask=ctx.mask, causal=ctx.causal, bias=None, scale=self.scale,
                               on_scores=lambda scores: point(self, "scores", scores))
-            out = weighted_values(point(self, "pattern", pattern), values, None, dropout)
-        else:
-            out = self.kernel(q, keys, values, mask=ctx.mask, causal=ctx.causal, bias=None, scale=self.scale,
-                              dropout=dropout)  # (B, H, T, r)
-        z = point(self, "z", torch.einsum("bhtr,hvr->bhtv", out, w_uv))  # W_UV,h sum_j a_j c_j (B, H, T, d_V)
-        return self.dropout(point(self, "out", self.o_proj(z.transpose(1, 2).reshape(B, T, -1))))
+            return weighted_values(point(self, "pattern", pattern), v, None, dropout)
+        return self.kernel(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=None, scale=self.scale, dropout=dropout)
 
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, kv_rank={self.kv_rank}, rope_dims={self.rope_dims}, qk_dim={self.qk_dim}, "
