@@ -86,7 +86,7 @@ MOE_VARIANTS = {"top2of3": dict(moe_experts=3, moe_top_k=2, ffn="glu", activatio
                                     moe_scale=2.5, moe_groups=2, moe_group_top_k=1, moe_choice_bias=True,
                                     moe_shared_experts=1, moe_d_ff=6, moe_dense_layers=(0,)),
                 # DeepSeek-V3's whole layer: latent attention (q through its latent, the scores' scale set) over
-                # V3's routing; the torch engine computes MLA absorbed, the reference per head
+                # V3's routing
                 "deepseek_v3_mla": dict(moe_experts=4, moe_top_k=2, ffn="glu", activation="silu", moe_scoring="sigmoid",
                                         moe_scale=2.5, moe_groups=2, moe_group_top_k=1, moe_choice_bias=True,
                                         moe_shared_experts=1, moe_dense_layers=(0,), positional="rope", norm="rmsnorm",

@@ -208,8 +208,7 @@ ORACLES["attention_gqa_rope_padding"] = _attention_oracle(kv_heads=1, positional
 
 
 def _latent_oracle(q_rank: int, mask: bool = False):
-    """The torch engine's LatentAttention, which computes in the absorbed form (qkv.nn.mla): the reference engine's
-    per-head keys and values against it."""
+    """The torch engine's LatentAttention (qkv.nn.mla; a call without a cache: its per-head form)."""
     def run(i):
         m = cases.MLA
         module = LatentAttention(D, m["heads"], kv_rank=m["rank"], q_rank=q_rank, head_dim=m["nope"] + m["rope"],

@@ -12,8 +12,8 @@ gradient splits into its nope part (to W_UK) and its RoPE part, which every head
 dk^R = sum_h dk^R_h (the adjoint of a broadcast is a sum, as GQA's repeat_kv); RoPE's backward is the rotation by
 -theta (rope.md); [dk^N_h ; dv_h] merged go back through W_UK,W_UV (linear.md) into dc, the latent's RMSNorm
 (rmsnorm.md), then with dk^R through [W_DKV ; W_KR] into dx; the queries likewise through W_UQ, their norm and
-W_DQ; dx is the sum of both paths. The torch engine (qkv.nn.mla) computes the same function in the absorbed form
-the paper decodes with: the two engines' agreement checks the absorption too.
+W_DQ; dx is the sum of both paths. The torch engine (qkv.nn.mla) computes the same per-head form without a cache
+and the absorbed form, the paper's decoding one, into its latent cache.
 Parameter names: qkv.nn.mla.LatentAttention's (q_a_proj, q_a_norm, q_b_proj or q_proj; kv_a_proj, kv_a_norm,
 kv_b_proj, o_proj).
 """
