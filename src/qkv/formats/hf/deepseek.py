@@ -29,7 +29,7 @@ import torch
 from qkv.config import ModelConfig
 from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, ensure, import_tensors,
                                    need)
-from qkv.formats.hf.moe import count, flag
+from qkv.formats.hf.moe import count, flag, unstack
 from qkv.formats.hf.rope import rope_fields
 from qkv.plan import layer_plans
 
@@ -152,7 +152,24 @@ def ignored(cfg: ModelConfig):
     return check
 
 
+def joined(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    """kv_b_proj from llama.cpp's split of it (qkv.formats.gguf.deepseek): k_b_proj (H, r, d_N), each head's W_UK
+    transposed, and v_b_proj (H, d_V, r), one head's rows after the other's as the checkpoint keeps them."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith("self_attn.k_b_proj.weight")]:
+        v_name = name.replace("k_b_proj", "v_b_proj")
+        ensure(v_name in tensors, f"{name} comes with {v_name}")
+        k_b, v_b = out.pop(name), out.pop(v_name)
+        ensure(k_b.dim() == 3 and v_b.dim() == 3 and k_b.shape[0] == v_b.shape[0] == cfg.n_heads,
+               f"{name} {tuple(k_b.shape)} and {v_name} {tuple(v_b.shape)} must be (heads, ., .) with "
+               f"{cfg.n_heads} heads")
+        out[name.replace("k_b_proj", "kv_b_proj")] = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(
+            -1, k_b.shape[1])
+    return out
+
+
 def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    tensors = unstack(joined(tensors, cfg), "deepseek", cfg.moe_experts)  # (GGUF's forms: qkv.formats.gguf.deepseek)
     out = import_tensors(tensors, rules(cfg), ignored(cfg))
     return {name: rope_rows(name, t, cfg, inverse=False) for name, t in out.items()}
 
