@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from qkv import config_rules
 from qkv.config_values import (MAX_VOCAB, _at_least, _finite_and_bounded, _no_unknown, _positive, choice,  # noqa: F401
                                coerce, field_types, parse_value)
 from qkv.errors import QkvError
@@ -151,8 +152,8 @@ class ModelConfig:
             raise QkvError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise QkvError(f"model.moe_top_k={self.moe_top_k} must be in 1..model.moe_experts={self.moe_experts}")
-        self._validate_experts()
-        self._validate_latent()
+        config_rules.experts(self)
+        config_rules.latent(self)
         if self.qk_norm_whole and not self.qk_norm:
             raise QkvError("model.qk_norm_whole=true needs model.qk_norm=true")
         if not 0.0 <= self.dropout < 1.0:
@@ -177,91 +178,11 @@ class ModelConfig:
         if self.rope_dims not in (0, self.head_dim) and self.rope_scaling == "yarn":
             raise QkvError("model.rope_dims with rope_scaling=yarn: YaRN's factor on the turned pairs alone is not "
                            "supported by qkv")
-        self._validate_layers()
+        config_rules.layers(self)
         if self.bigram_vocab < 0 or self.bigram_vocab == 1:
             raise QkvError(f"model.bigram_vocab={self.bigram_vocab} must be 0 (none) or at least 2 rows")
-        self._validate_family()
+        config_rules.family(self)
         return self
-
-    def _validate_experts(self) -> None:
-        """The routing fields against the expert count (their meaning: qkv.nn.moe)."""
-        for name in ("moe_groups", "moe_group_top_k", "moe_d_ff", "moe_shared_experts"):
-            _at_least(f"model.{name}", getattr(self, name), 0)
-        _positive("model.moe_scale", self.moe_scale)
-        if self.moe_scoring not in ("softmax", "sigmoid"):
-            raise QkvError(f"model.moe_scoring={self.moe_scoring!r}; choose from: softmax, sigmoid")
-        if self.moe_groups > 1:
-            if self.moe_experts % self.moe_groups:
-                raise QkvError(f"model.moe_groups={self.moe_groups} must divide model.moe_experts={self.moe_experts}")
-            if not 1 <= self.moe_group_top_k <= self.moe_groups:
-                raise QkvError(f"model.moe_group_top_k={self.moe_group_top_k} must be in 1..model.moe_groups="
-                               f"{self.moe_groups}")
-            if self.moe_top_k > self.moe_group_top_k * (self.moe_experts // self.moe_groups):
-                raise QkvError(f"model.moe_top_k={self.moe_top_k} is more than the "
-                               f"{self.moe_group_top_k * (self.moe_experts // self.moe_groups)} experts of "
-                               f"model.moe_group_top_k={self.moe_group_top_k} groups")
-        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.decoder_layers]
-        if bad:
-            raise QkvError(f"model.moe_dense_layers has {bad[0]}, not a layer of 0..{self.decoder_layers - 1}")
-        if not self.moe_experts:
-            changed = [name for name, default in (("moe_scoring", "softmax"), ("moe_norm_topk", True),
-                                                  ("moe_scale", 1.0), ("moe_groups", 0), ("moe_group_top_k", 0),
-                                                  ("moe_choice_bias", False), ("moe_d_ff", 0),
-                                                  ("moe_shared_experts", 0), ("moe_dense_layers", ()))
-                       if getattr(self, name) != default]
-            if changed:
-                raise QkvError(f"model.{changed[0]}={getattr(self, changed[0])!r} needs experts: set model.moe_experts")
-
-    def _validate_latent(self) -> None:
-        """Multi-head latent attention's sizes (qkv.nn.mla)."""
-        for name in ("mla_kv_rank", "mla_q_rank", "mla_rope_dims", "mla_v_dims"):
-            _at_least(f"model.{name}", getattr(self, name), 0)
-        if not self.mla_kv_rank:
-            used = [n for n in ("mla_q_rank", "mla_rope_dims", "mla_v_dims") if getattr(self, n)]
-            if used:
-                raise QkvError(f"model.{used[0]}={getattr(self, used[0])} belongs to latent attention: set model.mla_kv_rank")
-            return
-        if self.mla_rope_dims % 2 or not 2 <= self.mla_rope_dims < self.head_dim:
-            raise QkvError(f"model.mla_rope_dims={self.mla_rope_dims} must be even and in 2..head_dim - 1 "
-                           f"(head_dim={self.head_dim}: the rope dims and the latent's nope dims)")
-        if self.arch != "decoder" or self.positional != "rope" or self.layer_types or self.n_kv_heads not in (
-                0, self.n_heads) or self.qk_norm or self.attn_softcap or self.rope_dims:
-            raise QkvError("model.mla_kv_rank: latent attention is built for a decoder with positional='rope', every "
-                           "layer global, no q/k norm, soft cap, partial rotation or grouped K/V heads (its heads "
-                           "share the latent)")
-
-    def _validate_layers(self) -> None:
-        """The per-layer plan's sizes (its names are qkv.plan's to check)."""
-        if self.layer_types and len(self.layer_types) != self.decoder_layers:
-            raise QkvError(f"model.layer_types has {len(self.layer_types)} entries for "
-                           f"{self.decoder_layers} layers: one per layer")
-        if self.layer_types and self.arch != "decoder":
-            raise QkvError(f"model.layer_types needs model.arch='decoder', got model.arch={self.arch!r}")
-        if "sliding" in self.layer_types and self.sliding_window < 1:
-            raise QkvError(f"model.layer_types has sliding layers: model.sliding_window must be >= 1, "
-                           f"got {self.sliding_window}")
-
-    def _validate_family(self) -> None:
-        """The fields that only some architectures use (encoder heads, token types, embedding options)."""
-        _at_least("model.type_vocab_size", self.type_vocab_size, 0)
-        _at_least("model.n_classes", self.n_classes, 0)
-        if self.arch != "encoder":
-            for name, default in (("head", "none"), ("type_vocab_size", 0)):
-                if getattr(self, name) != default:
-                    raise QkvError(f"model.{name}={getattr(self, name)!r} needs model.arch='encoder', "
-                                   f"got model.arch={self.arch!r}")
-        if self.arch != "decoder" and self.logit_softcap:
-            raise QkvError(f"model.logit_softcap={self.logit_softcap} needs model.arch='decoder', "
-                           f"got model.arch={self.arch!r}")
-        if self.arch != "decoder" and self.bigram_vocab:
-            raise QkvError(f"model.bigram_vocab={self.bigram_vocab} needs model.arch='decoder', "
-                           f"got model.arch={self.arch!r}")
-        if self.arch == "decoder" and self.embed_norm:
-            raise QkvError("model.embed_norm=True needs model.arch='encoder' or 'encoder-decoder'")
-        if self.head == "classifier" and self.n_classes < 2:
-            raise QkvError(f"model.n_classes={self.n_classes} must be at least 2 with model.head='classifier'")
-        if self.labels and len(self.labels) != self.n_classes:
-            raise QkvError(f"model.labels has {len(self.labels)} names, model.n_classes={self.n_classes}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -396,17 +396,3 @@ def test_one_row_has_two_symbols_and_no_size_recompiles(monkeypatch):
     generate(model, one.repeat(5, 1), max_new_tokens=4)
     assert len(made) == traced and step.failed is None  # 5 rows, 1 + 4 - 1 columns: the batch's graph
 
-
-def test_an_moe_model_is_refused_with_its_reason():
-    """Each step routes to other experts: the compiled step (one graph over fixed weights) says so, and --compile
-    is refused in one line rather than compiled and abandoned."""
-    from qkv.config import ModelConfig
-    from qkv.generate.compiled import unsupported
-    from qkv.models import build_model
-
-    model = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
-                                    moe_experts=4, moe_top_k=2, moe_dense_layers=(0,)))
-    assert unsupported(model) == "a mixture-of-experts layer"
-    latent = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
-                                     head_size=6, mla_kv_rank=5, mla_rope_dims=2))
-    assert unsupported(latent).startswith("latent attention")

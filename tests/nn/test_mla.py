@@ -24,3 +24,18 @@ def test_the_absorbed_cache_path_equals_the_per_head_pass():
         pieces = torch.cat([model(ids[:, :6], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(6, 11)], 1)
     torch.testing.assert_close(pieces, whole, rtol=0, atol=1e-12)
     assert cache.layers[0].k.shape == (2, 1, 16, 16 + 4) and cache.layers[0].v.numel() == 0
+
+
+def test_the_compiled_step_refuses_moe_and_latent_attention_with_its_reason():
+    """Each step routes to other experts: the compiled step (one graph over fixed weights) says so, and --compile
+    is refused in one line rather than compiled and abandoned."""
+    from qkv.config import ModelConfig
+    from qkv.generate.compiled import unsupported
+    from qkv.models import build_model
+
+    model = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
+                                    moe_experts=4, moe_top_k=2, moe_dense_layers=(0,)))
+    assert unsupported(model) == "a mixture-of-experts layer"
+    latent = build_model(ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, d_ff=24, positional="rope",
+                                     head_size=6, mla_kv_rank=5, mla_rope_dims=2))
+    assert unsupported(latent).startswith("latent attention")
