@@ -115,3 +115,15 @@ def test_balancing_options_that_do_not_apply_are_refused(model, train, message):
                               train=dataclasses.replace(cfg.train, **train))
     with pytest.raises(QkvError, match=message):
         check_run(cfg)
+
+
+def test_a_router_gone_nan_in_training_is_a_skipped_step(tmp_path):
+    """A NaN in a router makes the loss NaN: the guards skip the update, as for any non-finite loss."""
+    t = moe_trainer(tmp_path, {})
+    with torch.no_grad():
+        t.model.blocks[0].ffn.router.weight[0, 0] = float("nan")
+    before = {name: p.detach().clone() for name, p in t.model.named_parameters()}
+    result = t.step(*(torch.from_numpy(a) for a in t.batches.next()), lr=1e-3)
+    assert result.skipped
+    for name, p in t.model.named_parameters():
+        assert torch.equal(p, before[name]) or torch.isnan(before[name]).any(), name

@@ -19,6 +19,7 @@ from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import assign_model_tensors, load_model_tensors
 from qkv.models import build_model
+from qkv.nn.moe import MoE
 from qkv.registry import Registry
 
 
@@ -88,4 +89,15 @@ def model_with(cfg: ModelConfig, tensors: dict[str, torch.Tensor], origin: str) 
             own[name] = tensor.clone() if storage in storages else tensor
             storages.add(storage)
         assign_model_tensors(model, own, origin)
+    check_routers(model, origin)
     return model
+
+
+def check_routers(model: nn.Module, origin: str) -> None:
+    """An MoE's router weights and choosing bias are finite: a NaN there makes every route undefined (QkvError
+    naming the tensor)."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            for part, tensor in (("router.weight", module.router.weight), ("router_bias", module.router_bias)):
+                if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                    raise QkvError(f"{origin}: {name}.{part} has NaN or infinite entries: its routes are undefined")

@@ -20,7 +20,7 @@ from qkv.config import RunConfig
 from qkv.data.tokenizer import Tokenizer
 from qkv.errors import QkvError
 from qkv.files import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
-from qkv.formats.base import Chat, Run, check_vocabulary, model_with
+from qkv.formats.base import Chat, Run, check_routers, check_vocabulary, model_with
 from qkv.formats import chat as model_dir_chat
 from qkv.models import build_model
 from qkv.models.build import check_model
@@ -63,6 +63,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Run:
             lora_model(model, parse_spec(config.train.lora), empty=True)
             load_quantized(model, tensors, str(model_file))  # QLoRA's frozen codes
         files.load_model_tensors(model, tensors, str(model_file))
+        check_routers(model, str(model_file))
     if merge_lora(model):
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=""))  # what it now is
     return Run(path=path, config=config, model=model.to(device).eval(), tokenizer=tokenizer,

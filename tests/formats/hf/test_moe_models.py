@@ -112,3 +112,15 @@ def test_an_expert_tensor_missing_is_named(tmp_path):
     save_file(tensors, path / "model.safetensors")
     code, _, err = cli("generate", str(path), "--prompt", "a", "--max-new-tokens", "2")
     assert code == 2 and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in err and err.count("\n") == 1, err
+
+
+def test_a_router_with_nan_is_refused_at_load(tmp_path):
+    """A router whose weights hold a NaN routes every token to undefined experts: exit 2, one line naming it."""
+    torch.manual_seed(0)
+    path = save_hf(routed(mixtral()), tmp_path / "hf")
+    from safetensors.torch import load_file
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.block_sparse_moe.gate.weight"][2, 5] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    code, _, err = cli("generate", str(path), "--prompt", "a", "--max-new-tokens", "2")
+    assert code == 2 and "blocks.1.ffn.router.weight has NaN" in err and err.count("\n") == 1, err
