@@ -17,7 +17,8 @@ reading and back on writing. Routing: V2 softmax, greedy or group_limited_greedy
 score), not renormalised, routed_scaling_factor; V3 sigmoid scores, a choosing bias, groups ranked by their two
 best, renormalised (norm_topk_prob), scaled. YaRN's mscale_all_dim multiplies the scores' scale by mscale^2
 (model.query_scale). The released V3 checkpoint's multi-token-prediction layer (model.layers.61, num_mtp_layers)
-is not part of the language model and is left unread.
+is not part of the language model and is left unread. Written back as the version whose routing the model has
+(V3: sigmoid with a choosing bias; V2: softmax, unnormalised), the rows interleaved again.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import re
 import torch
 
 from qkv.config import ModelConfig
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, ensure, import_tensors,
-                                   need)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, ensure,
+                                   import_tensors, need, rename)
 from qkv.formats.hf.moe import count, flag, unstack
 from qkv.formats.hf.rope import rope_fields
 from qkv.plan import layer_plans
@@ -174,6 +175,69 @@ def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
     return {name: rope_rows(name, t, cfg, inverse=False) for name, t in out.items()}
 
 
+def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    out = rename(tensors, rules(cfg), to_hf=True)
+    return {name: rope_rows(name, t, cfg, inverse=True) for name, t in out.items()}
+
+
+def version(cfg: ModelConfig) -> str | None:
+    """V3 or V2 where `cfg` is one of them (each's routing; latent attention; dense layers first), else None."""
+    dense = cfg.moe_dense_layers == tuple(range(len(cfg.moe_dense_layers)))
+    yarn_scale = mscale_of(cfg)
+    shaped = (cfg.arch == "decoder" and cfg.mla_kv_rank and cfg.moe_experts and dense and cfg.positional == "rope"
+              and cfg.norm == "rmsnorm" and cfg.norm_placement == "pre" and cfg.ffn == "glu" and not cfg.bias
+              and not cfg.layer_types and not cfg.qk_norm and not cfg.logit_softcap and not cfg.bigram_vocab
+              and not cfg.embed_scale and not cfg.moe_capacity_factor and cfg.rope_scaling in ("none", "yarn")
+              and yarn_scale is not None)
+    if not shaped:
+        return None
+    if cfg.moe_scoring == "sigmoid" and cfg.moe_choice_bias:
+        return "v3"
+    if cfg.moe_scoring == "softmax" and not cfg.moe_choice_bias and not cfg.moe_norm_topk:
+        return "v2"
+    return None
+
+
+def mscale_of(cfg: ModelConfig) -> float | None:
+    """mscale_all_dim from the scores' scale (query_scale = Dh / mscale^4 under YaRN, unset without); None where
+    the scale says something else."""
+    if cfg.rope_scaling == "none":
+        return 0.0 if not cfg.query_scale else None
+    if cfg.rope_yarn_mscale not in (0.0, 1.0):
+        return None
+    mscale = (cfg.head_dim / cfg.query_scale) ** 0.25 if cfg.query_scale else 1.0
+    return (mscale - 1.0) / (0.1 * math.log(cfg.rope_factor)) if cfg.rope_factor > 1 else (0.0 if mscale == 1.0 else None)
+
+
+def hf_config(cfg: ModelConfig) -> tuple[str, dict]:
+    which = version(cfg)
+    ensure(which is not None, "not a DeepSeek-V2 or -V3 model")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        all_dim = mscale_of(cfg)
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+                "original_max_position_embeddings": cfg.rope_original_context, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "mscale": all_dim, "mscale_all_dim": all_dim}
+    groups = {"n_group": cfg.moe_groups or 1, "topk_group": cfg.moe_group_top_k or 1}
+    out = {"model_type": f"deepseek_{which}", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+           "intermediate_size": cfg.d_ff, "moe_intermediate_size": cfg.moe_d_ff or cfg.d_ff,
+           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+           "num_key_value_heads": cfg.n_heads, "n_shared_experts": cfg.moe_shared_experts,
+           "n_routed_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+           "routed_scaling_factor": cfg.moe_scale, "kv_lora_rank": cfg.mla_kv_rank, "q_lora_rank": cfg.mla_q_rank or None,
+           "qk_rope_head_dim": cfg.mla_rope_dims, "qk_nope_head_dim": cfg.head_dim - cfg.mla_rope_dims,
+           "v_head_dim": cfg.mla_v_dims or cfg.head_dim, "first_k_dense_replace": len(cfg.moe_dense_layers),
+           "hidden_act": activation_to_hf(cfg), "max_position_embeddings": cfg.max_seq_len,
+           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+           "rope_parameters": rope, "rope_interleave": True}
+    if which == "v3":
+        out.update(norm_topk_prob=cfg.moe_norm_topk, **groups)
+    else:
+        out.update(topk_method="group_limited_greedy" if cfg.moe_groups > 1 else "greedy",
+                   **(groups if cfg.moe_groups > 1 else {}))
+    return (V3 if which == "v3" else V2), out
+
+
 def reader(architecture: str):
     def read(hf: dict, arch: str) -> ModelConfig:
         ensure(interleaved(hf, arch), "rope_interleave=false: qkv reads DeepSeek's interleaved RoPE layout only")
@@ -182,8 +246,8 @@ def reader(architecture: str):
 
 
 HF_FAMILIES.register("deepseek_v2")(HfFamily(
-    model_type="deepseek_v2", architectures=(V2,), config=reader(V2), to_qkv=to_qkv, hf_config=None, to_hf=None,
-    exports=lambda cfg: False, exports_doc="deepseek_v2: read only"))
+    model_type="deepseek_v2", architectures=(V2,), config=reader(V2), to_qkv=to_qkv, hf_config=hf_config, to_hf=to_hf,
+    exports=lambda cfg: version(cfg) == "v2", exports_doc="deepseek_v2: latent attention, softmax experts"))
 HF_FAMILIES.register("deepseek_v3")(HfFamily(
-    model_type="deepseek_v3", architectures=(V3,), config=reader(V3), to_qkv=to_qkv, hf_config=None, to_hf=None,
-    exports=lambda cfg: False, exports_doc="deepseek_v3: read only"))
+    model_type="deepseek_v3", architectures=(V3,), config=reader(V3), to_qkv=to_qkv, hf_config=hf_config, to_hf=to_hf,
+    exports=lambda cfg: version(cfg) == "v3", exports_doc="deepseek_v3: latent attention, sigmoid experts"))
