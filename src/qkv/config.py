@@ -5,7 +5,8 @@
 stores as config.json.
 
 This module is a leaf: it imports nothing of qkv but the error type, its value rules (qkv.config_values: types,
-parsing, bounds) and the JSON reader (qkv.files). `validate()` checks what the config
+parsing, bounds), the model fields' combination rules (qkv.config_rules) and the JSON reader (qkv.files).
+`validate()` checks what the config
 can check alone (types, ranges, combinations of fields); the variant names (norm, positional, attention,
 schedule, ...) belong to the registries beside the code they name, which check them where they are used,
 and `qkv.train.checks.check_run` checks every name and the chosen entries' facts once, before any work. Every

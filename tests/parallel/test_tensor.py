@@ -43,6 +43,7 @@ def test_layouts_that_do_not_divide_are_refused():
              (cfg, 4, "parallel.tp=4 must divide model.n_kv_heads=2"),
              (ModelConfig(n_heads=4, d_ff=66, vocab_size=64), 4, "parallel.tp=4 must divide model.d_ff=66"),
              (ModelConfig(moe_experts=4), 2, "mixture-of-experts"),
+             (ModelConfig(positional="rope", head_size=8, mla_kv_rank=16, mla_rope_dims=4), 2, "latent attention"),
              (ModelConfig(arch="encoder-decoder"), 2, "model.arch='decoder' only"),
              (ModelConfig(positional="t5"), 2, "model.positional='t5'"))
     for model, tp, message in cases:

@@ -85,10 +85,10 @@ def test_check_run_messages(cfg, expected):
 
 
 def test_config_is_a_leaf_that_validates_without_torch():
-    """config.py imports only qkv.errors, its value rules (qkv.config_values, a leaf) and the JSON reader of
-    qkv.files; validating every section imports
+    """config.py imports only qkv.errors, its value rules (qkv.config_values, a leaf), the model fields'
+    combination rules (qkv.config_rules, a leaf) and the JSON reader of qkv.files; validating every section imports
     neither torch nor another qkv module."""
     code = ("import sys; from qkv.config import RunConfig; RunConfig().validate(); "
             "mods = sorted(m for m in sys.modules if m.startswith('qkv') or m == 'torch'); print(mods)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['qkv', 'qkv.config', 'qkv.config_values', 'qkv.errors', 'qkv.files']"
+    assert out.strip() == "['qkv', 'qkv.config', 'qkv.config_rules', 'qkv.config_values', 'qkv.errors', 'qkv.files']"

@@ -51,6 +51,9 @@ def validate(cfg: ModelConfig, tp: int) -> None:
     if cfg.moe_experts:
         raise QkvError(f"parallel.tp={tp}: tensor parallel does not support mixture-of-experts FFNs "
                        f"(model.moe_experts={cfg.moe_experts}); use model.moe_experts=0")
+    if cfg.mla_kv_rank:
+        raise QkvError(f"parallel.tp={tp}: tensor parallel does not split latent attention's projections "
+                       f"(model.mla_kv_rank={cfg.mla_kv_rank}); use model.mla_kv_rank=0")
     if cfg.positional not in SUPPORTED_POSITIONALS:
         raise QkvError(f"parallel.tp={tp}: model.positional={cfg.positional!r} reads its own parameters inside "
                        f"every attention layer, which tensor parallel does not split; use one of "
