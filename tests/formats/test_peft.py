@@ -178,3 +178,27 @@ def test_the_config_alone_is_what_loading_gives_for_every_format(lora_run, tmp_p
     for path in (gguf_file, tmp_path / "hf", run):
         assert load_config(path) == qkv.load(path).config, path
     assert qkv.load(run).config.train.lora == "" and json.loads((run / "config.json").read_text())["train"]["lora"]
+
+
+def test_a_qwen3_moe_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
+    """An MoE base (Qwen3-MoE: a GGUF qkv writes, out as an HF dir): LoRA SFT over its attention, peft's own
+    reading of the adapter over transformers' model gives qkv's logits."""
+    from tests.formats.gguf.test_moe_archs import written
+
+    _, gguf_file = written(tmp_path, "qwen3moe")
+    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(tmp_path / "exported"))[0] == 0
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"n {i}", "completion": " the moon"}) + "\n" for i in range(8)))
+    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(tmp_path / "exported"), "--data", str(data), "--out",
+                     str(tmp_path / "run"), "--max-steps", "4", "--lora", "r=4,alpha=8,dropout=0,targets=q,k,v,o",
+                     "--set", "train.lr=1e-2", "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set",
+                     "train.precision=fp32", "--quiet", "--no-sample")
+    assert rc == 0, err
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    with torch.no_grad():
+        before = base(IDS).logits
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()  # (wraps base in place)
+    with torch.no_grad():
+        ours = qkv.load(tmp_path / "run").model(IDS)
+        torch.testing.assert_close(ours, theirs(IDS).logits, rtol=1e-4, atol=1e-4)
+        assert (ours - before).abs().max() > 1e-4  # the adapter changed something
