@@ -151,21 +151,31 @@ def test_qlora_trains_over_a_quantized_base_and_resumes(lora_run, tmp_path, caps
     assert rc == 0 and "resuming from the checkpoint at step 4" in err, err
 
 
-def test_a_qwen2_hf_dir_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
-    """--init from a Hugging Face dir (a Qwen2: Q/K/V biases, which LoRA leaves frozen) to peft's own reading."""
-    gguf_file = write_llama(tmp_path / "qwen.gguf", arch="qwen2", seed=5)
-    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(tmp_path / "hf"))[0] == 0
+def sft_matches_peft(capsys, gguf_file, tmp_path) -> None:
+    """The GGUF file out as an HF dir, LoRA SFT from it over the attention (4 steps), and peft's own reading of the
+    run's adapter over transformers' model of that dir: qkv's logits, and changed from the base's."""
+    hf = tmp_path / "exported"
+    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(hf))[0] == 0
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"n {i}", "completion": " the moon"}) + "\n" for i in range(8)))
-    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(tmp_path / "hf"), "--data", str(data), "--out",
+    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(hf), "--data", str(data), "--out",
                      str(tmp_path / "run"), "--max-steps", "4", "--lora", "r=4,alpha=8,dropout=0,targets=q,k,v,o",
                      "--set", "train.lr=1e-2", "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set",
                      "train.precision=fp32", "--quiet", "--no-sample")
     assert rc == 0, err
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(qkv.load(tmp_path / "run").model(IDS), theirs(IDS).logits, rtol=1e-4, atol=1e-4)
+        before = base(IDS).logits
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()  # (wraps base in place)
+    with torch.no_grad():
+        ours = qkv.load(tmp_path / "run").model(IDS)
+        torch.testing.assert_close(ours, theirs(IDS).logits, rtol=1e-4, atol=1e-4)
+        assert (ours - before).abs().max() > 1e-4  # the adapter changed something
+
+
+def test_a_qwen2_hf_dir_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
+    """--init from a Hugging Face dir (a Qwen2: Q/K/V biases, which LoRA leaves frozen) to peft's own reading."""
+    sft_matches_peft(capsys, write_llama(tmp_path / "qwen.gguf", arch="qwen2", seed=5), tmp_path)
 
 
 def test_the_config_alone_is_what_loading_gives_for_every_format(lora_run, tmp_path, capsys):
@@ -181,24 +191,7 @@ def test_the_config_alone_is_what_loading_gives_for_every_format(lora_run, tmp_p
 
 
 def test_a_qwen3_moe_adapted_by_qkv_loads_in_peft(tmp_path, capsys):
-    """An MoE base (Qwen3-MoE: a GGUF qkv writes, out as an HF dir): LoRA SFT over its attention, peft's own
-    reading of the adapter over transformers' model gives qkv's logits."""
+    """An MoE base (Qwen3-MoE, a GGUF qkv writes): LoRA over its attention, as peft reads it over transformers'."""
     from tests.formats.gguf.test_moe_archs import written
 
-    _, gguf_file = written(tmp_path, "qwen3moe")
-    assert cli(capsys, "convert", str(gguf_file), "--to-hf", str(tmp_path / "exported"))[0] == 0
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"n {i}", "completion": " the moon"}) + "\n" for i in range(8)))
-    rc, _, err = cli(capsys, "train", "--task", "sft", "--init", str(tmp_path / "exported"), "--data", str(data), "--out",
-                     str(tmp_path / "run"), "--max-steps", "4", "--lora", "r=4,alpha=8,dropout=0,targets=q,k,v,o",
-                     "--set", "train.lr=1e-2", "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set",
-                     "train.precision=fp32", "--quiet", "--no-sample")
-    assert rc == 0, err
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
-    with torch.no_grad():
-        before = base(IDS).logits
-    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "run")).eval()  # (wraps base in place)
-    with torch.no_grad():
-        ours = qkv.load(tmp_path / "run").model(IDS)
-        torch.testing.assert_close(ours, theirs(IDS).logits, rtol=1e-4, atol=1e-4)
-        assert (ours - before).abs().max() > 1e-4  # the adapter changed something
+    sft_matches_peft(capsys, written(tmp_path, "qwen3moe")[1], tmp_path)
