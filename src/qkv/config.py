@@ -61,6 +61,7 @@ class ModelConfig:
     rope_short_factors: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
     rope_yarn_mscale: float = 0.0  # yarn: cos and sin times this where set (DeepSeek: 1); 0 means 0.1 ln s + 1
+    rope_yarn_truncate: bool = True  # yarn: the ramp's ends rounded out to whole pairs (gpt-oss: not)
     rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3: 10,000); 0: as global
     # dimensions of a head RoPE turns, the first rope_dims / 2 pairs of qkv's layout (the rest pass through
     # unturned: Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct); 0 means all of head_dim
@@ -71,6 +72,7 @@ class ModelConfig:
     sliding_window: int = 0  # keys a sliding layer sees, itself included (Mistral 4,096; Gemma 3 270M 512)
     query_scale: float = 0.0  # scores q.k / sqrt(query_scale) (Gemma's query_pre_attn_scalar); 0 means Dh
     attn_softcap: float = 0.0  # c > 0: scores c tanh(s / c) before the mask and softmax (Gemma 2); 0 = none
+    attn_sinks: bool = False  # a learnt logit per head in each softmax's denominator, no value (gpt-oss)
     max_distance: int = 16  # relative positions: clip distance (Shaw) / bucket range (T5)
     t5_buckets: int = 32  # T5's relative_attention_num_buckets (half for each direction in an encoder)
     norm: str = "layernorm"
@@ -95,6 +97,7 @@ class ModelConfig:
     moe_d_ff: int = 0  # an expert's hidden width; 0 means d_ff (DeepSeek, Qwen3-MoE: narrower than a dense layer)
     moe_shared_experts: int = 0  # S > 0: one FFN of S * moe_d_ff every token passes through beside its experts
     moe_dense_layers: tuple[int, ...] = ()  # layers (from 0) whose FFN is dense (d_ff) in an MoE model
+    moe_router_bias: bool = False  # the router's logits get a learnt bias (gpt-oss)
     attention: str = "sdpa"
     # multi-head latent attention (DeepSeek-V2/V3; qkv.nn.mla) where mla_kv_rank r > 0: keys and values from one
     # r-wide latent a token, the position from one shared RoPE key mla_rope_dims wide (head_size = its nope dims +

@@ -49,9 +49,9 @@ def latent(cfg) -> None:
         raise QkvError(f"model.mla_rope_dims={cfg.mla_rope_dims} must be even and in 2..head_dim - 1 "
                        f"(head_dim={cfg.head_dim}: the rope dims and the latent's nope dims)")
     if cfg.arch != "decoder" or cfg.positional != "rope" or cfg.layer_types or cfg.n_kv_heads not in (
-            0, cfg.n_heads) or cfg.qk_norm or cfg.attn_softcap or cfg.rope_dims:
+            0, cfg.n_heads) or cfg.qk_norm or cfg.attn_softcap or cfg.rope_dims or cfg.attn_sinks:
         raise QkvError("model.mla_kv_rank: latent attention is built for a decoder with positional='rope', every "
-                       "layer global, no q/k norm, soft cap, partial rotation or grouped K/V heads (its heads "
+                       "layer global, no q/k norm, soft cap, sinks, partial rotation or grouped K/V heads (its heads "
                        "share the latent)")
 
 def layers(cfg) -> None:

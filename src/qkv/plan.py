@@ -58,7 +58,7 @@ def rope_scaling(cfg: ModelConfig) -> RopeScaling:
                        low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                        beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, long_factors=cfg.rope_long_factors,
                        short_factors=cfg.rope_short_factors, attention_factor=cfg.rope_attention_factor,
-                       yarn_mscale=cfg.rope_yarn_mscale).check()
+                       yarn_mscale=cfg.rope_yarn_mscale, yarn_truncate=cfg.rope_yarn_truncate).check()
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:

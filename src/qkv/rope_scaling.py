@@ -45,6 +45,7 @@ class RopeScaling:
     short_factors: tuple[float, ...] = ()  # longrope: f_i within L
     attention_factor: float = 1.0  # longrope: m
     yarn_mscale: float = 0.0  # yarn: m where set (DeepSeek's mscale / mscale_all_dim ratio); 0: 0.1 ln s + 1
+    yarn_truncate: bool = True  # yarn: the ramp's ends rounded out to whole pairs (the paper's code; gpt-oss: not)
 
     def check(self) -> "RopeScaling":
         if self.kind not in SCALINGS:
@@ -120,8 +121,10 @@ def yarn(theta: np.ndarray, head_dim: int, base: float, scaling: RopeScaling) ->
     def pair_at(turns: float) -> float:
         return head_dim * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair_at(scaling.beta_fast)), 0)
-    high = min(math.ceil(pair_at(scaling.beta_slow)), head_dim - 1)
+    low, high = pair_at(scaling.beta_fast), pair_at(scaling.beta_slow)
+    if scaling.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     high = high if high != low else high + 0.001  # a ramp of width 0 would divide by 0
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     kept = 1 - ramp  # 1: the pair keeps theta_i, 0: theta_i / s

@@ -18,6 +18,8 @@ VARIANTS = [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"ffn": "glu", "activation
             {"moe_experts": 4, "moe_top_k": 2, "ffn": "glu", "moe_d_ff": 8, "moe_shared_experts": 2,
              "moe_choice_bias": True},  # DeepSeek's kind (the bias a buffer, no parameter)
             {"moe_experts": 4, "moe_top_k": 2, "moe_dense_layers": (0,)},
+            {"moe_experts": 4, "moe_top_k": 2, "ffn": "glu_clamped", "activation": "silu", "moe_router_bias": True,
+             "attn_sinks": True, "positional": "rope", "n_kv_heads": 2},  # gpt-oss's kind
             {"positional": "rope", "head_size": 12, "mla_kv_rank": 16, "mla_q_rank": 8, "mla_rope_dims": 4,
              "mla_v_dims": 10}, {"positional": "rope", "head_size": 12, "mla_kv_rank": 16, "mla_rope_dims": 4}, {"qk_norm": True, "qk_norm_whole": True,
                                                                           "n_kv_heads": 2},

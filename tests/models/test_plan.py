@@ -40,7 +40,7 @@ def test_the_plan_names_each_layer():
     (dict(layer_types=("sliding", "ring", "nope", "global")), "model.layer_types[1]='ring' is not a layer kind"),
     (dict(positional="learned"), "model.layer_types needs model.positional='rope'"),
     (dict(layer_types=(), sliding_window=5, rope_local_theta=0.0), "model.sliding_window=5 but no layer is sliding"),
-    (dict(attention="local", window=3), "soft-capped scores and a per-layer plan need a dense kernel"),
+    (dict(attention="local", window=3), "soft-capped scores, attention sinks and a per-layer plan"),
     (dict(rope_scaling="llama3"), "model.rope_scaling='llama3' needs model.rope_original_context >= 1"),
 ])
 def test_a_plan_that_cannot_be_built_is_refused_naming_the_field(fields, message):

@@ -92,11 +92,17 @@ MOE_VARIANTS = {"top2of3": dict(moe_experts=3, moe_top_k=2, ffn="glu", activatio
                                         moe_shared_experts=1, moe_dense_layers=(0,), positional="rope", norm="rmsnorm",
                                         bias=False, head_size=6, mla_kv_rank=5, mla_q_rank=4, mla_rope_dims=4,
                                         mla_v_dims=3, query_scale=10.0),
+                # gpt-oss's layer: attention sinks, alternating windows, YaRN unrounded, a router bias, the
+                # clamped SwiGLU
+                "gpt_oss": dict(moe_experts=4, moe_top_k=2, ffn="glu_clamped", activation="silu", moe_router_bias=True,
+                                attn_sinks=True, positional="rope", layer_types=("sliding", "global"), sliding_window=3,
+                                n_kv_heads=1, rope_scaling="yarn", rope_factor=4.0, rope_original_context=4,
+                                rope_yarn_truncate=False),
                 "mla_full_q": dict(moe_experts=2, moe_top_k=2, positional="rope", norm="rmsnorm", bias=False,
                                    head_size=6, mla_kv_rank=5, mla_rope_dims=2)}
 
 
-MOE_DRAWS = {"olmoe": (2, 8), "deepseek_v2": (0, 8), "deepseek_v3": (0, 8), "deepseek_v3_mla": (2, 8)}
+MOE_DRAWS = {"olmoe": (2, 8), "deepseek_v2": (0, 8), "deepseek_v3": (0, 8), "deepseek_v3_mla": (2, 8), "gpt_oss": (0, 8)}
 
 
 @pytest.mark.parametrize("moe", list(MOE_VARIANTS))

@@ -10,7 +10,7 @@ from torch.func import functional_call
 from qkv.nn import positional as tpos
 from qkv.nn.attention import Attention, AttentionContext
 from qkv.nn.block import Block
-from qkv.nn.ffn import ACTIVATIONS, GLU, MLP
+from qkv.nn.ffn import ACTIVATIONS, GLU, MLP, ClampedGLU
 from qkv.nn.mla import LatentAttention
 from qkv.nn.norms import LayerNorm, RMSNorm
 from qkv.nn.residual import RESIDUALS
@@ -78,6 +78,10 @@ def _rmsnorm(i):
 
 def _ffn_module(kind, act):
     return (GLU if kind == "glu" else MLP)(D, F_, activation=act, bias=True).double()
+
+
+ORACLES["ffn_glu_clamped"] = lambda i: functional_call(ClampedGLU(D, F_, activation="silu", bias=True).double(),
+                                                       {k: v for k, v in i.items() if k != "x"}, (i["x"],))
 
 
 for _kind, _act in (("mlp", "relu"), ("mlp", "gelu"), ("glu", "silu"), ("glu", "gelu")):

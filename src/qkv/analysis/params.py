@@ -3,7 +3,7 @@
 Per layer (D width, H heads, Hkv key/value heads, Dh = D / H, F FFN width, E experts):
     attention   D*H*Dh (W^Q) + 2*D*Hkv*Dh (W^K, W^V) + H*Dh*D (W^O)  [+ H*Dh + 2*Hkv*Dh + D biases]
                 latent (qkv.nn.mla): D r_q + r_q + r_q H Dh (or D H Dh) + D (r + d_R) + r + r H (d_N + d_V) + H d_V D
-                [+ 2*Dh QK-norm gains; (H + Hkv)*Dh over all heads (model.qk_norm_whole)]
+                [+ 2*Dh QK-norm gains; (H + Hkv)*Dh over all heads (model.qk_norm_whole)] [+ H sinks]
                 = 4 D^2 for MHA without biases (note 000 §2.2.2)
     FFN (mlp)   2*D*F [+ F + D]        (note 000 §4.1: W1 (D, F), W2 (F, D), b1, b2)
     FFN (glu)   3*D*F [+ 2F + D]       (note 003, SwiGLU: gate, up and down projections)
@@ -41,7 +41,8 @@ def attention(cfg: ModelConfig) -> int:
         return latent_attention(cfg)
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return (linear(cfg.d_model, q_width, cfg.bias) + 2 * linear(cfg.d_model, kv_width, cfg.bias)
-            + linear(q_width, cfg.d_model, cfg.bias) + qk_norm_gains(cfg))
+            + linear(q_width, cfg.d_model, cfg.bias) + qk_norm_gains(cfg)
+            + (cfg.n_heads if cfg.attn_sinks else 0))  # a sink logit per head
 
 
 def latent_attention(cfg: ModelConfig) -> int:
@@ -63,6 +64,7 @@ def qk_norm_gains(cfg: ModelConfig) -> int:
 FFN_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
     "mlp": lambda c: linear(c.d_model, c.d_ff, c.bias) + linear(c.d_ff, c.d_model, c.bias),
     "glu": lambda c: 2 * linear(c.d_model, c.d_ff, c.bias) + linear(c.d_ff, c.d_model, c.bias),
+    "glu_clamped": lambda c: 2 * linear(c.d_model, c.d_ff, c.bias) + linear(c.d_ff, c.d_model, c.bias),
 }
 NORM_FORMULAS: dict[str, Callable[[ModelConfig], int]] = {
     "layernorm": lambda c: c.d_model * (2 if c.bias else 1),
@@ -81,7 +83,7 @@ def _built(module) -> int:
 def dense_ffn(cfg: ModelConfig) -> int:
     if cfg.ffn in FFN_FORMULAS:
         return FFN_FORMULAS[cfg.ffn](cfg)
-    return _built(build.ffn(cfg))  # a variant added later: count the one module
+    return _built(build.ffn(replace(cfg, moe_experts=0)))  # a variant added later: count the one (dense) module
 
 
 def expert(cfg: ModelConfig, width: int) -> int:
@@ -96,7 +98,8 @@ def ffn(cfg: ModelConfig, moe: bool | None = None) -> int:
         return dense_ffn(cfg)
     width = cfg.moe_d_ff or cfg.d_ff
     shared = expert(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else 0
-    return cfg.moe_experts * expert(cfg, width) + cfg.d_model * cfg.moe_experts + shared
+    router = cfg.d_model * cfg.moe_experts + (cfg.moe_experts if cfg.moe_router_bias else 0)
+    return cfg.moe_experts * expert(cfg, width) + router + shared
 
 
 def active_ffn(cfg: ModelConfig, moe: bool | None = None) -> int:
@@ -150,7 +153,7 @@ def _stack(cfg: ModelConfig, layers: int, prefix: str, cross: bool = False, deco
     parts = {f"{prefix}attention": layers * attention(cfg), f"{prefix}ffn": sum(ffn(cfg, moe) for moe in routed),
              f"{prefix}norms": layers * 2 * sublayer_norms(cfg)}
     if cross:
-        parts[f"{prefix}cross_attention"] = layers * attention(cfg)
+        parts[f"{prefix}cross_attention"] = layers * (attention(cfg) - (cfg.n_heads if cfg.attn_sinks else 0))
         parts[f"{prefix}norms"] += layers * sublayer_norms(cfg)
     parts[f"{prefix}final_norm"] = final_norm(cfg)
     return parts

@@ -101,6 +101,8 @@ def unsupported(model: nn.Module) -> str | None:
         if attn.positional is not None and not isinstance(attn.positional, Rotary) and (
                 type(attn.positional).rotate is not Positional.rotate):
             return f"a layer's {type(attn.positional).__name__} encoding"
+        if attn.sinks is not None:
+            return "attention sinks"
         if isinstance(block.ffn, MoE):  # (its routes are data: each step multiplies other experts' weights)
             return "a mixture-of-experts layer"
     if hooked(model):

@@ -58,9 +58,9 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
         raise QkvError(f"model.positional={cfg.positional!r} needs an even head width, got {cfg.head_dim}")
     if KERNELS.get(cfg.attention).windowed and cfg.window < 1:
         raise QkvError(f"model.attention={cfg.attention!r} needs model.window >= 1, got {cfg.window}")
-    if (cfg.attn_softcap or cfg.layer_types) and cfg.attention not in ("sdpa", "naive"):
-        raise QkvError(f"model.attention={cfg.attention!r}: soft-capped scores and a per-layer plan need a dense "
-                       "kernel (sdpa or naive)")
+    if (cfg.attn_softcap or cfg.layer_types or cfg.attn_sinks) and cfg.attention not in ("sdpa", "naive"):
+        raise QkvError(f"model.attention={cfg.attention!r}: soft-capped scores, attention sinks and a per-layer plan "
+                       "need a dense kernel (sdpa or naive)")
     check_plan(cfg)
     return cfg
 
@@ -135,7 +135,7 @@ def attention(cfg: ModelConfig, cross: bool = False, plan: LayerPlan | None = No
                      qk_norm_whole=cfg.qk_norm_whole,
                      head_dim=cfg.head_dim, sliding=plan.window if plan is not None else 0,
                      scale=cfg.query_scale ** -0.5 if cfg.query_scale else 0.0, softcap=cfg.attn_softcap,
-                     positional=own_positions)
+                     positional=own_positions, sinks=cfg.attn_sinks and not cross)
 
 
 def routing(cfg: ModelConfig) -> Routing:
@@ -150,7 +150,7 @@ def ffn(cfg: ModelConfig, plan: LayerPlan | None = None) -> nn.Module:
         return MoE(cfg.d_model, cfg.moe_d_ff or cfg.d_ff, experts=cfg.moe_experts, top_k=cfg.moe_top_k,
                    capacity_factor=cfg.moe_capacity_factor, ffn=cfg.ffn, activation=cfg.activation,
                    bias=cfg.bias, dropout=cfg.dropout, routing=routing(cfg), choice_bias=cfg.moe_choice_bias,
-                   shared_d_ff=cfg.moe_shared_experts * (cfg.moe_d_ff or cfg.d_ff))
+                   shared_d_ff=cfg.moe_shared_experts * (cfg.moe_d_ff or cfg.d_ff), router_bias=cfg.moe_router_bias)
     return FFNS.get(cfg.ffn)(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
                              dropout=cfg.dropout)
 

@@ -35,7 +35,7 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, kernel: str, bias: bool,
                  dropout: float = 0.0, window: int = 0, qk_norm_eps: float | None = None, head_dim: int = 0,
                  sliding: int = 0, scale: float = 0.0, softcap: float = 0.0, positional: Positional | None = None,
-                 qk_norm_whole: bool = False):
+                 qk_norm_whole: bool = False, sinks: bool = False):
         """`head_dim`: Dh where it is not D / H; `sliding` W > 0: each query sees its last W keys (itself
         included: a sliding layer of qkv.plan); `scale`: the scores' factor where it is not Dh^-1/2;
         `softcap` c > 0: scores c tanh(s / c) before the mask (Gemma 2); `positional`: the layer's own rotation
@@ -60,6 +60,8 @@ class Attention(nn.Module):
         q_width, k_width = (n_heads * self.head_dim, n_kv_heads * self.head_dim) if qk_norm_whole else (self.head_dim,) * 2
         self.q_norm = RMSNorm(q_width, eps=qk_norm_eps) if qk else None
         self.k_norm = RMSNorm(k_width, eps=qk_norm_eps) if qk else None
+        # attention sinks (gpt-oss): a learnt logit per head in the softmax's denominator (qkv.nn.kernels)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()  # p = 0: no dropout kernel at all
 
@@ -99,11 +101,12 @@ class Attention(nn.Module):
         columns = getattr(cache, "columns", None)  # a ring's kept columns and this call's (qkv.nn.cache)
         mask, causal = ((ctx.mask, ctx.causal) if not self.sliding else
                         (sliding_mask(ctx, self.sliding, q.device, columns), False))
-        if wants(self, "scores") or wants(self, "pattern") or self.softcap:  # S and A formed explicitly
+        if wants(self, "scores") or wants(self, "pattern") or self.softcap or self.sinks is not None:  # A formed
             if k.shape[1] != q.shape[1]:
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
             weights = weights_for(self.kernel_name, window=self.window)
             capped = {"softcap": self.softcap} if self.softcap else {}  # (a dense kernel: qkv.models.build)
+            capped.update({"sinks": self.sinks} if self.sinks is not None else {})
             pattern = weights(q, k, mask=mask, causal=causal, bias=bias, scale=self.scale,
                               on_scores=lambda scores: point(self, "scores", scores), **capped)  # (B, H, T, S)
             out = weighted_values(point(self, "pattern", pattern), v, value_bias, dropout)

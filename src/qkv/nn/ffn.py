@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -62,4 +63,20 @@ class GLU(nn.Module):
             hidden = self.act(gate) * up
         else:
             hidden = self.act(self.gate_proj(x)) * self.up_proj(x)
+        return self.dropout(point(self, "post", self.down_proj(point(self, "pre", hidden))))
+
+
+CLAMP_LIMIT, CLAMP_ALPHA = 7.0, 1.702  # gpt-oss's swiglu_limit and SiLU slope
+
+
+@FFNS.register("glu_clamped")
+class ClampedGLU(GLU):
+    """gpt-oss's SwiGLU (OpenAI 2025): g = min(x W_gate, l), u = clip(x W_up, -l, l),
+    FFN(x) = ((u + 1) * g sigmoid(alpha g)) W_down, l = 7, alpha = 1.702: a SiLU of slope alpha on a gate clamped
+    from above, the up branch clamped both ways and shifted by one. `activation` is not read."""
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        gate = self.gate_proj(x).clamp(max=CLAMP_LIMIT)
+        up = self.up_proj(x).clamp(-CLAMP_LIMIT, CLAMP_LIMIT)
+        hidden = (up + 1) * gate * torch.sigmoid(CLAMP_ALPHA * gate)
         return self.dropout(point(self, "post", self.down_proj(point(self, "pre", hidden))))

@@ -98,12 +98,15 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool,
                       bias: Tensor | None, scale: float,
-                      on_scores: Callable[[Tensor], Tensor] | None = None, softcap: float = 0.0) -> Tensor:
+                      on_scores: Callable[[Tensor], Tensor] | None = None, softcap: float = 0.0,
+                      sinks: Tensor | None = None) -> Tensor:
     """A = softmax(Q K^T * scale + bias + M), M = -inf where masked (note 000 §2.1.3, §8.2). (B, H, T, S)
 
     `on_scores` sees the scores S = Q K^T * scale + bias + M before the softmax and may replace them (the
     `attn.scores` hook point: setting an entry to -inf removes that key from the query's softmax). `softcap`
-    c > 0: the scores are c tanh(S / c) before the mask (Gemma 2's bound on the logits)."""
+    c > 0: the scores are c tanh(S / c) before the mask (Gemma 2's bound on the logits). `sinks` (H,): each head's
+    learnt logit joins its softmax's denominator and takes no value (gpt-oss's attention sinks): A's rows then sum
+    to less than 1, a query may attend to nothing."""
     T, S = q.shape[-2], k.shape[-2]
     scores = (q @ k.transpose(-2, -1)).to(wide_dtype(q.dtype)) * scale  # (B, H, T, S)
     if softcap:
@@ -116,6 +119,9 @@ def attention_weights(q: Tensor, k: Tensor, *, mask: Tensor | None, causal: bool
         scores = scores.masked_fill(~mask, float("-inf"))
     if on_scores is not None:
         scores = on_scores(scores)
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
     return scores.softmax(dim=-1)
 
 

@@ -106,10 +106,11 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, *, experts: int, top_k: int, capacity_factor: float = 0.0,
                  ffn: str = "mlp", activation: str, bias: bool, dropout: float = 0.0,
-                 routing: Routing = Routing(), choice_bias: bool = False, shared_d_ff: int = 0):
+                 routing: Routing = Routing(), choice_bias: bool = False, shared_d_ff: int = 0,
+                 router_bias: bool = False):
         super().__init__()
         self.top_k, self.capacity_factor, self.routing = top_k, capacity_factor, routing
-        self.router = nn.Linear(d_model, experts, bias=False)  # W_r (E, D)
+        self.router = nn.Linear(d_model, experts, bias=router_bias)  # W_r (E, D) [+ b_r: gpt-oss's logits' bias]
         if choice_bias:  # b (E,): chooses, never weighs; moved by the load, not by gradients (qkv.train)
             self.register_buffer("router_bias", torch.zeros(experts))
         else:

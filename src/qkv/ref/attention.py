@@ -15,7 +15,7 @@ import numpy as np
 
 from qkv.ref import flash, linear_attention  # noqa: F401  (register the "flash" and "linear" kernels)
 from qkv.ref.functional import Grads, linear_backward, linear_forward, scope
-from qkv.ref.kernels import Kernel
+from qkv.ref.kernels import Kernel, causal_mask
 from qkv.ref.norms import rmsnorm_backward, rmsnorm_forward
 from qkv.ref.positional import Positional
 
@@ -57,6 +57,8 @@ class AttentionCache(NamedTuple):
     q_norm: tuple | None = None  # model.qk_norm: the per-head RMSNorm caches of q and k, else None
     k_norm: tuple | None = None
     qk_norm_whole: bool = False  # model.qk_norm_whole: the norms ran on the merged rows (B, T, H*Dh)
+    sinks: bool = False  # the kernel saw one more key column, the sinks' (with_sink)
+    own_bias: bool = False  # the positional encoding gave a score bias of its own (beside the sinks' column)
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -107,11 +109,32 @@ def attention_forward(params: dict, x: np.ndarray, ctx: AttentionContext, memory
     bias, cbias = ctx.positional.score_bias_forward(ctx.params, q, k, ctx.positions, ctx.key_positions)
     value_bias = ctx.positional.value_bias(ctx.params, ctx.positions, ctx.key_positions)
     capped = {"softcap": ctx.softcap} if ctx.softcap else {}  # (the naive kernel: qkv.models.build checks)
-    heads, ckern = ctx.kernel.forward(q, k, v, mask=ctx.mask, causal=ctx.causal, bias=bias,
+    mask, causal, sinks, own_bias = ctx.mask, ctx.causal, params.get("sinks"), bias is not None
+    if sinks is not None:  # attention sinks: one more key, scored by the head's sink alone, with a zero value
+        k, v, bias, mask = with_sink(k, v, bias, mask, causal, sinks, q.shape[-2])
+        causal = False
+    heads, ckern = ctx.kernel.forward(q, k, v, mask=mask, causal=causal, bias=bias,
                                       scale=ctx.scale or Dh ** -0.5, value_bias=value_bias, **capped)  # (B, H, T, Dh)
     y, co = linear_forward(merge_heads(heads), **scope(params, "o_proj"))  # MultiHead W_O   (B, T, D)
     return y, AttentionCache(cq, ck, cv, crot, cbias, ckern, co, ctx, groups, cross=memory is not None,
-                             q_norm=cqn, k_norm=ckn, qk_norm_whole=whole)
+                             q_norm=cqn, k_norm=ckn, qk_norm_whole=whole, sinks=sinks is not None,
+                             own_bias=own_bias)
+
+
+def with_sink(k, v, bias, mask, causal: bool, sinks: np.ndarray, T: int):
+    """Attention sinks (gpt-oss) as the kernel's own arithmetic: a key column whose score is the head's sink z_h
+    (q . 0 + bias z_h) and whose value is 0, always allowed. softmax over [S ; z_h] then weighs the real keys by
+    exp(s_j) / (sum_i exp(s_i) + exp(z_h)), the sinks' formula, and its backward gives dz_h = sum_{b,t} dbias[..., S]."""
+    B, H, S, Dh = k.shape
+    k = np.concatenate((k, np.zeros((B, H, 1, Dh))), axis=2)
+    v = np.concatenate((v, np.zeros((B, H, 1, v.shape[-1]))), axis=2)
+    column = np.broadcast_to(sinks[None, :, None, None], (B, H, T, 1))
+    bias = np.concatenate((np.zeros((B, H, T, S)) if bias is None else np.broadcast_to(bias, (B, H, T, S)), column),
+                          axis=-1)
+    allowed = mask if mask is not None else (causal_mask(T, S) if causal else np.ones((T, S), dtype=bool))
+    allowed = np.broadcast_to(allowed, (B, 1, T, S)) if allowed.ndim < 4 else allowed
+    mask = np.concatenate((allowed, np.ones((*allowed.shape[:-1], 1), dtype=bool)), axis=-1)
+    return k, v, bias, mask
 
 
 def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> np.ndarray:
@@ -121,6 +144,9 @@ def attention_backward(dy: np.ndarray, cache: AttentionCache, grads: Grads) -> n
     ctx, groups = cache.ctx, cache.groups
     dmerged = linear_backward(dy, cache.o_proj, grads.scope("o_proj"))  # dMultiHead = dD W_O^T, dW_O = MultiHead^T dD
     dq, dk, dv, dbias, dvalue_table = ctx.kernel.backward(split_heads(dmerged, ctx.n_heads), cache.kernel)
+    if cache.sinks:  # the sink column: its bias is the sinks' gradient; its key and value were constants
+        grads.add("sinks", dbias[..., -1].sum(axis=(0, 2)))
+        dk, dv, dbias = dk[..., :-1, :], dv[..., :-1, :], dbias[..., :-1] if cache.own_bias else None
     positional_grads = grads.at(ctx.positional_prefix)  # one table shared by every layer: each adds its share
     if dbias is not None:  # a learnt / content-dependent bias: dS flows into q, k and the encoding's tables
         dq_bias, dk_bias = ctx.positional.score_bias_backward(dbias, cache.score_bias, positional_grads)

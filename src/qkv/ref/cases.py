@@ -111,6 +111,12 @@ for _ffn, _act in (("mlp", "relu"), ("mlp", "gelu"), ("glu", "silu"), ("glu", "g
         lambda dy, c, _ffn=_ffn: layer_grads(FFNS.get(_ffn).backward, dy, c)))
 
 
+CASES.register("ffn_glu_clamped")(Case(  # gpt-oss's SwiGLU, inputs wide enough that both clamps bite
+    lambda rng: {"x": _normal(rng, B, T, D, scale=3.0), **_ffn_inputs(rng, "glu")},
+    lambda i: FFNS.get("glu_clamped").forward(i, i["x"], "silu"),
+    lambda dy, c: layer_grads(FFNS.get("glu_clamped").backward, dy, c)))
+
+
 def _moe_inputs(rng, experts=3):
     params = {"x": _normal(rng, B, T, D), "router.weight": _normal(rng, experts, D)}
     for e in range(experts):

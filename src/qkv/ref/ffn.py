@@ -67,3 +67,30 @@ def glu_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
 
 FFNS.register("mlp")(FFN(mlp_forward, mlp_backward))
 FFNS.register("glu")(FFN(glu_forward, glu_backward))
+
+
+LIMIT, ALPHA = 7.0, 1.702  # qkv.nn.ffn.ClampedGLU's (gpt-oss's)
+
+
+def clamped_glu_forward(params: dict, x: np.ndarray, activation: str):
+    """gpt-oss's SwiGLU: g = min(x W_g, l), u = clip(x W_u, -l, l), h = (u + 1) g sigma(alpha g), y = h W_d."""
+    g_raw, cg = linear_forward(x, **scope(params, "gate_proj"))
+    u_raw, cu = linear_forward(x, **scope(params, "up_proj"))
+    g, u = np.minimum(g_raw, LIMIT), np.clip(u_raw, -LIMIT, LIMIT)
+    sig = 1.0 / (1.0 + np.exp(-ALPHA * g))
+    hidden = (u + 1) * g * sig
+    y, cd = linear_forward(hidden, **scope(params, "down_proj"))
+    return y, (cg, cu, cd, g_raw, u_raw, g, u, sig)
+
+
+def clamped_glu_backward(dy: np.ndarray, cache, grads: Grads) -> np.ndarray:
+    """dh = dy W_d; du = dh g sigma(alpha g) where |u| < l (the clip's slope, 0 outside); dg = dh (u + 1)
+    (sigma(alpha g) + alpha g sigma (1 - sigma)) where g < l (the product rule and sigma' = sigma (1 - sigma))."""
+    cg, cu, cd, g_raw, u_raw, g, u, sig = cache
+    dh = linear_backward(dy, cd, grads.scope("down_proj"))
+    du = dh * g * sig * (np.abs(u_raw) < LIMIT)
+    dg = dh * (u + 1) * (sig + ALPHA * g * sig * (1 - sig)) * (g_raw < LIMIT)
+    return linear_backward(dg, cg, grads.scope("gate_proj")) + linear_backward(du, cu, grads.scope("up_proj"))
+
+
+FFNS.register("glu_clamped")(FFN(clamped_glu_forward, clamped_glu_backward))

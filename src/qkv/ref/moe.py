@@ -100,7 +100,7 @@ def moe_forward(params: dict, x: np.ndarray, *, ffn: str, activation: str, exper
     """A dropped route (capacity_factor > 0) adds nothing and gets no gradient; f_e counts every route."""
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])  # (N, D)
-    logits, crouter = linear_forward(tokens, params["router.weight"])  # (N, E)
+    logits, crouter = linear_forward(tokens, **scope(params, "router"))  # (N, E) (gpt-oss: with a bias)
     scores = scores_of(logits, routing)
     top, gates = route(scores, top_k, routing, params.get("router_bias"))
     kept = within_capacity(top, shape, experts, capacity_factor)  # (N, k)

@@ -50,8 +50,10 @@ def rope_fields(hf: dict, layer_type: str | None = None) -> dict:
             if params.get(key) not in (None, 0, 1, 1.0) and not (key == "mscale_all_dim" and params.get(key) == 0):
                 raise QkvError(f"rope {key}={params[key]!r}: YaRN with its own attention factor is not supported "
                                "by qkv (only 0.1 ln s + 1)")
-        if params.get("truncate", True) is not True:
-            raise QkvError("rope truncate=false: YaRN's unrounded ramp is not supported by qkv")
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise QkvError(f"rope truncate={truncate!r} must be true or false")
+        fields["rope_yarn_truncate"] = truncate
         fields.update(rope_original_context=int(number(params, "original_max_position_embeddings",
                                                        hf.get("max_position_embeddings"))),
                       rope_beta_fast=float(number(params, "beta_fast", 32.0)),
@@ -70,7 +72,7 @@ def rope_parameters(cfg: ModelConfig) -> dict:
                       low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
     if kind == "yarn":
         params.update(original_max_position_embeddings=cfg.rope_original_context, beta_fast=cfg.rope_beta_fast,
-                      beta_slow=cfg.rope_beta_slow)
+                      beta_slow=cfg.rope_beta_slow, **({} if cfg.rope_yarn_truncate else {"truncate": False}))
     return params
 
 
