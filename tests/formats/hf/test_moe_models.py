@@ -36,8 +36,24 @@ def olmoe():
     return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**SMALL, num_hidden_layers=2, num_experts=4))
 
 
+def gpt_oss():
+    """Sliding and global layers alternating (a window shorter than the rows), sinks, biases everywhere, YaRN with
+    its ramp unrounded, GQA."""
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **{**SMALL, "intermediate_size": 24}, num_hidden_layers=2, num_local_experts=4, head_dim=8, sliding_window=5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 16}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "_bias", "proj.bias")):
+                p.normal_(0.0, 0.5)  # (initialised to 0: drawn, so that reading them is tested)
+            elif "experts" in name:
+                p.normal_(0.0, 0.5)  # large enough that the SwiGLU's clamps bite
+    return model
+
+
 MODELS = {"mixtral": mixtral, "mixtral-sliding": lambda: mixtral(window=7), "qwen3_moe": qwen3_moe,
-          "qwen3_moe-unnormalised": lambda: qwen3_moe(norm_topk=False), "olmoe": olmoe}
+          "qwen3_moe-unnormalised": lambda: qwen3_moe(norm_topk=False), "olmoe": olmoe, "gpt_oss": gpt_oss}
 
 
 def routed(model):
@@ -45,7 +61,7 @@ def routed(model):
     model = perturbed(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".gate.weight") and p.dim() == 2 and p.shape[0] < p.shape[1] // 2 + 8:
+            if name.endswith((".gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] < p.shape[1] // 2 + 8:
                 p.normal_(0.0, 1.0)
     return model
 
@@ -56,7 +72,7 @@ def test_logits_match_transformers(name, tmp_path):
     check_decoder(routed(MODELS[name]()), tmp_path)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_greedy_generation_matches_transformers(name, tmp_path):
     torch.manual_seed(1)
     check_greedy(routed(MODELS[name]()), tmp_path)

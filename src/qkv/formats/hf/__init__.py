@@ -17,7 +17,7 @@ from torch import nn
 from qkv.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from qkv.errors import QkvError
 from qkv.files import model_tensors
-from qkv.formats.hf import bart, bert, deepseek, gemma, gpt2, llama, moe, phi3, qwen2, qwen3, t5  # noqa: F401  (each registers its family: the package assembles them)
+from qkv.formats.hf import bart, bert, deepseek, gemma, gpt2, gpt_oss, llama, moe, phi3, qwen2, qwen3, t5  # noqa: F401  (each registers its family: the package assembles them)
 from qkv.formats.chat import read_chat
 from qkv.formats.hf.common import HF_FAMILIES, HfFamily, check_types
 from qkv.formats.hf.files import CONFIG, TOKENIZER, WEIGHTS, is_hf_dir, read_config, read_weights, to_json, write_dir
