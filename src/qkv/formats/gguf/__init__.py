@@ -24,8 +24,8 @@ from qkv.config import RunConfig
 from qkv.errors import QkvError
 from qkv.files import assign_model_tensors
 from qkv.formats.base import Chat, Run, check_vocabulary, model_with
-from qkv.formats.gguf import deepseek, gemma, llama_kin, moe  # noqa: F401  (register deepseek2, gemma2, gemma3,
-# smollm3, phi3, qwen3moe, olmoe: assembled here)
+from qkv.formats.gguf import deepseek, gemma, gpt_oss, llama_kin, moe  # noqa: F401  (register deepseek2, gemma2,
+# gemma3, gpt-oss, smollm3, phi3, qwen3moe, olmoe: assembled here)
 from qkv.formats.gguf.archs import GGUF_ARCHS
 from qkv.formats.gguf.reader import GgufFile, is_gguf
 from qkv.formats.gguf.tokenizer import gguf_tokenizer, token_of

@@ -71,6 +71,9 @@ def unstacked(tensors: Tensors, cfg: ModelConfig) -> Tensors:
     out = dict(tensors)
     for i in range(cfg.n_layers):
         prefix = f"model.layers.{i}.mlp.experts."
+        if prefix + "gate_proj.weight" in out:  # GGUF's layout (qkv.formats.gguf.gpt_oss): gate and up apart
+            out.update(split_stacks(out, prefix, cfg))
+            continue
         names = [prefix + n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
         missing = [n for n in names if n not in out]
         ensure(not missing, f"checkpoint has no tensor {missing[0]!r}" if missing else "")
@@ -87,6 +90,19 @@ def unstacked(tensors: Tensors, cfg: ModelConfig) -> Tensors:
             out[f"{prefix}{e}.down_proj.weight"] = down[e].t()
             out[f"{prefix}{e}.down_proj.bias"] = down_bias[e]
     return out
+
+
+def split_stacks(out: Tensors, prefix: str, cfg: ModelConfig) -> Tensors:
+    """llama.cpp's experts (gate and up (E, F, D), down (E, D, F), each with its bias) as each expert's own,
+    popped from `out`."""
+    experts = {}
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        weight, bias = out.pop(f"{prefix}{part}.weight"), out.pop(f"{prefix}{part}.bias", None)
+        ensure(bias is not None and weight.dim() == 3 and weight.shape[0] == cfg.moe_experts,
+               f"{prefix}{part} must be {cfg.moe_experts} stacked experts with their bias")
+        for e in range(cfg.moe_experts):
+            experts[f"{prefix}{e}.{part}.weight"], experts[f"{prefix}{e}.{part}.bias"] = weight[e], bias[e]
+    return experts
 
 
 def stacked(tensors: Tensors, cfg: ModelConfig) -> Tensors:
