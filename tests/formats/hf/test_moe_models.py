@@ -140,3 +140,13 @@ def test_a_router_with_nan_is_refused_at_load(tmp_path):
     save_file(tensors, path / "model.safetensors")
     code, _, err = cli("generate", str(path), "--prompt", "a", "--max-new-tokens", "2")
     assert code == 2 and "blocks.1.ffn.router.weight has NaN" in err and err.count("\n") == 1, err
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_in_one_line(tmp_path):
+    """The released gpt-oss dirs keep their experts in MXFP4 (quantization_config): refused, naming the way in."""
+    torch.manual_seed(0)
+    path = save_hf(gpt_oss(), tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    code, _, err = cli("generate", str(path), "--prompt", "a", "--max-new-tokens", "2")
+    assert code == 2 and "MXFP4" in err and "GGUF" in err and err.count("\n") == 1, err
