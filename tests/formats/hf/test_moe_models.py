@@ -36,11 +36,11 @@ def olmoe():
     return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**SMALL, num_hidden_layers=2, num_experts=4))
 
 
-def gpt_oss():
+def gpt_oss(width: int = 24):
     """Sliding and global layers alternating (a window shorter than the rows), sinks, biases everywhere, YaRN with
     its ramp unrounded, GQA."""
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **{**SMALL, "intermediate_size": 24}, num_hidden_layers=2, num_local_experts=4, head_dim=8, sliding_window=5,
+        **{**SMALL, "intermediate_size": width}, num_hidden_layers=2, num_local_experts=4, head_dim=8, sliding_window=5,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 16}))
     with torch.no_grad():
@@ -142,11 +142,43 @@ def test_a_router_with_nan_is_refused_at_load(tmp_path):
     assert code == 2 and "blocks.1.ffn.router.weight has NaN" in err and err.count("\n") == 1, err
 
 
-def test_gpt_oss_mxfp4_experts_are_refused_in_one_line(tmp_path):
-    """The released gpt-oss dirs keep their experts in MXFP4 (quantization_config): refused, naming the way in."""
+def test_gpt_oss_mxfp4_experts_as_transformers_dequantizes_them(tmp_path):
+    """A gpt-oss dir as the released ones are: experts in MXFP4 (random codes and scales). qkv's dequantization
+    equals transformers' own (integrations.mxfp4.convert_moe_packed_tensors), and qkv's logits equal those of the
+    transformers model holding those dequantized experts."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from qkv.formats.hf.gpt_oss import mxfp4
+
+    torch.manual_seed(0)
+    model = routed(gpt_oss(width=32))  # (MXFP4 groups of 32 inputs: the released model's 2,880 are 90 of them)
+    path = save_hf(model, tmp_path / "hf")
+    tensors = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for i in range(2):
+        prefix = f"model.layers.{i}.mlp.experts."
+        for name, rows in (("gate_up_proj", 64), ("down_proj", 32)):
+            blocks = torch.randint(0, 256, (4, rows, 1, 16), generator=generator, dtype=torch.uint8)
+            scales = torch.randint(120, 130, (4, rows, 1), generator=generator, dtype=torch.uint8)
+            ours, theirs = mxfp4(blocks, scales), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+            del tensors[prefix + name]
+            tensors[prefix + name + "_blocks"], tensors[prefix + name + "_scales"] = blocks, scales
+            with torch.no_grad():  # the reference model holds the dequantized experts
+                getattr(model.model.layers[i].mlp.experts, name).copy_(theirs)
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    ids = torch.randint(0, V, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.load(path).model(ids), model(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_gpt_oss_other_quantizations_are_refused_in_one_line(tmp_path):
     torch.manual_seed(0)
     path = save_hf(gpt_oss(), tmp_path / "hf")
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
     code, _, err = cli("generate", str(path), "--prompt", "a", "--max-new-tokens", "2")
-    assert code == 2 and "MXFP4" in err and "GGUF" in err and err.count("\n") == 1, err
+    assert code == 2 and "MXFP4" in err and err.count("\n") == 1, err

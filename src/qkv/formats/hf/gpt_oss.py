@@ -6,8 +6,8 @@ a router with a bias, the gates a softmax over the top k logits.
 The experts are stored stacked and transposed, gate and up interleaved in columns: mlp.experts.gate_up_proj
 (E, D, 2F) with gate = [..., 0::2], up = [..., 1::2], its bias gate_up_proj_bias (E, 2F) alike; down_proj (E, F, D)
 and down_proj_bias (E, D). Each expert becomes qkv's GLU of the dense names (ffn.experts.{e}.gate_proj, ...) and
-back. The released checkpoints keep the experts in MXFP4 (…_blocks, …_scales), not read here: qkv reads those
-experts from GGUF files, where the `gguf` package dequantizes MXFP4.
+back. The released checkpoints keep the experts in MXFP4 (…_blocks, …_scales: `mxfp4` dequantizes them to float32
+on reading; GGUF files' MXFP4 the `gguf` package dequantizes).
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def config(hf: dict, architecture: str) -> ModelConfig:
            float(hf.get("swiglu_alpha", CLAMP_ALPHA)) == CLAMP_ALPHA,
            f"swiglu_limit={hf.get('swiglu_limit')!r}, swiglu_alpha={hf.get('swiglu_alpha')!r}: qkv's clamped SwiGLU "
            f"is gpt-oss's ({CLAMP_LIMIT}, {CLAMP_ALPHA})")
-    ensure(not hf.get("quantization_config"), "quantization_config: MXFP4 experts in a Hugging Face dir are not read "
-                                              "by qkv; read the GGUF file of the model (its MXFP4 is dequantized)")
+    quant = hf.get("quantization_config") or {}
+    ensure(not quant or isinstance(quant, dict) and quant.get("quant_method") == "mxfp4",
+           f"quantization_config={quant!r}: qkv reads gpt-oss's experts in float or MXFP4 (quant_method mxfp4)")
     d_model, n_heads = need(hf, "hidden_size"), need(hf, "num_attention_heads")
     head_dim = hf.get("head_dim") or d_model // n_heads
     n_layers = need(hf, "num_hidden_layers")
@@ -128,8 +129,40 @@ def stacked(tensors: Tensors, cfg: ModelConfig) -> Tensors:
     return out
 
 
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1's 16 values
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP MXFP4, as the released gpt-oss keeps its experts: blocks (E, rows, G, 16) bytes, two 4-bit E2M1 codes
+    each (the low nibble first), scales (E, rows, G) E8M0 bytes, one power of two 2^(s - 127) per 32 values.
+    Returns (E, G * 32, rows) in float32: transformers' parameter layout, (in, out) per expert."""
+    ensure(blocks.dtype == torch.uint8 and scales.dtype == torch.uint8 and blocks.shape[:-1] == scales.shape
+           and blocks.shape[-1] == 16, f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must be "
+                                       "uint8 (.., G, 16) and (.., G)")
+    lut = torch.tensor(FP4, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # (E, rows, G, 32)
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
+def dequantized(tensors: Tensors) -> Tensors:
+    """Each MXFP4 pair (…_blocks, …_scales) as the float tensor of the name without the suffix."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            ensure(base + "_scales" in tensors, f"{name} comes with {base}_scales")
+            out[base] = mxfp4(tensor, tensors[base + "_scales"])
+        else:
+            out[name] = tensor
+    return out
+
+
 def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
-    return import_tensors(unstacked(tensors, cfg), rules(cfg), lambda name: cfg.tie_embeddings and name == "lm_head.weight")
+    return import_tensors(unstacked(dequantized(tensors), cfg), rules(cfg),
+                          lambda name: cfg.tie_embeddings and name == "lm_head.weight")
 
 
 def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
