@@ -203,3 +203,12 @@ def write_gpt2(path: Path, *, qtype: str = "F32", seed: int = 0, tied: bool = Tr
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def finish(writer, path):
+    """Write a GGUFWriter's header, metadata and tensors to its file and close it; the path."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

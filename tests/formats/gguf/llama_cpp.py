@@ -74,3 +74,19 @@ def convert_lora(peft_dir: Path, base_hf_dir: Path, out: Path) -> Path:
                            "--outtype", "f32", str(peft_dir)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return out
+
+
+def agrees_with_hf_model(path: Path, hf_model, ids) -> float:
+    """qkv reads `path` with the HF model's logits (1e-4 of the largest), and llama.cpp reads it with qkv's (1e-4,
+    F32 weights): the relative difference to llama.cpp, returned."""
+    import torch
+
+    import qkv
+
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        ours = qkv.load(path).model(ids)
+    assert (ours - expected).abs().max() < 1e-4 * expected.abs().max()
+    relative = float(np.abs(logits(path, ids[0].tolist()) - ours[0].double().numpy()).max() / ours.abs().max())
+    assert relative < 1e-4, relative
+    return relative

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from tests.formats.gguf import add_byte_level, gguf, llama_cpp, small_tokenizer, transformers
+from tests.formats.gguf import add_byte_level, finish, gguf, llama_cpp, small_tokenizer, transformers
 from tests.formats.hf import perturbed
 
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -93,11 +93,7 @@ def write(path, m, v3: bool, split: bool = True):
             continue
         _, _, layer, *rest = name.split(".")
         writer.add_tensor(f"blk.{layer}.{BLOCK['.'.join(rest[:-1])]}.{rest[-1]}", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 @pytest.mark.parametrize("v3, split", [(True, True), (False, True), (False, False)])
@@ -106,14 +102,7 @@ def test_qkv_reads_the_hf_models_logits_and_llama_cpp_agrees(v3, split, tmp_path
     path = write(tmp_path / "ds.gguf", m, v3, split)
     run = qkv.load(path)
     assert run.config.model.moe_scoring == ("sigmoid" if v3 else "softmax")
-    ids = torch.randint(3, 250, (1, 23))
-    with torch.no_grad():
-        expected = m(ids).logits
-        ours = run.model(ids)
-    assert (ours - expected).abs().max() < 1e-4 * expected.abs().max()
-    theirs = llama_cpp.logits(path, ids[0].tolist())
-    relative = float(np.abs(theirs - ours[0].double().numpy()).max() / ours.abs().max())
-    assert relative < 1e-4, relative
+    llama_cpp.agrees_with_hf_model(path, m, torch.randint(3, 250, (1, 23)))
 
 
 def test_a_v2_lite_without_a_query_latent(tmp_path):

@@ -139,12 +139,18 @@ def llama_settings(hf: dict) -> dict:
     return {"rope_freqs.weight": (theta / scaled).astype(np.float32)}
 
 
-def renaming(top: dict, block: dict, layers: str) -> Callable[[str], str | None]:
-    """The HF name of a GGUF name, by the (GGUF -> HF) tables: `blk.{i}.{name}` is `{layers}{i}.{block[name]}`."""
+def renaming(top: dict, block: dict, layers: str, whole: dict | None = None) -> Callable[[str], str | None]:
+    """The HF name of a GGUF name, by the (GGUF -> HF) tables: `blk.{i}.{name}` is `{layers}{i}.{block[name]}`;
+    `whole`: block tensors named with their kind whose HF name is not `<module>.<kind>` (DeepSeek-V3's
+    `exp_probs_b.bias` is `mlp.gate.e_score_correction_bias`)."""
     def name(gguf_name: str) -> str | None:
         base, _, kind = gguf_name.rpartition(".")  # kind: weight or bias
         if base in top:
             return f"{top[base]}.{kind}"
+        blk, _, rest = gguf_name.partition(".")
+        index, _, rest = rest.partition(".")
+        if whole and blk == "blk" and rest in whole:
+            return f"{layers}{index}.{whole[rest]}"
         parts = base.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in block:
             return f"{layers}{parts[1]}.{block[parts[2]]}.{kind}"

@@ -28,14 +28,7 @@ BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
          "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
          "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
-_names = renaming(LLAMA_TOP, BLOCK, "model.layers.")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] == "exp_probs_b":  # blk.N.exp_probs_b.bias
-        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
-    return _names(gguf_name)
+hf_name = renaming(LLAMA_TOP, BLOCK, "model.layers.", {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
 
 
 def hf_config(meta: dict, shapes: dict) -> dict:

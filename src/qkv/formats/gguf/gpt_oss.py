@@ -18,14 +18,7 @@ BLOCK = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_
          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
          "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
          "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
-_names = renaming(LLAMA_TOP, BLOCK, "model.layers.")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] == "attn_sinks":  # blk.N.attn_sinks.weight
-        return f"model.layers.{parts[1]}.self_attn.sinks"
-    return _names(gguf_name)
+hf_name = renaming(LLAMA_TOP, BLOCK, "model.layers.", {"attn_sinks.weight": "self_attn.sinks"})
 
 
 def hf_config(meta: dict, shapes: dict) -> dict:
