@@ -66,6 +66,7 @@ def cmd_train(args) -> int:
         raise QkvError("--engine ref trains a model from scratch on a token stream; LoRA and SFT run on the torch "
                        "engine (--engine torch)")
     out = Path(args.out) if args.out else job.default_out(f"{preset}-{args.task}" if args.task else preset)
+    job.check_launch(cfg)  # before the dir exists: a rank refused under torchrun may be stopped before it cleans up
     with job.claim(out, resume=False):
         return train_into(args, out, cfg, log)
 

@@ -119,15 +119,22 @@ def env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_layout(cfg: RunConfig, world: int) -> None:
-    """QkvError unless parallel.dp x tp x pp processes fit this launch, the model and the batch."""
-    pc, tc = cfg.parallel.validate(), cfg.train
+def check_world(cfg: RunConfig, world: int) -> None:
+    """QkvError unless parallel.dp x tp x pp is this launch's process count (asked before a new run's dir is
+    made: under torchrun a rank that leaves first may stop the others before they clean up)."""
+    pc = cfg.parallel.validate()
     needed = pc.dp * pc.tp * pc.pp
     if needed != world:
         launch = f"torchrun --nproc-per-node {needed} -m qkv train ..." if needed > 1 else "qkv train ..."
         raise QkvError(f"parallel.dp x tp x pp = {pc.dp} x {pc.tp} x {pc.pp} = {needed} process"
                        f"{'es' if needed > 1 else ''}, but this launch has world size {world}; start it with "
                        f"`{launch}` or change parallel.*")
+
+
+def check_layout(cfg: RunConfig, world: int) -> None:
+    """QkvError unless parallel.dp x tp x pp processes fit this launch, the model and the batch."""
+    check_world(cfg, world)
+    pc, tc = cfg.parallel.validate(), cfg.train
     if pc.zero and pc.dp == 1:
         raise QkvError(f"parallel.zero={pc.zero} shards over data-parallel ranks and needs parallel.dp > 1")
     if pc.dp > 1 and pc.tp > 1 and pc.zero < 2:

@@ -71,6 +71,11 @@ def default_out(preset: str) -> Path:
     return candidate
 
 
+def check_launch(cfg: RunConfig) -> None:
+    """A new run's layout against this launch's process count, before its dir is made (parallel.check_world)."""
+    parallel.check_world(cfg, parallel.env_world())
+
+
 @contextlib.contextmanager
 def claim(out: Path, *, resume: bool):
     """Hold the run dir's lock (files.RunLock) for the duration: rank 0 of a launch, or the one process.
