@@ -72,8 +72,11 @@ def default_out(preset: str) -> Path:
 
 
 def check_launch(cfg: RunConfig) -> None:
-    """A new run's layout against this launch's process count, before its dir is made (parallel.check_world)."""
-    parallel.check_world(cfg, parallel.env_world())
+    """Under torchrun, a new run's layout against the launch's process count before its dir is made
+    (parallel.check_world: a refused rank may be stopped before it cleans up); one process asks it in preflight,
+    after the refusals that name an option."""
+    if parallel.env_world() > 1:
+        parallel.check_world(cfg, parallel.env_world())
 
 
 @contextlib.contextmanager
