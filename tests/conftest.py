@@ -4,6 +4,9 @@ import os
 # NumPy's BLAS threads compete with torch's on the shared cores (measured 3x slower reference steps).
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# generate, chat and serve compile their decoding step in the background by default (qkv.generate.compiled): a
+# compiler running beside every CLI test, in-process or not. The tests of that default set it back.
+os.environ["QKV_COMPILE"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -211,7 +211,7 @@ def test_a_failing_compiler_falls_back_with_one_warning(models, capsys):
         got = generate(model, torch.tensor([PROMPT]), max_new_tokens=8)
         assert got.tolist() == want.tolist()
         err = capsys.readouterr().err
-        assert err.count("qkv: warning: --compile: torch.compile failed (RuntimeError: no C++ compiler)") == 1
+        assert err.count("qkv: warning: torch.compile failed (RuntimeError: no C++ compiler)") == 1
         assert step.failed is not None and not step.usable(model.new_cache(1, 40))
     finally:
         step.compiled, step.failed = working, None

@@ -26,6 +26,24 @@ def parser() -> Parser:
     return root
 
 
+def run() -> None:
+    """The `qkv` program (its console script and `python -m qkv`): main(), then exit with its code."""
+    import threading
+
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or any(
+            thread.name == "qkv-compile" and thread.is_alive() for thread in threading.enumerate()):
+        # One rank of a torchrun launch whose run is complete (its process group already destroyed): leave
+        # without the interpreter's teardown, where gloo's background threads can still abort the process
+        # ("terminate called without an active exception") after a successful run. And a decoding step still
+        # compiling in the background (qkv.generate.compiled.Background): the teardown would wait for the
+        # compiler's workers to finish (45 s after a 20-token SmolLM2 generate, 2026-12-07).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = show_warning
     try:

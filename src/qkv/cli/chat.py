@@ -32,6 +32,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_chat(args) -> int:
+    from qkv.generate import compiled
     from qkv.generate.chat import ChatSession
     from qkv.generate.sampling import SamplingParams
     from qkv.models.build import architecture_of
@@ -42,7 +43,8 @@ def cmd_chat(args) -> int:
     if architecture_of(run.model).prompt != "continue" or run.tokenizer is None:
         raise QkvError(f"{args.run}: qkv chat needs a decoder-only language model with a tokenizer")
     apply_precision(run, args)
-    apply_compile(run, args, warm=True)  # (both graphs before the first turn)
+    apply_compile(run, args, warm=True, automatic=False)  # (--compile: both graphs before the first turn; by
+    # default in the background, taking over between turns: never in the middle of a streamed reply)
     params = SamplingParams(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"])
     session = ChatSession(run, template_for(run.chat, run.tokenizer), system=args.system, strategy=strategy,
                           params=params, seed=args.seed, max_new_tokens=args.max_new_tokens)
@@ -65,6 +67,7 @@ def cmd_chat(args) -> int:
             continue
         if not message.strip():
             continue
+        compiled.take_over(run.model)  # (where compiled in the background and ready: says so in one line)
         try:
             session.say(message, on_text=lambda piece: print(piece, end="", flush=True))
         except ValueError as exc:  # the model's chat template refused the conversation

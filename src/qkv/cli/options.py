@@ -94,22 +94,50 @@ def add_kv_dtype(parser) -> None:
                              "--compile, slower without)")
 
 
+COMPILE_OFF = ("0", "off", "no", "false")  # QKV_COMPILE values that turn the default compiled step off
+
+
 def add_compile(parser) -> None:
-    """--compile: decode with a compiled step (qkv.generate.compiled)."""
-    parser.add_argument("--compile", action="store_true",
-                        help="decode with the whole token step compiled by torch.compile (a decoder-only model: "
-                             "SmolLM2 int4 about 1.4x faster a token; the first start compiles the token step "
-                             "and a short prompt's graph, 1-2 minutes each, later starts about 10 s each: "
-                             "inductor's cache)")
+    """--compile / --no-compile: how the decoding step is compiled (qkv.generate.compiled); by default in the
+    background, unless QKV_COMPILE=0."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--compile", dest="compile", action="store_const", const="now",
+                        help="compile the whole token step with torch.compile before the first token (by default "
+                             "it compiles in the background at the lowest CPU priority while decoding starts "
+                             "without it, and takes over when ready: SmolLM2 int4 about 2x faster a token; "
+                             "1.5-6 minutes on 2 cores the first time, inductor's cache later)")
+    choice.add_argument("--no-compile", dest="compile", action="store_const", const="off",
+                        help="decode without the compiled step (also QKV_COMPILE=0)")
 
 
-def apply_compile(run, args, warm: bool = False) -> None:
-    """--compile: attach the compiled step to run.model, or say in one line why it does not apply. `warm`: compile
-    the token step and a short prompt's prefill now (a chat: before its first turn, not in the middle of one)."""
-    if not getattr(args, "compile", False):
+def compile_mode(args) -> str:
+    """'now' (--compile), 'off' (--no-compile, or QKV_COMPILE=0 without a flag) or 'background' (the default)."""
+    chosen = getattr(args, "compile", None)
+    if chosen is not None:
+        return chosen
+    return "off" if os.environ.get("QKV_COMPILE", "").strip().lower() in COMPILE_OFF else "background"
+
+
+def apply_compile(run, args, warm: bool = False, automatic: bool = True) -> None:
+    """Attach the compiled step to run.model as compile_mode(args) says. --compile: now, or say in one line why
+    it does not apply; `warm`: the token step and a short prompt's prefill compiled before returning (a chat:
+    before its first turn, not in the middle of one). The default: compiled in the background where it applies
+    on the CPU (else the model decodes eagerly, silently), taking over when ready (`automatic`) or at
+    compiled.take_over() (a chat: between turns), saying so in one line."""
+    mode = compile_mode(args)
+    if mode == "off":
         return
     from qkv.generate import compiled
 
+    if mode == "background":
+        if getattr(args, "steer", None) or next(run.model.parameters()).device.type != "cpu":
+            return
+        try:
+            compiled.enable_in_background(run.model, announce=lambda line: print(line, file=sys.stderr, flush=True),
+                                          automatic=automatic)
+        except ValueError:
+            pass  # (the general step: not every model has a compiled one)
+        return
     if getattr(args, "steer", None):
         raise QkvError("--compile does not apply with --steer: the steering hooks must see their layers run")
     try:
@@ -149,7 +177,7 @@ def apply_precision(run, args, log=None) -> str | None:
 
         log(merge_adapter(run, args.adapter))
     device = next(run.model.parameters()).device
-    for warning in weights.check(args.dtype, args.quant, device, compiled=bool(getattr(args, "compile", False))):
+    for warning in weights.check(args.dtype, args.quant, device, compiled=compile_mode(args) != "off"):
         log(warning)
     description = weights.prepare(run.model, dtype=args.dtype, quant=args.quant)  # fuses Q/K/V and gate/up too
     kv = weights.set_kv_dtype(run.model, getattr(args, "kv_dtype", None))  # (generate, chat and serve take it)

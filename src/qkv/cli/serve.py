@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from qkv.cli.options import add_compile, add_kv_dtype, add_precision, port_number, positive_int
+from qkv.cli.options import add_compile, compile_mode, add_kv_dtype, add_precision, port_number, positive_int
 from qkv.errors import QkvError
 
 
@@ -40,7 +40,7 @@ def cmd_serve(args) -> int:
         raise QkvError("--api-key is empty")
     serve(args.run, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           max_tokens=args.max_tokens, api_key=key, name=args.name, device=args.device, threads=args.threads,
-          dtype=args.dtype, quant=args.quant, compile=args.compile, kv_dtype=args.kv_dtype,
+          dtype=args.dtype, quant=args.quant, compile=compile_mode(args), kv_dtype=args.kv_dtype,
           adapter=args.adapter,
           log=lambda message: print(message, file=sys.stderr, flush=True))
     return 0

@@ -37,12 +37,13 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
-            dtype: str = "fp32", quant: str = "none", compile: bool = False, main_thread: bool = False,
+            dtype: str = "fp32", quant: str = "none", compile: str = "off", main_thread: bool = False,
             kv_dtype: str | None = None, adapter: str | None = None, log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
     (qkv.generate.weights), its KV caches in `kv_dtype` (default the model's); `adapter`: a LoRA adapter (PEFT
     dir or GGUF file) merged into the fp32 weights first; `compile`: its decoding step compiled
-    (qkv.generate.compiled) before it serves."""
+    (qkv.generate.compiled) before it serves ("now"), while it serves ("background": it takes over when ready,
+    where it applies on the CPU) or not ("off")."""
     run = weights.load(path, dtype=dtype, quant=quant, device=device, stream=not adapter)  # GGUF: block by block
     if adapter:
         log(merge_adapter(run, adapter))
@@ -67,8 +68,16 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             module.capacity_factor = 0.0
     served = served_model(run, name, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
                           api_key=api_key, threads=threads, main_thread=main_thread)
-    if compile:
+    if compile == "now":
         compile_step(served, log)
+    elif compile == "background" and next(run.model.parameters()).device.type == "cpu":
+        try:
+            compiled.enable_in_background(run.model, served.engine.threads, rows=(1, 2), prompt=False,
+                                          announce=log)
+        except ValueError:
+            pass  # (the general step: not every model has a compiled one)
+    elif compile not in ("off", "background"):
+        raise ValueError(f"compile={compile!r}: 'now', 'background' or 'off'")
     return served
 
 
