@@ -476,11 +476,21 @@ def twin(model: nn.Module) -> nn.Module:
 
 
 def tensors_held(model: nn.Module):
-    """Every tensor `model`'s modules hold, as attributes or one container deep."""
-    for module in model.modules():
+    """Every tensor `model`'s modules hold, as attributes or one container deep, the modules held as plain
+    attributes (qkv.nn.fuse's fused layers) included."""
+    seen: set[int] = set()
+    waiting = [model]
+    while waiting:
+        module = waiting.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        waiting += module._modules.values()
         for value in (*module.__dict__.values(), *module._parameters.values(), *module._buffers.values()):
             if isinstance(value, Tensor):
                 yield value
+            elif isinstance(value, nn.Module):
+                waiting.append(value)
             elif isinstance(value, (dict, list, tuple)):
                 for inner in (value.values() if isinstance(value, dict) else value):
                     if isinstance(inner, Tensor):
