@@ -13,8 +13,8 @@ and explain; and `--kv-dtype fp32|bf16|fp16` (the decoder's KV cache, set_kv_dty
 A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
 file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
 slower than fp32, and said so. With avx512_bf16 but no AMX, bf16 weights decode slower than fp32 (torch's
-one-row bf16 products are no faster there) unless the compiled step's sums take them (--compile), and that is
-said too.
+one-row bf16 products are no faster there) unless the compiled step's sums take them (the default of generate,
+chat and serve; not with --no-compile), and that is said too.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) -> list[str]:
     """Refuse what cannot run; the warnings (lines) for what runs but slowly (`compiled`: decoding with the
-    compiled step, --compile)."""
+    compiled step: the default, or --compile)."""
     if dtype not in DTYPES:
         raise QkvError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     if quant not in QUANTS:
@@ -63,7 +63,8 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
         # (106.7 against 68.1 tok/s there); the quantized kinds keep their own kernels
         warnings.append("qkv: warning: --dtype bf16 on a CPU with avx512_bf16 but no AMX: torch's bf16 products for "
                         "one row run no faster than fp32's here, so decoding is slower than with --dtype fp32 "
-                        "(prefill is faster)" + ("; with --compile it is faster" if summed_form_faster() else ""))
+                        "(prefill is faster)" + ("; the compiled step (without --no-compile) is faster" if
+                                                   summed_form_faster() else ""))
     return warnings
 
 
