@@ -156,7 +156,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch")
     parser.add_argument("--no-peer", action="store_true", help="skip the unbatched server")
     parser.add_argument("--server-threads", type=int, help="the server's --threads (default: its own choice)")
-    parser.add_argument("--compile", action="store_true", help="the server's --compile (its step compiled)")
+    parser.add_argument("--compile", action="store_true", help="the server's --compile (its step compiled before it listens; "
+                        "without: --no-compile)")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: a peer in the same run")
     parser.add_argument("--llama-gguf", help="the GGUF file llama-server serves (its precision)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the client counts (medians)")
@@ -168,7 +169,7 @@ def main() -> None:
     run = Path(args.run) if args.run else default_run(Path(tempfile.mkdtemp()) / "shakespeare-random")
     extra = ["--dtype", args.dtype, "--quant", args.quant]
     extra += ["--threads", str(args.server_threads)] if args.server_threads else []
-    extra += ["--compile"] if args.compile else []
+    extra += ["--compile"] if args.compile else ["--no-compile"]  # (not the default's step switched in mid-run)
     servers = {}  # label -> (process, url), all started before any is measured
     try:
         servers["qkv serve (continuous batching)"] = start(run, args.max_batch, args.threads, extra)
