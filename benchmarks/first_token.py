@@ -4,7 +4,7 @@
 
 Each start is a new process: `qkv chat MODEL --strategy greedy` with the given precision, asked one message,
 then another every few seconds until it says the compiled step (compiled in the background: qkv.generate.
-compiled.Background) took over. The first start uses an empty inductor cache (a first start on a machine), the
+background.Background) took over. The first start uses an empty inductor cache (a first start on a machine), the
 later ones the cache it left. Printed per start: seconds from the process's start to the first byte of the
 first reply, the background compile's seconds as the step reports them, and the reply speed before and after
 (tokens of 32-token greedy replies per second, stdout bytes timed as they stream)."""

@@ -1,4 +1,4 @@
-"""The decoding step compiled in the background (qkv.generate.compiled.Background), as generate, chat and serve
+"""The decoding step compiled in the background (qkv.generate.background.Background), as generate, chat and serve
 compile it by default: the model decodes eagerly until the step is ready, then the compiled step takes over,
 and the logits across the switch are the general step's (to fp32's rounding, as tests/generate/test_compiled.py
 holds the compiled step). Inductor's cache goes to a temporary directory, not the user's."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from qkv.generate import compiled
+from qkv.generate import background, compiled
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 from tests.cli.test_main import cli
 from tests.formats.gguf import write_llama
@@ -25,9 +25,9 @@ def test_the_step_compiled_in_the_background_takes_over_with_the_general_steps_l
     the graphs traced on a copy of the modules that holds the model's own tensors (nothing copied)."""
     model, reference = tiny(**LLAMA), tiny(**LLAMA)  # (the same seed: the same weights)
     lines: list[str] = []
-    step = compiled.enable_in_background(model, threads=1, rows=(1,), prompt=False, announce=lines.append)
-    owned = {id(tensor) for tensor in compiled.tensors_held(model)}
-    assert step.model is not model and all(id(tensor) in owned for tensor in compiled.tensors_held(step.model))
+    step = background.enable_in_background(model, threads=1, rows=(1,), prompt=False, announce=lines.append)
+    owned = {id(tensor) for tensor in background.tensors_held(model)}
+    assert step.model is not model and all(id(tensor) in owned for tensor in background.tensors_held(step.model))
     assert any(isinstance(layer, DecodingLinear) for layer in step.model.modules())  # (the twin's, for good)
     assert not any(isinstance(layer, DecodingLinear) for layer in model.modules())  # (the owner's as they were)
     paths = []
@@ -60,12 +60,12 @@ def test_the_twin_of_a_quantized_model_holds_its_kernel_operands():
     for quant in ("int4", "int8"):
         model = tiny(quant, **LLAMA)
         operands = kernel_operands(model, make=True)
-        double = compiled.twin(model)
-        owned = {id(tensor) for tensor in compiled.tensors_held(model)}
+        double = background.twin(model)
+        owned = {id(tensor) for tensor in background.tensors_held(model)}
         assert operands and all(id(tensor) in owned for tensor in operands)
-        assert all(id(tensor) in owned for tensor in compiled.tensors_held(double))
+        assert all(id(tensor) in owned for tensor in background.tensors_held(double))
         assert all(id(tensor) in owned for tensor in kernel_operands(double))
-        assert len(list(compiled.tensors_held(double))) == len(list(compiled.tensors_held(model)))
+        assert len(list(background.tensors_held(double))) == len(list(background.tensors_held(model)))
 
 
 def test_chat_compiles_in_the_background_by_default_and_switches_between_turns(tmp_path, capsys, monkeypatch):
@@ -79,7 +79,7 @@ def test_chat_compiles_in_the_background_by_default_and_switches_between_turns(t
     code, plain, err = cli(capsys, *args, "--no-compile")
     assert code == 0 and len(plain.splitlines()) == 2, err
 
-    started, real = [], compiled.enable_in_background
+    started, real = [], background.enable_in_background
 
     def waited(model, **options):
         step = real(model, **options)
@@ -89,7 +89,7 @@ def test_chat_compiles_in_the_background_by_default_and_switches_between_turns(t
         assert not step.usable(model.new_cache(1, 8))  # (a chat switches between turns, not by itself)
         return step
 
-    monkeypatch.setattr(compiled, "enable_in_background", waited)
+    monkeypatch.setattr(background, "enable_in_background", waited)
     monkeypatch.delenv("QKV_COMPILE")
     monkeypatch.setattr("sys.stdin", io.StringIO(turns))
     code, fast, err = cli(capsys, *args)
@@ -126,7 +126,7 @@ def test_serve_compiles_batches_in_the_background_by_default(tmp_path, monkeypat
 
     path = write_run(tmp_path / "run")
     calls = []
-    monkeypatch.setattr(compiled, "enable_in_background", lambda model, *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(background, "enable_in_background", lambda model, *a, **k: calls.append((a, k)))
     log = []
     served = prepare(str(path), compile="background", log=log.append, threads=1)
     assert calls == [((1,), dict(rows=(1, 2), prompt=False, announce=log.append))]

@@ -305,7 +305,7 @@ def test_bad_precisions_are_refused_and_emulated_bf16_is_warned(monkeypatch):
     assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"))[0]
     monkeypatch.setattr(weights, "summed_form_faster", lambda: True)
     assert weights.check("bf16", "none", torch.device("cpu"), compiled=True) == []
-    assert "with --compile it is faster" in weights.check("bf16", "none", torch.device("cpu"))[0]
+    assert "the compiled step (without --no-compile) is faster" in weights.check("bf16", "none", torch.device("cpu"))[0]
     monkeypatch.setattr(weights, "summed_form_faster", lambda: False)
     assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"), compiled=True)[0]
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "amx_bf16")

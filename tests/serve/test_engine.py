@@ -342,7 +342,7 @@ def test_greedy_batched_equals_alone_with_a_half_cache():
 def test_the_compiled_step_serves_every_row_as_the_general_step_does(monkeypatch, tmp_path):
     """`qkv serve --compile`: the engine's batch (rows joining and leaving, left-padded) decoded by the compiled
     step (qkv.generate.compiled) gives every request the tokens an uncompiled copy of the model gives it alone."""
-    from qkv.generate import compiled
+    from qkv.generate import background, compiled
     from qkv.generate.weights import prepare
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -350,7 +350,7 @@ def test_the_compiled_step_serves_every_row_as_the_general_step_does(monkeypatch
     prepare(model, quant="int4")
     general = copy.deepcopy(model)
     step = compiled.enable(model)
-    compiled.warm_up(model, threads=1)  # one row, then batches: the two graphs, before serving
+    background.warm_up(model, threads=1)  # one row, then batches: the two graphs, before serving
     calls, graphs = [], counters["stats"]["unique_graphs"]
     monkeypatch.setattr(compiled.CompiledStep, "__call__", counted(compiled.CompiledStep.__call__, calls))
     texts = prompts(8)

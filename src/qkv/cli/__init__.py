@@ -36,7 +36,7 @@ def run() -> None:
         # One rank of a torchrun launch whose run is complete (its process group already destroyed): leave
         # without the interpreter's teardown, where gloo's background threads can still abort the process
         # ("terminate called without an active exception") after a successful run. And a decoding step still
-        # compiling in the background (qkv.generate.compiled.Background): the teardown would wait for the
+        # compiling in the background (qkv.generate.background.Background): the teardown would wait for the
         # compiler's workers to finish (45 s after a 20-token SmolLM2 generate, 2026-12-07).
         sys.stdout.flush()
         sys.stderr.flush()

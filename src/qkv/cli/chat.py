@@ -32,7 +32,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_chat(args) -> int:
-    from qkv.generate import compiled
+    from qkv.generate import background
     from qkv.generate.chat import ChatSession
     from qkv.generate.sampling import SamplingParams
     from qkv.models.build import architecture_of
@@ -67,7 +67,7 @@ def cmd_chat(args) -> int:
             continue
         if not message.strip():
             continue
-        compiled.take_over(run.model)  # (where compiled in the background and ready: says so in one line)
+        background.take_over(run.model)  # (where compiled in the background and ready: says so in one line)
         try:
             session.say(message, on_text=lambda piece: print(piece, end="", flush=True))
         except ValueError as exc:  # the model's chat template refused the conversation

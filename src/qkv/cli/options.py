@@ -123,17 +123,17 @@ def apply_compile(run, args, warm: bool = False, automatic: bool = True) -> None
     it does not apply; `warm`: the token step and a short prompt's prefill compiled before returning (a chat:
     before its first turn, not in the middle of one). The default: compiled in the background where it applies
     on the CPU (else the model decodes eagerly, silently), taking over when ready (`automatic`) or at
-    compiled.take_over() (a chat: between turns), saying so in one line."""
+    background.take_over() (a chat: between turns), saying so in one line."""
     mode = compile_mode(args)
     if mode == "off":
         return
-    from qkv.generate import compiled
+    from qkv.generate import background, compiled
 
     if mode == "background":
         if getattr(args, "steer", None) or next(run.model.parameters()).device.type != "cpu":
             return
         try:
-            compiled.enable_in_background(run.model, announce=lambda line: print(line, file=sys.stderr, flush=True),
+            background.enable_in_background(run.model, announce=lambda line: print(line, file=sys.stderr, flush=True),
                                           automatic=automatic)
         except ValueError:
             pass  # (the general step: not every model has a compiled one)
@@ -151,7 +151,7 @@ def apply_compile(run, args, warm: bool = False, automatic: bool = True) -> None
         return
     print(f"qkv: --compile: compiling the token step and a short prompt's prefill before the first turn ({cost})",
           file=sys.stderr, flush=True)
-    seconds = compiled.warm_up(run.model, rows=(1,), prompt=True)
+    seconds = background.warm_up(run.model, rows=(1,), prompt=True)
     if compiled.compiled_step(run.model).failed is None:  # (else its one warning said why it decodes eagerly)
         print(f"qkv: --compile: ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
 

@@ -30,27 +30,18 @@ that does not roll; anything else (hooks, rolling caches, encoder-decoders, ALiB
 sparse kernels) takes the general path, so results never depend on it. The step is checked equal to the
 general one (tests/generate/test_compiled.py, tests/serve/test_engine.py).
 
-Compilation is paid once a machine: the first compile of SmolLM2-135M at int4 takes 1.5-6 minutes on 2 cores,
-and inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/qkv/inductor here) makes a later start's take
-about 20 s. generate, chat and serve do not wait for it: by default the step compiles in the background
-(Background: a thread at the lowest CPU priority, tracing a twin of the model that shares its tensors) while
-the model decodes eagerly, and it takes over when ready, in one line on stderr (a chat between turns);
-`--compile` compiles before the first token, `--no-compile` (or QKV_COMPILE=0) never. `qkv chat` on SmolLM2's
-Q4_1 file at int4, 2026-12-07, 2-core AMD EPYC (benchmarks/first_token.py): the first reply began 6.6 s after
-the process started with an empty cache and 5.5 s with a filled one; the step took over after 271 s and 24 s
-of background compiling, and a 32-token reply took 0.68 s eagerly, 0.33-0.48 s compiled. Where torch.compile
-cannot run (no C++ compiler, an unsupported build) the first step says why on stderr once and decoding goes on
-eagerly.
+Compilation is paid once a machine: SmolLM2-135M at int4 takes 1.5-6 minutes on 2 cores the first time, about
+20 s from inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/qkv/inductor here). generate, chat and
+serve do not wait for it: the step compiles in the background and takes over when ready (qkv.generate.
+background); `--compile` compiles it first, `--no-compile` (or QKV_COMPILE=0) never. Where torch.compile cannot
+run (no C++ compiler, an unsupported build) the first step says why on stderr once and decoding goes on eagerly.
 """
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 import types
 import warnings
-from copy import deepcopy
 from pathlib import Path
 
 import torch
@@ -63,12 +54,10 @@ from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache, RingLayerCache
 from qkv.nn.mla import LatentAttention
 from qkv.nn.moe import MoE
-from qkv.nn.decoding_linear import (DecodingLinear, decoding_linear, decoding_linears, stands_in_for, summed_form_faster,
-                                   summing)
+from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm, sandwich_norm
-from qkv.nn.swap import swap
 from qkv.plan import RING_SPARE
 
 # inductor's C++ code generation notes a node holding both bf16 and fp16 (it computes such a node in fp32): a
@@ -207,7 +196,7 @@ class CompiledStep:
                 and cache.length < min(cache.max_len, self.positions) and self.watch()
                 and not self.owner.training and weights_signature(self.owner) == self.signature)
 
-    background: "Background | None" = None  # the thread compiling this step, where one does
+    background = None  # the qkv.generate.background.Background compiling this step, where one does
 
     def takes_prompt(self, ids: Tensor, attention_mask: Tensor | None, cache: KVCache) -> bool:
         """Whether prompt() applies: 2 to PROMPT_ROWS tokens a row, none of them padding."""
@@ -375,137 +364,6 @@ def prompt_logits(model: nn.Module, ids: Tensor, cache: KVCache, attention_mask:
     return model(ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)[:, -1]
 
 
-def warm_up(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1, 2),
-            prompt: bool = False) -> float:
-    """Compile `model`'s step for each count of `rows` (a server's batch needs 1 and 2: dynamic shapes keep a
-    size-1 batch apart) and, with `prompt`, a short prompt's prefill (a chat: one graph for every later turn), with
-    the intra-op threads it will decode with (inductor's kernels take their thread count when compiled); the
-    seconds it took."""
-    start = time.perf_counter()
-    step = compiled_step(model)
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        trace(step, rows, prompt)
-    finally:
-        torch.set_num_threads(before)
-    return time.perf_counter() - start
-
-
-def trace(step: CompiledStep, rows: tuple[int, ...], prompt: bool) -> None:
-    """Run `step` once for each count of `rows` and, with `prompt`, a short prompt's prefill, on caches of
-    its own: TorchDynamo traces each graph and inductor compiles it (or reads it from its cache)."""
-    model = step.model
-    with torch.inference_mode(), decoding_linears(model):  # (as generate, chat and the server decode)
-        for count in rows:
-            cache = model.new_cache(count, 3)
-            model(torch.zeros(count, 1, dtype=torch.long), cache=cache)
-            step(torch.zeros(count, dtype=torch.long), cache)
-        if prompt:
-            step.prompt(torch.zeros(1, 2, dtype=torch.long), model.new_cache(1, 3))
-
-
-class Background:
-    """A compiled step built on a thread of its own at the lowest CPU priority, while the model decodes
-    eagerly at its own speed (`qkv chat`, `serve` and `generate` by default): the first token does not wait
-    for the compiler (1.5-6 minutes the first time on 2 cores, 20-50 s from inductor's cache), and the step
-    takes over when it is ready (take_over).
-
-    The graphs are traced on a twin of the model (twin(): its own modules, the owner's tensors), so the
-    owner's layers stay as the caller has them (generate swaps DecodingLinears in and out around each call;
-    the twin keeps them for good) and nothing the eager decoding does meets the tracing. On Linux the thread
-    runs at nice 19, and so do the compiler processes it starts: SmolLM2-135M at int4 decoded eagerly at
-    19 ms a token beside it, as alone, against 140 ms beside the thread at the default priority (2026-12-07,
-    2-core AMD EPYC); where the model decodes without pause, the compiler has only what is left of the CPU."""
-
-    def __init__(self, step: CompiledStep, threads: int, rows: tuple[int, ...], prompt: bool,
-                 announce=None):
-        """`threads`: the intra-op threads the model decodes with (OpenMP's setting is per thread: this one's
-        own is set so); `announce(line)`: told once, when the step takes over."""
-        self.step, self.announce = step, announce
-        self.seconds: float | None = None  # how long it took, once done
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.work, args=(threads, rows, prompt), name="qkv-compile",
-                                       daemon=True)  # (an exit does not wait for it)
-        self.started = time.perf_counter()
-        self.thread.start()
-
-    def work(self, threads: int, rows: tuple[int, ...], prompt: bool) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-        except (AttributeError, OSError):
-            pass
-        torch.set_num_threads(threads)
-        try:
-            self.step.build()
-            trace(self.step, rows, prompt)
-        except Exception as error:  # noqa: BLE001 - CompiledStep.run catches the compiler's own failures
-            self.step.failed = f"{type(error).__name__}: {error}"
-        self.seconds = time.perf_counter() - self.started
-        self.done.set()
-
-    def take_over(self, auto: bool = False) -> bool:
-        """Switch the model's decoding to the compiled step if it is ready (and announce it); whether it did.
-        `auto`: from usable(), where a caller that switches only between turns (a chat) has said not to."""
-        if not self.done.is_set() or (auto and not self.automatic):
-            return False
-        step = self.step
-        step.background = None
-        if step.failed is None:
-            step.on = True
-            if self.announce is not None:
-                self.announce(f"qkv: the compiled decoding step takes over (compiled in the background in "
-                              f"{self.seconds:.0f} s; --no-compile decodes without it)")
-        return step.on
-
-    automatic = True  # usable() switches as soon as it is ready (a chat sets False: take_over between turns)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the compiler (tests; a caller that would rather wait); whether it is done."""
-        return self.done.wait(timeout)
-
-
-def twin(model: nn.Module) -> nn.Module:
-    """A copy of `model`'s modules holding the very tensors `model` holds (parameters, buffers, and the
-    tensors modules keep as attributes, in dicts, lists and tuples: quantized layers' kernel operands): a
-    deepcopy with every tensor mapped to itself. ValueError where a tensor would still be copied."""
-    memo: dict[int, object] = {}
-    for tensor in tensors_held(model):
-        memo[id(tensor)] = tensor
-    step = model.__dict__.get("_qkv_compiled_step")
-    if step is not None:
-        memo[id(step)] = None  # (a step enabled before is not the twin's)
-    copy = deepcopy(model, memo)
-    if any(id(tensor) not in memo for tensor in tensors_held(copy)):
-        raise ValueError("a tensor of the model's that a copy of its modules does not share")
-    return copy
-
-
-def tensors_held(model: nn.Module):
-    """Every tensor `model`'s modules hold, as attributes or one container deep, the modules held as plain
-    attributes (qkv.nn.fuse's fused layers) included."""
-    seen: set[int] = set()
-    waiting = [model]
-    while waiting:
-        module = waiting.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        waiting += module._modules.values()
-        for value in (*module.__dict__.values(), *module._parameters.values(), *module._buffers.values()):
-            if isinstance(value, Tensor):
-                yield value
-            elif isinstance(value, nn.Module):
-                waiting.append(value)
-            elif isinstance(value, (dict, list, tuple)):
-                for inner in (value.values() if isinstance(value, dict) else value):
-                    if isinstance(inner, Tensor):
-                        yield inner
-                    elif isinstance(inner, (list, tuple)):
-                        yield from (item for item in inner if isinstance(item, Tensor))
-
-
 def compiled_step(model: nn.Module) -> CompiledStep | None:
     """The compiled step `enable` attached to `model`, if any."""
     return model.__dict__.get("_qkv_compiled_step")
@@ -517,31 +375,3 @@ def enable(model: nn.Module, summed: bool | None = None) -> CompiledStep:
     step = CompiledStep(model, summed)
     object.__setattr__(model, "_qkv_compiled_step", step)  # a plain attribute: not a submodule, not saved
     return step
-
-
-def enable_in_background(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1,),
-                         prompt: bool = True, announce=None, automatic: bool = True,
-                         summed: bool | None = None) -> CompiledStep:
-    """Decode `model` eagerly now and with a compiled step once a Background has built it (the graphs for
-    `rows` and, with `prompt`, a short prompt's): it takes over by itself (`automatic`) or at take_over()
-    (a chat, between turns). ValueError where the step does not apply."""
-    reason = unsupported(model)  # (before the copy)
-    if reason is not None:
-        raise ValueError(f"the compiled decoding step does not cover {reason}")
-    kernel_operands(model, make=True)  # (made on the owner, the twin then shares them)
-    double = twin(model)
-    swap(double, stands_in_for, decoding_linear)  # for good: each step of the twin would swap them in and out
-    step = CompiledStep(double, summed, owner=model, build=False)
-    object.__setattr__(model, "_qkv_compiled_step", step)
-    step.background = Background(step, threads or torch.get_num_threads(), rows, prompt, announce)
-    step.background.automatic = automatic
-    return step
-
-
-def take_over(model: nn.Module) -> bool:
-    """Switch `model` to its compiled step if one compiled in the background is ready (a chat between turns);
-    whether the compiled step decodes now."""
-    step = compiled_step(model)
-    if step is None:
-        return False
-    return step.on or (step.background is not None and step.background.take_over())

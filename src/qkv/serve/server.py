@@ -9,7 +9,7 @@ from qkv.errors import QkvError
 from qkv.formats import merge_adapter
 from qkv.formats.base import Run
 from qkv.formats.chat import template_for
-from qkv.generate import compiled, weights
+from qkv.generate import background, compiled, weights
 from qkv.models.build import architecture_of
 from qkv.serve import api
 from qkv.serve.app import Served, make_app
@@ -72,7 +72,7 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
         compile_step(served, log)
     elif compile == "background" and next(run.model.parameters()).device.type == "cpu":
         try:
-            compiled.enable_in_background(run.model, served.engine.threads, rows=(1, 2), prompt=False,
+            background.enable_in_background(run.model, served.engine.threads, rows=(1, 2), prompt=False,
                                           announce=log)
         except ValueError:
             pass  # (the general step: not every model has a compiled one)
@@ -89,7 +89,7 @@ def compile_step(served: Served, log) -> None:
         raise QkvError(f"--compile: {exc}") from None
     log("qkv: --compile: compiling the decoding step for one row and for batches (a few minutes on 2 cores the "
         "first time; later starts read inductor's cache)")
-    seconds = compiled.warm_up(served.run.model, served.engine.threads)
+    seconds = background.warm_up(served.run.model, served.engine.threads)
     step = compiled.compiled_step(served.run.model)
     if step.failed is None:
         log(f"qkv: --compile: compiled in {seconds:.0f} s")
