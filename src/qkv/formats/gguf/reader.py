@@ -8,6 +8,7 @@ against its type's block size and the file's end. Nothing is allocated from a co
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,44 @@ def plain_reader(gguf):
             count = int(count)
             arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type, *rest, **named):
+            """An array of strings (a tokenizer's tokens and merges) as the package's own reading gives it, its
+            parts, data indexes and types, in one loop over the lengths, and an array of numbers (scores, token
+            types) read at once: the package recurses into each element (Gemma 3's header of 262,144 tokens,
+            scores and types: 2.9 s -> 0.7 s; SmolLM2's 1.0 -> 0.2). The same parts, data indexes and types as
+            the package's own (tests/formats/gguf/test_reader.py)."""
+            strings = gguf.GGUFValueType.STRING
+            if (rest or named or gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY or self.byte_order != "I"
+                    or sys.byteorder != "little"):
+                return super()._get_field_parts(orig_offs, raw_type, *rest, **named)
+            item_type = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(int(item_type[0])))
+            if scalar is not None:  # read at once, then a one-element part each, as the package's
+                n = int(count[0])
+                if orig_offs + 12 + n * np.dtype(scalar).itemsize > len(self._plain):
+                    raise ValueError(f"an array of {n:,} numbers runs past the end of the file")
+                values = self._get(orig_offs + 12, scalar, n)
+                types = [gguf.GGUFValueType.ARRAY] + ([gguf.GGUFValueType(int(item_type[0]))] if n else [])
+                parts = [item_type, count, *(values[i:i + 1] for i in range(n))]
+                return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), types
+            if int(item_type[0]) != strings:
+                return super()._get_field_parts(orig_offs, raw_type, *rest, **named)
+            plain = self._plain
+            parts, data, offset, end = [item_type, count], [], orig_offs + 12, len(plain)
+            for _ in range(int(count[0])):
+                if offset + 8 > end:
+                    raise ValueError(f"a string array runs past the end of the file at {offset}")
+                size = plain[offset:offset + 8].view(np.uint64)
+                n = int(size[0])
+                if offset + 8 + n > end:
+                    raise ValueError(f"a string of {n:,} bytes runs past the end of the file at {offset}")
+                parts += (size, plain[offset + 8:offset + 8 + n])
+                data.append(len(parts) - 1)
+                offset += 8 + n
+            types = [gguf.GGUFValueType.ARRAY] + ([strings] if int(count[0]) else [])
+            return offset - orig_offs, parts, data, types
 
     return Reader
 
