@@ -68,3 +68,33 @@ def rewrite_pre(src, dst, pre):
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def test_a_files_tokenizer_is_derived_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """cached_tokenizer: the first load derives the tokenizer from the metadata and keeps its JSON under
+    QKV_CACHE; a later one (any file with that tokenizer metadata) reads it back: the same tokenizer, the same ids
+    (on the hostile strings too); an unreadable entry is derived again and replaced; another tokenizer gets an
+    entry of its own; a cache that cannot be written costs only the caching."""
+    from qkv.formats.gguf import tokenizer as module
+    from qkv.formats.gguf.reader import GgufFile
+
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path / "cache"))
+    meta = GgufFile.open(write_llama(tmp_path / "m.gguf", tokenizer="sentencepiece")).metadata
+    derived, real = [], module.gguf_tokenizer
+    monkeypatch.setattr(module, "gguf_tokenizer", lambda m, origin: derived.append(origin) or real(m, origin))
+    fresh = real(meta, "fresh")
+    first, second = module.cached_tokenizer(meta, "first"), module.cached_tokenizer(meta, "second")
+    assert derived == ["first"] and first.to_str() == second.to_str() == fresh.to_str()
+    for text in TEXT[:2] + HOSTILE:
+        assert second.encode_with_specials(text) == fresh.encode_with_specials(text), text
+    entries = list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    assert len(entries) == 1
+    entries[0].write_text("{not json", encoding="utf-8")
+    assert module.cached_tokenizer(meta, "third").to_str() == fresh.to_str() and derived == ["first", "third"]
+    assert module.cached_tokenizer(meta, "fourth").to_str() == fresh.to_str() and len(derived) == 2  # (replaced)
+    other = dict(meta, **{"tokenizer.ggml.add_bos_token": not meta.get("tokenizer.ggml.add_bos_token", True)})
+    assert module.cached_tokenizer(other, "other").to_str() == real(other, "o").to_str()
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.json"))) == 2
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path / "file"))  # (a file: no directory can be made under it)
+    assert module.cached_tokenizer(meta, "unwritable").to_str() == fresh.to_str()

@@ -28,7 +28,7 @@ from qkv.formats.gguf import deepseek, gemma, gpt_oss, llama_kin, moe  # noqa: F
 # gemma3, gpt-oss, smollm3, phi3, qwen3moe, olmoe: assembled here)
 from qkv.formats.gguf.archs import GGUF_ARCHS
 from qkv.formats.gguf.reader import GgufFile, is_gguf
-from qkv.formats.gguf.tokenizer import gguf_tokenizer, token_of
+from qkv.formats.gguf.tokenizer import cached_tokenizer, token_of
 from qkv.formats.gguf.writer import save
 from qkv.formats.hf import run_config
 from qkv.formats.hf.common import HF_FAMILIES
@@ -66,7 +66,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
             raise QkvError(f"{path}: {exc}") from None
         model = model_with(cfg, tensors, str(path))  # one fp32 copy of the weights in memory, not two
         del tensors
-    tokenizer = gguf_tokenizer(file.metadata, str(path))
+    tokenizer = cached_tokenizer(file.metadata, str(path))
     check_vocabulary(tokenizer, cfg.vocab_size, path)
     return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
@@ -124,7 +124,7 @@ def config(path: str | Path) -> RunConfig:
     """The Run's config alone, from the file's metadata and tensor shapes: no weight is read."""
     path = Path(path)
     file, _, _, _, cfg = read_model_config(path)
-    tokenizer = gguf_tokenizer(file.metadata, str(path))
+    tokenizer = cached_tokenizer(file.metadata, str(path))
     check_vocabulary(tokenizer, cfg.vocab_size, path)
     return run_config(cfg, tokenizer.vocab_size)
 
