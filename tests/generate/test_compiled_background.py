@@ -135,3 +135,30 @@ def test_serve_compiles_batches_in_the_background_by_default(tmp_path, monkeypat
     assert len(calls) == 1
     with pytest.raises(ValueError, match="compile='yes'"):
         prepare(str(path), compile="yes", log=log.append)
+
+
+def test_one_threads_summing_is_not_anothers(monkeypatch):
+    """summing(True) holds on the thread that traces only: torch.compiler.is_compiling() is true on every thread
+    while one traces, and an eager product beside a background compile must keep its own form (the sum form
+    eagerly builds the whole (out, in) product: SmolLM2's 24 eager tokens took 5 s instead of 0.5)."""
+    import threading
+
+    from qkv.nn import decoding_linear
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # (as while another thread traces)
+    row, seen, inside, done = torch.ones(1, 8), {}, threading.Event(), threading.Event()
+
+    def tracing():
+        with torch.inference_mode(), decoding_linear.summing(True):
+            seen["tracer"] = decoding_linear.summed_rows(row)
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=tracing)
+    thread.start()
+    assert inside.wait(10)
+    with torch.inference_mode():
+        seen["eager"] = decoding_linear.summed_rows(row)
+    done.set()
+    thread.join(10)
+    assert seen == {"tracer": True, "eager": False}

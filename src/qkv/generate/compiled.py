@@ -190,8 +190,12 @@ class CompiledStep:
         self.compiled_prompt = torch.compile(own_code(self.prompt_forward), dynamic=True, options=options)
 
     def usable(self, cache: KVCache) -> bool:
-        if not self.on and not (self.background is not None and self.background.take_over(auto=True)):
-            return False
+        if not self.on:
+            if self.background is None:
+                return False
+            self.background.decoding()  # (the compiler waits while the model decodes eagerly)
+            if not self.background.take_over(auto=True):
+                return False
         return (self.failed is None and not cache.window and not torch.is_grad_enabled()
                 and cache.length < min(cache.max_len, self.positions) and self.watch()
                 and not self.owner.training and weights_signature(self.owner) == self.signature)

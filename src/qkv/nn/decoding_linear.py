@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from contextlib import contextmanager
 
@@ -68,7 +69,10 @@ def left_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return y[:, :rows].t().contiguous().view(*x.shape[:-1], y.shape[0])  # row-major, as F.linear's
 
 
-_summing = False  # set by summing() around a compiled step's call
+# set by summing() around a compiled step's call, on its thread only: torch.compiler.is_compiling() is true on
+# every thread while one traces, and an eager step beside a background compile (qkv.generate.background) that
+# took the sum form built the (out, in) product: SmolLM2's 24 tokens in 5 s instead of 0.5
+_summing = threading.local()
 # A short prompt's rows of fp32 weights take the sum form too (summed_product): SmolLM2's 30 layers on the AMD
 # EPYC at 2 / 6 / 12 rows in 12.5 / 20.4 / 47.9 ms against W x^T's 14.7 / 33.5 / 62.7; bf16 and int8 rows not
 # (`python benchmarks/one_row_products.py --rows 6`: fp32 20.1 against 31.9, bf16 22.1 against 20.0, int8 20.7
@@ -80,21 +84,20 @@ SUMMED_ROWS = 16
 def summing(on: bool):
     """Products of one row traced by torch.compile take summed_product's form for the duration (`on`), or
     torch's kernels (qkv.generate.compiled's step: on where summed_form_faster)."""
-    global _summing
     if on:
         inductor_prims()
-    before, _summing = _summing, on
+    before, _summing.on = getattr(_summing, "on", False), on
     try:
         yield
     finally:
-        _summing = before
+        _summing.on = before
 
 
 def summed_rows(x: Tensor, w: Tensor | None = None) -> bool:
     """Whether `x` (..., in) is one row of a decoding step that torch.compile is tracing on the CPU inside
     summing(True), or up to SUMMED_ROWS rows of a short prompt by fp32 weights `w`: the products that take
     summed_product's form."""
-    if not (_summing and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()):
+    if not (getattr(_summing, "on", False) and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()):
         return False
     rows = math.prod(x.shape[:-1])
     return rows == 1 or (w is not None and w.dtype == x.dtype == torch.float32 and rows <= SUMMED_ROWS)
