@@ -82,8 +82,8 @@ def test_chat_compiles_in_the_background_by_default_and_switches_between_turns(t
     started, real = [], background.enable_in_background
 
     def waited(model, **options):
-        step = real(model, **options)
         started.append(options)
+        step = real(model, **options, prompt=False)  # (the token step's graph alone: half the compiling)
         assert not step.usable(model.new_cache(1, 8))  # (eager until it is ready)
         assert step.background.wait(600)
         assert not step.usable(model.new_cache(1, 8))  # (a chat switches between turns, not by itself)

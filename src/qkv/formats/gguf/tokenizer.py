@@ -26,6 +26,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from qkv.data.dataset import default_cache_dir
 from qkv.data.tokenizer import EOS, Tokenizer, bytes_to_unicode
 from qkv.errors import QkvError
 from qkv.formats.hf.tokenizer import respell, spells
@@ -46,8 +47,6 @@ def cached_tokenizer(meta: dict, origin: str) -> Tokenizer:
     it again (Gemma 3's 262,144 pieces and their implied merges: 5.5 s -> 1.3 s, of which tokenizers' own
     reading of the JSON takes 1.2; SmolLM2 0.37 -> 0.11 s; 2026-12-07, the AMD EPYC). An entry that cannot
     be read or written is derived again; nothing else is kept."""
-    from qkv.data.dataset import default_cache_dir
-
     key = hashlib.sha256(Path(__file__).read_bytes() + tokenizers.__version__.encode())
     try:
         for name in sorted(meta):
