@@ -1,10 +1,11 @@
 """When the compiled decoding step (qkv.generate.compiled) is built: before the first token (warm_up:
-`--compile`), or in the background, what generate, chat and serve do by default. The model decodes eagerly from its first token while a thread at the lowest CPU priority traces the
-step on a twin of the model and inductor compiles it; the step then takes over (Background), in one line on
-stderr (a chat between turns). `qkv chat` on SmolLM2's Q4_1 file at int4, 2026-12-07, 2-core AMD EPYC
-(benchmarks/first_token.py): the first reply began 6.6 s after the process started with an empty inductor
-cache and 5.5 s with a filled one; the step took over after 271 s and 24 s of background compiling, and a
-32-token reply took 0.61-0.68 s eagerly, 0.33-0.48 s compiled."""
+`--compile`), or in the background, what generate, chat and serve do by default. The model decodes eagerly
+from its first token while a thread at the lowest CPU priority traces the step on a twin of the model and
+inductor compiles it; the step then takes over (Background), in one line on stderr (a chat between turns).
+`qkv chat` on SmolLM2's Q4_1 file at int4, 2026-12-07, 2-core AMD EPYC (benchmarks/first_token.py): the first
+reply began 3.9 s after the process started with an empty inductor cache and 4.3 s with a filled one; the step
+took over after 295 s and 25 s of background compiling, and a 32-token reply took 0.57-0.62 s eagerly,
+0.27-0.30 s compiled."""
 from __future__ import annotations
 
 import math
@@ -18,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.generate.compiled import CompiledStep, compiled_step, unsupported
-from qkv.nn.decoding_linear import decoding_linears
 from qkv.generate.watch import kernel_operands
-from qkv.nn.decoding_linear import decoding_linear, stands_in_for
+from qkv.nn.decoding_linear import decoding_linear, decoding_linears, stands_in_for
 from qkv.nn.swap import swap
 
 
