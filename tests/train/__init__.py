@@ -10,9 +10,12 @@ import io
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 WORDS = ("moon sea night doth sing upon silver wind where golden crowns lie sleeping under stars love "
          "heart shall fade while summer breathes gentle rain thou art more fair than morning light "
@@ -79,6 +82,38 @@ _SUMMARIES: dict[str, dict] = {}
 REPO = Path(__file__).resolve().parents[2]
 
 
+def held_store():
+    """A rendezvous store this process holds for ranks it starts (their environment: store_env): the port
+    stays bound from the start, where a port probed free and closed could be taken by another test's process
+    before the ranks bind it (gloo's own listeners take such ports)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def store_env(store) -> dict[str, str]:
+    """The variables that make `init_process_group` on env:// connect every rank to `store` as a client (as
+    torchrun's ranks connect to their agent's store)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def reserved_port() -> int:
+    """A free port below the system's ephemeral range (which bind(0) never hands out, so neither another
+    test's gloo listener nor its probe takes it between this probe and the launch); any free port where the
+    range leaves none below it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(10000, low), min(50, low - 10000)) if low > 11000 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
 def launch_env() -> dict[str, str]:
     """The environment of a launched process: one torch thread, the tests package importable."""
     return {**os.environ, "OMP_NUM_THREADS": "1",
@@ -91,5 +126,15 @@ def torchrun(processes: int, args: list[str], timeout: int = 300) -> subprocess.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(processes), *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, rank_errors(proc.stderr)
     return proc
+
+
+def rank_errors(stderr: str) -> str:
+    """The last lines each rank printed with its "[rankN]:" prefix, then the launcher's tail: torchrun names
+    only the first rank it saw fail, and another rank's error can be long gone from the tail."""
+    ranks: dict[str, list[str]] = {}
+    for line in stderr.splitlines():
+        if line.startswith("[rank") and "]:" in line:
+            ranks.setdefault(line[:line.index("]:") + 2], []).append(line)
+    return "\n".join([*(line for lines in ranks.values() for line in lines[-12:]), "...", stderr[-1500:]])

@@ -1,7 +1,9 @@
 """Two gloo processes for tests/train/test_tensor_parallel.py and test_pipeline.py: `results()` starts them
 once per test session (each start costs seconds) for every case of CASES, run as
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/train/model_parallel_worker.py CASES.json OUT
+    RANK=r WORLD_SIZE=2 <store_env> PYTHONPATH=. python tests/train/model_parallel_worker.py CASES.json OUT
+
+(store_env: MASTER_ADDR and MASTER_PORT of the store the test process holds, tests/train/__init__.py).
 
 A case: {"mode": "tp" | "pp", "model": {ModelConfig fields}, "parallel": {ParallelConfig fields}, "steps",
 "batch", "seq", "label_smoothing" (tp)}. Every rank also trains the same model in one process (the oracle) on the same batches, with
@@ -13,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +31,7 @@ from qkv.nn.linear_cross_entropy import cross_entropy, vocab_parallel_loss
 from qkv.parallel import pipeline
 from qkv.parallel import tensor as tensor_parallel
 from qkv.train.objectives import lm_loss
+from tests.train import held_store, launch_env, store_env
 
 LR, CLIP = 1e-2, 1.0
 SMALL = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 32}
@@ -71,11 +72,8 @@ def results() -> dict:
     out = Path(tempfile.mkdtemp(prefix="qkv-model-parallel-"))
     cases = [{"name": name, "steps": 10, "batch": 8, "seq": 16, "parallel": {}, **case} for name, case in CASES.items()]
     (out / "cases.json").write_text(json.dumps(cases))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+    store = held_store()
+    env = {**launch_env(), "WORLD_SIZE": "2", **store_env(store)}
     procs = [subprocess.Popen([sys.executable, __file__, str(out / "cases.json"), str(out)],
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]

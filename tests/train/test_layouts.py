@@ -7,7 +7,6 @@ checkpoints move between layouts; two torchrun agents act as two nodes.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from qkv.cli import main
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
-from tests.train import REPO, launch_env, setup_env, shared_dir, torchrun
+from tests.train import REPO, launch_env, reserved_port, setup_env, shared_dir, torchrun
 
 STEPS = 12
 RELATIVE = 1e-5
@@ -127,9 +126,7 @@ def test_a_checkpoint_moves_into_a_pipeline(text, single, tmp_path):
 def test_two_nodes_as_users_launch_them(text, single, tmp_path):
     """Two torchrun agents, `--nnodes 2 --node-rank 0|1` with the rendezvous on 127.0.0.1 (two "nodes" on
     this machine, one process each), a pipeline stage per node: the same run as one process."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = reserved_port()
     cli = args(text, tmp_path / "nodes", "parallel.pp=2", "parallel.microbatches=2")
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),

@@ -79,7 +79,7 @@ def data_parallel() -> Result:
         from torch.multiprocessing import start_processes
 
         with tempfile.TemporaryDirectory() as tmp:
-            start_processes(_dp_rank, args=(DP_RANKS, _free_port(), tmp), nprocs=DP_RANKS, start_method="spawn")
+            start_processes(_dp_rank, args=(DP_RANKS, tmp), nprocs=DP_RANKS, start_method="spawn")
             averaged = load_file(f"{tmp}/grads.safetensors")["grads"]
         how = f"{DP_RANKS} processes on a gloo group, qkv's DDP wrapper (qkv.parallel.layout) and step runner"
     diff = (full - averaged).abs().max().item()
@@ -95,27 +95,16 @@ def _dp_batch(cfg) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (8, 13), generator=torch.Generator().manual_seed(2))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
+def _dp_rank(rank: int, world: int, out: str) -> None:
     """One rank of claim 22: its shard of the batch through MicroBatches on a DDP-wrapped model; rank 0
-    writes the gradient every rank now holds (safetensors)."""
-    import os
-
+    writes the gradient every rank now holds (safetensors). The ranks meet at a file in `out`: a port
+    probed free could be taken by another process before rank 0 binds it."""
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
 
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     try:
         model, cfg = _tiny_model()
         mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
