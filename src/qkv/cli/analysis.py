@@ -98,7 +98,7 @@ def cmd_explain(args) -> int:
     from qkv.explain import explain_page
 
     runs = [args.run] + ([args.compare] if args.compare else [])
-    path, size = explain_page(runs, args.text, target=args.target, out=args.out, dtype=args.dtype, quant=args.quant,
+    path, size = explain_page(runs, args.text, target=args.target, out=args.out, dtype=args.dtype, quant=args.quant or "none",
                               corrupt=args.corrupt, adapter=args.adapter)
     print(f"{path} ({size / 2 ** 20:.2f} MB)")
     return 0

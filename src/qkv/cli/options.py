@@ -78,9 +78,11 @@ def add_precision(parser) -> None:
     """--dtype and --quant: the precision a loaded model runs at (qkv.generate.weights)."""
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="activations and unquantized weights (default fp32; bf16 where the CPU has it natively)")
-    parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
+    parser.add_argument("--quant", choices=("none", "int8", "int4"),
                         help="the linear layers' weights: int8 per row, or 4 bits per group of 32 (GGUF's Q4_1; "
-                             "the head in int8); CPU only (default none)")
+                             "the head above 4 bits); CPU only; none: unquantized (a GGUF file dequantized). Default: "
+                             "a GGUF file's quantized blocks (Q4_0-Q8_0, Q4_K-Q6_K) as shipped, other weights as "
+                             "they are"),
     parser.add_argument("--adapter", metavar="PATH", help="a LoRA adapter merged into the model first: a PEFT dir "
                         "(adapter_config.json + adapter_model.safetensors; a LoRA run) or a GGUF adapter file "
                         "(llama.cpp's --lora)")
@@ -183,7 +185,7 @@ def apply_precision(run, args, log=None) -> str | None:
     kv = weights.set_kv_dtype(run.model, getattr(args, "kv_dtype", None))  # (generate, chat and serve take it)
     if kv:
         log(kv)
-    if args.dtype == "fp32" and args.quant == "none":
+    if description == "fp32 weights":  # (the default on an unquantized model: nothing to say)
         return None
     log(f"qkv: running at {description}")
     return description

@@ -39,19 +39,21 @@ ORDER = ("gguf", "hf", "run")  # the first whose detect says yes reads the path
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *,
-         convert: Callable[[nn.Module], None] | None = None) -> Run:
+         convert: Callable[[nn.Module], None] | None = None, shipped: bool = False) -> Run:
     """Read a model from any format qkv knows: its model (eval mode, on `device`), tokenizer and config.
     `convert(block)`, where the format streams (GGUF), runs on each block as soon as its weights are read
     (qkv.generate.weights.convert_block: a quantized model never holds all its weights in fp32 at once);
-    elsewhere it is not called, and the caller's prepare converts the whole model after loading."""
+    elsewhere it is not called, and the caller's prepare converts the whole model after loading. `shipped`:
+    a GGUF file's quantized blocks kept as they are (qkv.formats.gguf.load); nothing elsewhere."""
     path = Path(path)
     if not path.exists():
         raise QkvError(f"{path}: no such run directory or model file")
     for name in ORDER:
         entry = FORMATS.get(name)
         if entry.detect(path):
-            streamed = convert is not None and entry.streams
-            return entry.load(path, device, convert=convert) if streamed else entry.load(path, device)
+            if entry.streams and (convert is not None or shipped):
+                return entry.load(path, device, convert=convert, shipped=shipped)
+            return entry.load(path, device)
     if path.is_dir():
         return run_dir.load(path, device)  # names what a run dir lacks
     kinds = "; ".join(FORMATS.get(name).describe for name in ORDER)

@@ -153,6 +153,9 @@ def save(run: Run, out: str | Path, extra: dict[str, str] | None = None) -> Path
             (tmp / name).write_text(text, encoding="utf-8")
         save_file(files.model_tensors(run.model), str(tmp / MODEL_FILE))
         quant = quantization_of(run.model)
+        if quant == "gguf":
+            raise QkvError("this model holds a GGUF file's blocks as shipped, which a run dir does not keep; load "
+                           "the file with --quant none, int8 or int4 to save it")
         if quant != "none":
             groups = [m.group for m in run.model.modules() if isinstance(m, QuantLinear) and m.kind == "int4"]
             (tmp / QUANT_FILE).write_text(json.dumps({"quant": quant, "group": groups[0] if groups else GROUP,

@@ -45,16 +45,16 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
     compiled step: the default, or --compile)."""
     if dtype not in DTYPES:
         raise QkvError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-    if quant not in QUANTS:
+    if quant is not None and quant not in QUANTS:
         raise QkvError(f"--quant {quant!r}: choose from {', '.join(QUANTS)}")
-    if quant != "none" and device.type != "cpu":
+    if quant not in (None, "none") and device.type != "cpu":
         raise QkvError(f"--quant {quant}: qkv's quantized kernels are CPU kernels; on {device.type} use --quant none "
                        "with --dtype bf16")
     warnings = []
     if dtype == "bf16" and device.type == "cpu" and not hardware.native_bf16_cpu():
         warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
                         "bf16): torch emulates it, slower than fp32")
-    elif (dtype == "bf16" and quant == "none" and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16"
+    elif (dtype == "bf16" and quant in (None, "none") and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16"
           and not (compiled and summed_form_faster())):
         # native_bf16_cpu names amx_bf16 first when a CPU has both, so "avx512_bf16" means x86 without AMX.
         # There torch's bf16 product for one row makes as many multiply-adds a second as fp32's (SmolLM2's
@@ -89,28 +89,36 @@ def set_kv_dtype(model: nn.Module, name: str | None) -> str | None:
     return f"qkv: KV cache in {name} (keys and values rounded as they are written)"
 
 
-def load(path: str | Path, *, dtype: str = "fp32", quant: str = "none", device: str | torch.device = "cpu",
+def load(path: str | Path, *, dtype: str = "fp32", quant: str | None = None, device: str | torch.device = "cpu",
          stream: bool = True) -> Run:
     """qkv.formats.load(path) for inference at `dtype` / `quant`: where the format streams (GGUF), each block is
     converted as soon as it is read (convert_block), so a quantized model never holds all its weights in fp32;
-    prepare does the rest. `stream=False`: everything read in fp32 first (an adapter is merged before
-    quantizing)."""
+    prepare does the rest. `quant` None (the default): a GGUF file's quantized blocks kept as shipped on the CPU
+    (qkv.formats.gguf.load), elsewhere as "none"; "none": everything dequantized. `stream=False`: everything read
+    in fp32 first (an adapter is merged before quantizing)."""
+    shipped = quant is None and stream and torch.device(device).type == "cpu"
     with freed_buffers_returned():
-        return load_any(path, device, convert=convert_block(dtype, quant, device) if stream else None)
+        return load_any(path, device, convert=convert_block(dtype, quant or "none", device) if stream else None,
+                        shipped=shipped)
 
 
-def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str:
+def prepare(model: nn.Module, *, dtype: str = "fp32", quant: str | None = None, group: int = GROUP) -> str:
     """Put `model` (in eval, on the CPU for a quant) in the given precision, its Q/K/V and gate/up projections
     fused (qkv.nn.fuse), in place, for inference only; a one-line description.
     A model whose weights are already quantized (a run saved by `qkv convert --quant`) keeps them: asking for
     another quant is refused, since requantizing quantized weights adds error twice. A model loaded with
     `convert_block` (its blocks quantized as they were read) gets the rest: the head and any layer outside."""
     with freed_buffers_returned():
-        return convert_model(model, dtype, quant, group)
+        return convert_model(model, dtype, quant or "none", group)
 
 
 def convert_model(model: nn.Module, dtype: str, quant: str, group: int) -> str:
     held = quantization_of(model)
+    if held == "gguf" or any(getattr(module, "origin", None) for module in model.modules()):
+        description = shipped_description(model)
+        cast_unquantized(model, DTYPES[dtype])
+        fuse_projections(model)
+        return f"{description}, {dtype} activations"
     if held != "none" and quant not in ("none", held):
         raise QkvError(f"this model holds {held} weights (qkv convert --quant {held}); --quant {quant} would "
                        f"requantize them: convert the original model instead")
@@ -134,6 +142,18 @@ def convert_model(model: nn.Module, dtype: str, quant: str, group: int) -> str:
     return (f"{quant} weights{f', groups of {group}' if quant == 'int4' else ''} ({layers} linear layers"
             f"{f', {odd} in int8: shapes int4 cannot take' if odd else ''}; the head {head_of(model)}), "
             f"{dtype} activations")
+
+
+def shipped_description(model: nn.Module) -> str:
+    """What a model holding a GGUF file's blocks runs (qkv.formats.gguf.blocks): the layers of each type."""
+    types: dict[str, int] = {}
+    for module in model.modules():
+        if getattr(module, "origin", None):
+            types[module.origin] = types.get(module.origin, 0) + 1
+    head = getattr(getattr(model, "lm_head", None), "origin", None) or "unquantized"
+    floats = sum(type(module) is nn.Linear for module in model.modules())
+    return (f"the file's quantized blocks as shipped ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))} "
+            f"linear layers{f', {floats} unquantized' if floats else ''}; the head {head})")
 
 
 def convert_block(dtype: str, quant: str, device: str | torch.device = "cpu", group: int = GROUP):

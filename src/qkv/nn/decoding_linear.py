@@ -132,6 +132,19 @@ def summed_product(x: Tensor, w: Tensor, b: Tensor | None = None, scale: Tensor 
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (a row-major copy where rows > 1)
 
 
+def summed_grouped_product(x: Tensor, codes: Tensor, scale: Tensor, low: Tensor | None) -> Tensor:
+    """y_i = sum_g s_ig sum_{j in g} q_ij x_j + sum_g m_ig sum_{j in g} x_j for one row x (..., in): codes
+    q (out, in) int8 by groups of in / G, s and m (out, G) fp32 (qkv.nn.quant's int8g); summed in fp32 as
+    summed_product, the codes converted inside inductor's loop, y in x's dtype."""
+    n, k = codes.shape
+    groups = scale.shape[1]
+    flat = stored(x.reshape(1, k).float()).view(1, groups, k // groups)
+    y = ((codes.float().view(n, groups, k // groups) * flat).sum(-1) * scale).sum(-1)  # (out,)
+    if low is not None:
+        y = y + (low * flat.sum(-1)).sum(-1)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def stored(row: Tensor) -> Tensor:
     """`row` as a tensor inductor writes to memory before the sum reads it: left to itself, inductor computes
     whatever made the row (a norm, a residual sum, the roundings) again inside the sum's loop, once per output

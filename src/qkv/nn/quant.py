@@ -11,6 +11,13 @@ the activations' precision elsewhere: QuantLinear.compute_dtype):
                                    m_ig = min_{j in g} W_ij,     s_ig = (max_{j in g} W_ij - m_ig) / 15
 
 so |W_ij - W^_ij| <= s_i / 2 (int8) and <= s_ig / 2 (int4): the tests check the products against these bounds.
+A third kind holds a GGUF file's 5-, 6- and 8-bit blocks as shipped (qkv.formats.gguf.blocks), never made
+from float weights here:
+
+    int8g (per row i, group g of 32 or 16 inputs):  W_ij = s_ig q_ij + m_ig,   q_ij int8 as the file has it
+
+its products dequantize W to the rows' dtype (prefill), or, one row of a compiled step, sum the codes converted
+inside inductor's loop (qkv.nn.decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
 weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
 products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
@@ -26,10 +33,12 @@ from torch import Tensor, nn
 
 from qkv import hardware
 from qkv.nn.changes import changed
-from qkv.nn.decoding_linear import decode_rows, left_form_faster, left_product, summed_product, summed_rows
+from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
+                                    summed_product, summed_rows)
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
+KINDS = ("int8", "int4", "int8g")  # QuantLinear's: the two --quant makes and GGUF's grouped 8-bit blocks
 GROUP = 32  # int4: inputs per group (GGUF's block size)
 
 
@@ -64,6 +73,16 @@ def dequantize_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
     return w.reshape(n, k)
 
 
+def dequantize_grouped(codes: Tensor, scale: Tensor, low: Tensor | None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """int8g (and int4's unpacked codes): W = s q + m by groups, in `dtype`."""
+    n, k = codes.shape
+    groups = scale.shape[1]
+    w = codes.to(dtype).view(n, groups, k // groups) * scale.to(dtype)[..., None]
+    if low is not None:
+        w = w + low.to(dtype)[..., None]
+    return w.view(n, k)
+
+
 def pack_nibbles(codes: Tensor) -> Tensor:
     """(N, K) codes in [0, 15] -> (N, K / 2) bytes, column 2j in the low four bits and 2j + 1 in the high."""
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
@@ -94,8 +113,8 @@ class QuantLinear(nn.Module):
     def __init__(self, kind: str, in_features: int, out_features: int, codes: Tensor, scale: Tensor,
                  low: Tensor | None, bias: Tensor | None):
         super().__init__()
-        if kind not in ("int8", "int4"):
-            raise ValueError(f"QuantLinear kind {kind!r}: int8 or int4")
+        if kind not in KINDS:
+            raise ValueError(f"QuantLinear kind {kind!r}: {', '.join(KINDS)}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
@@ -129,6 +148,19 @@ class QuantLinear(nn.Module):
             codes = pack_nibbles(codes)  # two codes a byte: 0.5 bytes a weight (+ the scale and minimum)
         return cls(kind, w.shape[1], w.shape[0], codes, scale, low, linear.bias)
 
+    @classmethod
+    def from_codes(cls, codes: Tensor, scale: Tensor, low: Tensor | None, bias: Tensor | None,
+                   kind: str = "int8g") -> "QuantLinear":
+        """A layer holding given codes (N, K) (int4: uint8 in [0, 15], by groups of 32), scales and minima
+        (N, K / G): a GGUF file's blocks as shipped (qkv.formats.gguf.blocks). int4 codes whose shape the
+        int4 kernel cannot take are held as int8g."""
+        n, k = codes.shape
+        if kind == "int4" and (k % 2 or n % 16 or scale.shape[1] * GROUP != k or low is None):
+            kind, codes = "int8g", codes.to(torch.int8)
+        if kind == "int4":
+            codes = pack_nibbles(codes)
+        return cls(kind, k, n, codes, scale.float(), None if low is None else low.float(), bias)
+
     @torch.no_grad()
     def set_weight(self, weight: Tensor) -> None:
         """Quantize `weight` (N, K) into this layer's codes, scales (and minima): a frozen base taking its values."""
@@ -144,12 +176,14 @@ class QuantLinear(nn.Module):
 
     @property
     def group(self) -> int:
-        return self.in_features // self.scale.shape[1] if self.kind == "int4" else self.in_features
+        return self.in_features // self.scale.shape[1] if self.kind != "int8" else self.in_features
 
     @property
     def weight(self) -> Tensor:
         if self.kind == "int8":
             return dequantize_int8(self.codes, self.scale)
+        if self.kind == "int8g":
+            return dequantize_grouped(self.codes, self.scale, self.low)
         return dequantize_int4(unpack_nibbles(self.codes), self.scale, self.low)
 
     def _state_changed(self) -> None:
@@ -170,6 +204,8 @@ class QuantLinear(nn.Module):
         if found is None:
             if self.kind == "int8":
                 found = (self.codes, self.scale.to(dtype))
+            elif self.kind == "int8g":
+                found = (self.codes, self.scale, self.low)  # (fp32: summed in fp32, or W made in the rows' dtype)
             else:
                 codes = unpack_nibbles(self.codes).to(torch.int32)
                 packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # the kernel's own blocked layout
@@ -201,6 +237,11 @@ class QuantLinear(nn.Module):
         if flat.device.type != "cpu":
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
+        if self.kind == "int8g":
+            codes, scale, low = operands
+            if summed_rows(flat):  # a compiled step's one row: the codes converted inside the sums
+                return summed_grouped_product(flat, codes, scale, low)
+            return torch.nn.functional.linear(flat, dequantize_grouped(codes, scale, low, flat.dtype))
         if self.kind == "int8":
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
@@ -212,7 +253,7 @@ class QuantLinear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
 
     def extra_repr(self) -> str:
-        group = f", group={self.group}" if self.kind == "int4" else ""
+        group = f", group={self.group}" if self.kind != "int8" else ""
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
@@ -326,9 +367,10 @@ def quantize_model(model: nn.Module, quant: str, group: int = GROUP, *, empty: b
 
 
 def quantization_of(model: nn.Module) -> str:
-    """"none", or the quant a model's linear layers hold (int4 when any layer is int4)."""
+    """"none", or the quant a model's linear layers hold (int4 when any layer is int4; gguf when any holds a
+    GGUF file's 5- to 8-bit blocks: qkv.formats.gguf.blocks)."""
     kinds = {module.kind for module in model.modules() if isinstance(module, QuantLinear)}
-    return "int4" if "int4" in kinds else "int8" if kinds else "none"
+    return "gguf" if "int8g" in kinds else "int4" if "int4" in kinds else "int8" if kinds else "none"
 
 
 def head_of(model: nn.Module) -> str:

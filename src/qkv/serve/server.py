@@ -37,7 +37,7 @@ def served_model(run: Run, name: str | None, *, max_batch: int, max_queue: int, 
 
 def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: int | None = None,
             api_key: str | None = None, name: str | None = None, device: str = "cpu", threads: int | None = None,
-            dtype: str = "fp32", quant: str = "none", compile: str = "off", main_thread: bool = False,
+            dtype: str = "fp32", quant: str | None = None, compile: str = "off", main_thread: bool = False,
             kv_dtype: str | None = None, adapter: str | None = None, log=print) -> Served:
     """Load RUN (a qkv run or a Hugging Face dir) and make its engine (not started yet), at `dtype` / `quant`
     (qkv.generate.weights), its KV caches in `kv_dtype` (default the model's); `adapter`: a LoRA adapter (PEFT
@@ -54,7 +54,7 @@ def prepare(path: str, *, max_batch: int = 16, max_queue: int = 64, max_tokens: 
             "rounds the padded batch's attention differently from a lone request's); --dtype fp32 keeps them "
             "independent, also with --quant int8 / int4")
     description = weights.prepare(run.model, dtype=dtype, quant=quant)  # fuses Q/K/V and gate/up too
-    if (dtype, quant) != ("fp32", "none"):
+    if description != "fp32 weights":
         log(f"qkv: serving at {description}")
     kv = weights.set_kv_dtype(run.model, kv_dtype)
     if kv:

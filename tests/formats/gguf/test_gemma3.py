@@ -70,14 +70,14 @@ def test_the_commands_on_the_real_file(gemma, tmp_path):
     run, theirs, tokenizer = gemma
     path = str(run.path)
     code, out, _ = cli("generate", path, "--prompt", "The capital of France is", "--strategy", "greedy",
-                       "--max-new-tokens", "12")
+                       "--max-new-tokens", "12", "--quant", "none")  # (dequantized, as transformers reads it)
     ids = torch.tensor([tokenizer("The capital of France is").input_ids])
     with torch.no_grad():
         expected = theirs.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
     assert code == 0 and out.strip() == "The capital of France is" + tokenizer.decode(expected)
     text = tmp_path / "hamlet.txt"
     text.write_text("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer")
-    code, out, _ = cli("eval", path, "--data", str(text), "--json")
+    code, out, _ = cli("eval", path, "--data", str(text), "--json", "--quant", "none")
     scored = torch.tensor([tokenizer(text.read_text()).input_ids])
     with torch.no_grad():
         loss = float(theirs(scored, labels=scored).loss)  # mean nats over every token after <bos>

@@ -6,6 +6,7 @@ import torch
 
 from qkv.formats.base import Chat
 from qkv.formats.chat import template_for
+from qkv.generate import weights
 from qkv.generate.chat import ChatSession
 from tests.formats.gguf.smollm2 import (bundled_works, greedy_as_transformers, lora_sft_loads_in_peft, require_smollm2,
                                        with_transformers)
@@ -84,7 +85,8 @@ def test_serve_speaks_chatml_and_stops_at_im_end(smol):
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True,
         return_dict=False))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    run = smol[0]  # the first token's logprob is log softmax of the model's logits after the prompt
+    run = weights.load(path)  # the first token's logprob is log softmax of the logits of the model as served (the
+    weights.prepare(run.model)  # file's blocks as shipped) after the prompt
     prompt = template_for(run.chat, run.tokenizer)([{"role": "user", "content": "What is the capital of France?"}])[0]
     with torch.no_grad():
         expected = torch.log_softmax(run.model(torch.tensor([prompt]))[0, -1].double(), -1)

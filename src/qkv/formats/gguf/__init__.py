@@ -27,6 +27,7 @@ from qkv.formats.base import Chat, Run, check_vocabulary, model_with
 from qkv.formats.gguf import deepseek, gemma, gpt_oss, llama_kin, moe  # noqa: F401  (register deepseek2, gemma2,
 # gemma3, gpt-oss, smollm3, phi3, qwen3moe, olmoe: assembled here)
 from qkv.formats.gguf.archs import GGUF_ARCHS
+from qkv.formats.gguf.blocks import SHIPPED_TYPES, Shipped, read_shipped, shippable
 from qkv.formats.gguf.reader import GgufFile, is_gguf
 from qkv.formats.gguf.tokenizer import cached_tokenizer, token_of
 from qkv.formats.gguf.writer import save
@@ -45,20 +46,27 @@ def detect(path: Path) -> bool:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *,
-         convert: Callable[[nn.Module], None] | None = None) -> Run:
+         convert: Callable[[nn.Module], None] | None = None, shipped: bool = False) -> Run:
     """A GGUF file as a Run: the model in eval mode (fp32 weights), its tokenizer and chat. `convert(block)`:
     each block is read, then converted (quantized: qkv.generate.weights.convert_block) before the next is
     read, where the architecture's mapping only renames the file's tensors (llama, qwen2); otherwise it is
-    not called (the caller converts the loaded model)."""
+    not called (the caller converts the loaded model). `shipped`: there, each linear layer whose tensor is
+    of a quantized block type (blocks.SHIPPED_TYPES) holds the file's blocks as they are (qkv.nn.quant's int4
+    and int8g kinds), and so does the output head (also one tied to a quantized embedding, which itself is
+    read dequantized); the rest is read dequantized to fp32."""
     path = Path(path)
     file, arch, hf, family, cfg = read_model_config(path)
     with torch.device("meta"):  # no memory and no random initialisation: the file's tensors become the weights
         model = build_model(cfg)
     buffers = any(True for _ in model.buffers())
-    streams = convert is not None and not buffers and hasattr(model, "blocks")
-    readers = block_readers(file, arch, hf, family, cfg, path) if streams else None
+    streams = (convert is not None or shipped) and not buffers and hasattr(model, "blocks")
+    readers = block_readers(file, arch, hf, family, cfg, path, model if shipped else None) if streams else None
     if readers is not None:
         stream_blocks(model, readers, str(path), convert)
+        if shipped:
+            ship_tied_head(model, readers)
+    elif shipped and not buffers and ship_whole(model, file, arch, hf, family, cfg, path):
+        pass
     else:
         try:
             tensors = family.to_qkv(hf_tensors(file, arch, hf), cfg)
@@ -72,11 +80,12 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
 
 
-def block_readers(file: GgufFile, arch, hf: dict, family, cfg,
-                  path: Path) -> dict[str, Callable[[], torch.Tensor]] | None:
+def block_readers(file: GgufFile, arch, hf: dict, family, cfg, path: Path,
+                  model: nn.Module | None = None) -> dict[str, Callable[[], torch.Tensor | Shipped]] | None:
     """{qkv name: a function reading that tensor from the file} when the HF family's mapping only renames the
     file's tensors (found by running it on shape-only meta tensors); None when it makes tensors from several
-    (gpt2's Q/K/V split), which are then read all at once."""
+    (gpt2's Q/K/V split), which are then read all at once. With `model`, the weights of its linear layers
+    stored in a quantized block type read as their blocks (a Shipped, where their rows allow it)."""
     placeholders, sources = {}, {}
     try:
         for name in weights(file, arch):
@@ -94,6 +103,12 @@ def block_readers(file: GgufFile, arch, hf: dict, family, cfg,
         if id(tensor) in sources:
             name, hf_name = sources[id(tensor)]
             readers[qkv_name] = functools.partial(read_tensor, file, arch, hf, name, hf_name)
+            module_name = qkv_name.removesuffix(".weight")
+            module = layer_at(model, module_name) if model is not None and qkv_name.endswith(".weight") else None
+            if shippable(file.tensors[name], module, module_name):
+                readers[qkv_name] = functools.partial(read_blocks, file, arch, hf, name, hf_name)
+            if model is not None:
+                readers[qkv_name].source = name
         elif tensor.device.type != "meta":  # made by the mapping without the file (qwen2's zero biases)
             readers[qkv_name] = functools.partial(lambda t: t, tensor)
         else:
@@ -108,11 +123,95 @@ def stream_blocks(model: nn.Module, readers: dict[str, Callable[[], torch.Tensor
     for i, block in enumerate(model.blocks):
         inside = functools.partial(under, f"blocks.{i}")
         part = {name: read() for name, read in readers.items() if inside(name)}
-        assign_model_tensors(model, part, origin, within=inside)
+        layers = place_shipped(model, part)
+        assign_model_tensors(model, part, origin, within=lambda name: inside(name) and name not in layers)
         del part
-        convert(block)
-    rest = {name: read() for name, read in readers.items() if not under("blocks", name)}
-    assign_model_tensors(model, rest, origin, within=lambda name: not under("blocks", name))
+        if convert is not None:
+            convert(block)
+    def outside(name: str) -> bool:
+        return not under("blocks", name)
+
+    rest = {name: read() for name, read in readers.items() if outside(name)}
+    layers = place_shipped(model, rest)
+    assign_model_tensors(model, rest, origin, within=lambda name: outside(name) and name not in layers)
+
+
+def ship_whole(model: nn.Module, file: GgufFile, arch, hf: dict, family, cfg, path: Path) -> bool:
+    """Fill the meta `model` at once where the mapping does more than rename (Gemma's norms are 1 + w): the
+    family's mapping run on the file's tensors, those of a quantized block type as shape-only placeholders;
+    each that comes out as itself holds its blocks where it is a linear layer's weight and is read dequantized
+    elsewhere (an embedding), the rest (norms) is the mapping's. False, with nothing changed, when a
+    placeholder went into something else (gpt2's split Q/K/V): the caller then reads everything dequantized."""
+    tensors, sources = {}, {}
+    for name in weights(file, arch):
+        hf_name = hf_name_of(arch, name, hf)
+        tensor = file.tensors[name]
+        if tensor.tensor_type.name in SHIPPED_TYPES:
+            tensors[hf_name] = torch.empty(tuple(int(n) for n in reversed(tensor.shape.tolist())), device="meta")
+            sources[id(tensors[hf_name])] = (name, hf_name)
+        else:
+            tensors[hf_name] = read_tensor(file, arch, hf, name, hf_name)
+    try:
+        mapped = family.to_qkv(tensors, cfg)
+    except QkvError as exc:
+        raise QkvError(f"{path}: {exc}") from None
+    except (NotImplementedError, RuntimeError):
+        return False
+    readers = {}
+    for qkv_name, tensor in mapped.items():
+        if tensor.device.type != "meta":
+            readers[qkv_name] = functools.partial(lambda t: t, tensor)
+            continue
+        if id(tensor) not in sources:
+            return False
+        readers[qkv_name] = functools.partial(read_tensor, file, arch, hf, *sources[id(tensor)])
+        readers[qkv_name].source = sources[id(tensor)][0]
+        module_name = qkv_name.removesuffix(".weight")
+        module = layer_at(model, module_name) if qkv_name.endswith(".weight") else None
+        if shippable(file.tensors[readers[qkv_name].source], module, module_name):
+            readers[qkv_name] = functools.partial(read_blocks, file, arch, hf, *sources[id(tensor)])
+    part = {name: read() for name, read in readers.items()}
+    layers = place_shipped(model, part)
+    assign_model_tensors(model, part, str(path), within=lambda name: name not in layers)
+    ship_tied_head(model, readers)
+    return True
+
+
+def read_blocks(file: GgufFile, arch, hf: dict, name: str, hf_name: str) -> torch.Tensor | Shipped:
+    """The tensor as its blocks (blocks.read_shipped), or dequantized where its rows are not simply reordered."""
+    return read_shipped(file, arch, hf, name, hf_name) or read_tensor(file, arch, hf, name, hf_name)
+
+
+def layer_at(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def place_shipped(model: nn.Module, part: dict) -> set[str]:
+    """Each Shipped weight of `part` made the layer it belongs to (its bias taken from `part`), removed from
+    `part`; the names of the layers so made."""
+    made = set()
+    for name in [name for name, value in part.items() if isinstance(value, Shipped)]:
+        layer = name.removesuffix(".weight")
+        bias = part.pop(f"{layer}.bias", None)
+        parent, _, attribute = layer.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, part.pop(name).layer(bias))
+        made.add(layer)
+    return made
+
+
+def ship_tied_head(model: nn.Module, readers: dict) -> None:
+    """An output head tied to an embedding stored in a quantized block type (SmolLM2's and Gemma 3's Q8_0
+    tables): the head holds the blocks, the embedding its dequantized rows (looked up, not multiplied)."""
+    head, embedding = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
+    read = readers.get("tok_emb.weight")
+    if type(head) is not nn.Linear or embedding is None or head.weight is not embedding.weight or read is None:
+        return
+    blocks = read_blocks(*read.args) if read.func is read_tensor else None
+    if isinstance(blocks, Shipped) and shippable(read.args[0].tensors[read.source], head, "lm_head"):
+        model.lm_head = blocks.layer(head.bias)
 
 
 def under(prefix: str, name: str) -> bool:
