@@ -126,3 +126,27 @@ def lora_sft_loads_in_peft(run, theirs, tmp_path: Path) -> None:
     ids = torch.tensor([run.tokenizer.bos_ids + run.tokenizer.encode("Who wrote Hamlet? It was")])
     with torch.no_grad():
         torch.testing.assert_close(qkv.load(out).model(ids), adapted(ids).logits, rtol=1e-3, atol=1e-3)
+
+
+def shipped_as_dequantized(run, prompts: list[str], layers: dict[str, int]) -> None:
+    """The real file loaded as shipped (its blocks in qkv's int4 and int8g layers, `layers` of each block type
+    with the head among them) gives the logits of `run` (the same file dequantized to fp32) within 1e-4 of the
+    largest, the products in fp32 as the oracle's; prefill of each prompt."""
+    import torch
+
+    from qkv.generate import weights
+    from qkv.nn.quant import QuantLinear
+
+    shipped = weights.load(run.path)
+    found: dict[str, int] = {}
+    for module in shipped.model.modules():
+        if isinstance(module, QuantLinear):
+            module.compute_dtype = None
+            found[module.origin] = found.get(module.origin, 0) + 1
+    assert found == layers and isinstance(shipped.model.lm_head, QuantLinear)
+    weights.prepare(shipped.model)
+    for prompt in prompts:
+        ids = torch.tensor([run.tokenizer.bos_ids + run.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            got, want = shipped.model(ids), run.model(ids)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), prompt[:30]

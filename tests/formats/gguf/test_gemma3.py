@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.formats.gguf.smollm2 import (bundled_works, greedy_as_transformers, lora_sft_loads_in_peft, require_gemma3,
-                                       with_transformers)
+                                       shipped_as_dequantized, with_transformers)
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 LONG = " ".join(["Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."] * 40)
@@ -32,6 +32,11 @@ def test_logits_equal_transformers_on_five_prompts(gemma):
         diff = (ours - expected).abs().max().item()
         assert diff < 1e-4 * expected.abs().max().item(), (prompt[:30], ids.shape, diff)
     assert ids.shape[1] > run.model.blocks[0].attn.sliding  # the long prompt reaches past the window
+
+
+def test_its_mixed_blocks_run_as_shipped_with_the_dequantized_logits(gemma):
+    """Q4_K (int4), Q5_0, Q6_K and Q8_0 (int8g) layers and the Q8_0 head tied to the embedding."""
+    shipped_as_dequantized(gemma[0], PROMPTS[:2], {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10})
 
 
 def test_paris_is_third_and_the_parameters_are_the_files(gemma):

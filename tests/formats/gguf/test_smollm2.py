@@ -9,7 +9,7 @@ from qkv.formats.chat import template_for
 from qkv.generate import weights
 from qkv.generate.chat import ChatSession
 from tests.formats.gguf.smollm2 import (bundled_works, greedy_as_transformers, lora_sft_loads_in_peft, require_smollm2,
-                                       with_transformers)
+                                       shipped_as_dequantized, with_transformers)
 from tests.formats.gguf.test_tokenizer import HOSTILE
 
 PROMPTS = ["The capital of France is", "To be, or not to be,", "def fibonacci(n):", "1, 2, 3, 5, 8,",
@@ -28,6 +28,10 @@ def test_logits_equal_transformers_on_five_prompts(smol):
         with torch.no_grad():
             diff = (run.model(ids) - theirs(ids).logits).abs().max().item()
         assert diff < 1e-4, (prompt, diff)
+
+
+def test_its_q4_1_blocks_run_as_shipped_with_the_dequantized_logits(smol):
+    shipped_as_dequantized(smol[0], PROMPTS[:2], {"Q4_1": 210, "Q8_0": 1})  # (the head: the Q8_0 embedding)
 
 
 def test_calc_counts_the_real_parameters(smol):
