@@ -56,13 +56,15 @@ import torch.nn.functional as F
 import qkv
 from qkv import hardware
 from qkv.data.corpus import bundled_documents
-from qkv.generate import compiled, generate
+from qkv.generate import compiled, generate, weights
 from qkv.generate.weights import prepare, set_kv_dtype, weight_bytes
 
 MIB = 2 ** 20
 PAIRS = {"fp32": ("fp32", "none", "f32"), "bf16": ("bf16", "none", "bf16"), "int8": ("fp32", "int8", "q8_0"),
-         "int4": ("fp32", "int4", None)}  # precision -> qkv dtype, qkv quant, the GGUF type llama.cpp runs
-LLAMA_NAMES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+         "int4": ("fp32", "int4", None), "shipped": ("fp32", None, None)}
+# precision -> qkv dtype, qkv quant (None: the file's blocks as shipped, qkv's default), the GGUF type llama.cpp runs
+# (None: the file itself)
+LLAMA_NAMES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "shipped": "as shipped"}
 SHORT = "The capital of France is"
 
 
@@ -92,7 +94,7 @@ def _timed(fn) -> float:
 
 # ------------------------------------------------------------------------------------------------ qkv
 class QkvEngine:
-    def __init__(self, model, tokenizer, dtype: str, quant: str, kv: str | None = None):
+    def __init__(self, model, tokenizer, dtype: str, quant: str | None, kv: str | None = None):
         self.model = copy.deepcopy(model)
         self.description = prepare(self.model, dtype=dtype, quant=quant)
         set_kv_dtype(self.model, kv)
@@ -268,11 +270,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="qkv-real-decode-"))
     run = qkv.load(args.smollm2)
+    shipped = weights.load(args.smollm2).model if "shipped" in args.precisions else None  # (qkv's default)
     tokenizer = run.tokenizer
     text = hamlet()
-    long_ids = [tokenizer.eos_id] + tokenizer.encode(text[:2400])[:500]
-    short_ids = [tokenizer.eos_id] + tokenizer.encode(SHORT)
-    quality_ids = [tokenizer.eos_id] + tokenizer.encode(text[:40_000])
+    long_ids = [tokenizer.start_id] + tokenizer.encode(text[:2400])[:500]
+    short_ids = [tokenizer.start_id] + tokenizer.encode(SHORT)
+    quality_ids = [tokenizer.start_id] + tokenizer.encode(text[:40_000])
     quality_ids = quality_ids[:args.quality_positions + 1]
     bytes_per_token = len(tokenizer.decode(quality_ids[1:]).encode()) / max(len(quality_ids) - 1, 1)
 
@@ -281,9 +284,10 @@ def main() -> None:
         dtype, quant, gguf_type = PAIRS[precision]
         if precision == "bf16" and not hardware.native_bf16_cpu():
             print("note: this CPU has no native bf16; the bf16 rows are emulated")
-        engines[f"qkv {precision}"] = QkvEngine(run.model, tokenizer, dtype, quant, args.kv_dtype)
+        model = shipped if quant is None else run.model
+        engines[f"qkv {precision}"] = QkvEngine(model, tokenizer, dtype, quant, args.kv_dtype)
         if args.compile:  # the first step compiles (or finds inductor's cache): timed apart
-            fast = QkvEngine(run.model, tokenizer, dtype, quant, args.kv_dtype)
+            fast = QkvEngine(model, tokenizer, dtype, quant, args.kv_dtype)
             compiled.enable(fast.model)
             fast.compile_seconds = _timed(lambda: fast.run(short_ids, 3))
             print(f"qkv {precision} compiled: first start {fast.compile_seconds:.1f} s", flush=True)
@@ -327,7 +331,7 @@ def main() -> None:
             if name.startswith("transformers") or name.endswith("compiled"):  # (compiled: the same full forward)
                 continue
             if name.startswith("llama.cpp"):
-                if "Q4_1" not in name:
+                if not ("Q4_1" in name or "shipped" in name):
                     continue
                 engine = LlamaEngine(args.smollm2, args.threads, logits_all=True)
             results["engines"].setdefault(name, {})["quality"] = quality(reference, engine, quality_ids,

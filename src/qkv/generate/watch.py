@@ -61,7 +61,8 @@ def step_operands(model: nn.Module, make: bool = False):
 
     def operands(layer: QuantLinear) -> tuple[Tensor, ...]:
         chosen = (layer.compute_dtype if cpu else None) or dtype
-        return layer.kernel_operands(chosen) if make else layer.kernel_cache().get(chosen, ())
+        found = layer.kernel_operands(chosen) if make else layer.kernel_cache().get(chosen, ())
+        return tuple(tensor for tensor in found if tensor is not None)  # (int8g without minima)
 
     return operands
 

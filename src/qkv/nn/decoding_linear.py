@@ -132,16 +132,15 @@ def summed_product(x: Tensor, w: Tensor, b: Tensor | None = None, scale: Tensor 
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (a row-major copy where rows > 1)
 
 
-def summed_grouped_product(x: Tensor, codes: Tensor, scale: Tensor, low: Tensor | None) -> Tensor:
+def summed_grouped_product(x: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
     """y_i = sum_g s_ig sum_{j in g} q_ij x_j + sum_g m_ig sum_{j in g} x_j for one row x (..., in): codes
-    q (out, in) int8 by groups of in / G, s and m (out, G) fp32 (qkv.nn.quant's int8g); summed in fp32 as
-    summed_product, the codes converted inside inductor's loop, y in x's dtype."""
-    n, k = codes.shape
-    groups = scale.shape[1]
-    flat = stored(x.reshape(1, k).float()).view(1, groups, k // groups)
-    y = ((codes.float().view(n, groups, k // groups) * flat).sum(-1) * scale).sum(-1)  # (out,)
+    q (G, out, g) int8 group by group, s^T (G, out) and m (out, G) fp32 (qkv.nn.quant's int8g); summed in fp32
+    as summed_product, the codes converted inside inductor's loop, y in x's dtype."""
+    groups, n, g = codes.shape
+    flat = stored(x.reshape(1, groups * g).float()).view(groups, 1, g)
+    y = ((codes.float() * flat).sum(-1) * scale_t).sum(0)  # (out,)
     if low is not None:
-        y = y + (low * flat.sum(-1)).sum(-1)
+        y = y + (low * flat.view(1, groups, g).sum(-1)).sum(-1)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

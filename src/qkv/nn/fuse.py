@@ -70,14 +70,15 @@ def fuse_linear(layers: list[nn.Linear]) -> nn.Module | None:
 def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
     first = layers[0]
     bias = None if first.bias is None else torch.cat([l.bias for l in layers])
+    rows_at = 1 if first.kind == "int8g" else 0  # (int8g's codes are (G, out, g))
     one = QuantLinear(first.kind, first.in_features, sum(l.out_features for l in layers),
-                      torch.cat([l.codes for l in layers]), torch.cat([l.scale for l in layers]),
+                      torch.cat([l.codes for l in layers], rows_at), torch.cat([l.scale for l in layers]),
                       None if first.low is None else torch.cat([l.low for l in layers]), bias)
     one.compute_dtype = first.compute_dtype
     start = 0
     for layer in layers:
         rows = slice(start, start + layer.out_features)
-        layer.codes, layer.scale = one.codes[rows], one.scale[rows]
+        layer.codes, layer.scale = one.codes[(slice(None),) * rows_at + (rows,)], one.scale[rows]
         if layer.low is not None:
             layer.low = one.low[rows]
         layer._state_changed()

@@ -16,8 +16,10 @@ from float weights here:
 
     int8g (per row i, group g of 32 or 16 inputs):  W_ij = s_ig q_ij + m_ig,   q_ij int8 as the file has it
 
-its products dequantize W to the rows' dtype (prefill), or, one row of a compiled step, sum the codes converted
-inside inductor's loop (qkv.nn.decoding_linear.summed_grouped_product).
+held group by group, codes (G, out, g): a decode step's bf16 rows take each group's product by torch's int8
+kernel and weigh it by its fp32 scales (grouped_product); a long prompt's rows, and fp32 ones, W dequantized to
+their dtype; one row of a compiled step sums the codes converted inside inductor's loop
+(qkv.nn.decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
 weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
 products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
@@ -35,6 +37,7 @@ from qkv import hardware
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
                                     summed_product, summed_rows)
+from qkv.nn.grouped import dequantize_grouped, grouped_product
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -71,16 +74,6 @@ def dequantize_int4(codes: Tensor, scale: Tensor, low: Tensor) -> Tensor:
     groups = scale.shape[1]
     w = codes.float().reshape(n, groups, k // groups) * scale[..., None] + low[..., None]
     return w.reshape(n, k)
-
-
-def dequantize_grouped(codes: Tensor, scale: Tensor, low: Tensor | None, dtype: torch.dtype = torch.float32) -> Tensor:
-    """int8g (and int4's unpacked codes): W = s q + m by groups, in `dtype`."""
-    n, k = codes.shape
-    groups = scale.shape[1]
-    w = codes.to(dtype).view(n, groups, k // groups) * scale.to(dtype)[..., None]
-    if low is not None:
-        w = w + low.to(dtype)[..., None]
-    return w.view(n, k)
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -159,6 +152,8 @@ class QuantLinear(nn.Module):
             kind, codes = "int8g", codes.to(torch.int8)
         if kind == "int4":
             codes = pack_nibbles(codes)
+        else:  # (G, N, g): each group's codes one contiguous (N, g) matrix, as torch's int8 kernel takes them
+            codes = codes.reshape(n, scale.shape[1], -1).transpose(0, 1).contiguous()
         return cls(kind, k, n, codes, scale.float(), None if low is None else low.float(), bias)
 
     @torch.no_grad()
@@ -183,7 +178,7 @@ class QuantLinear(nn.Module):
         if self.kind == "int8":
             return dequantize_int8(self.codes, self.scale)
         if self.kind == "int8g":
-            return dequantize_grouped(self.codes, self.scale, self.low)
+            return dequantize_grouped(self.codes.transpose(0, 1).reshape(self.out_features, -1), self.scale, self.low)
         return dequantize_int4(unpack_nibbles(self.codes), self.scale, self.low)
 
     def _state_changed(self) -> None:
@@ -204,8 +199,8 @@ class QuantLinear(nn.Module):
         if found is None:
             if self.kind == "int8":
                 found = (self.codes, self.scale.to(dtype))
-            elif self.kind == "int8g":
-                found = (self.codes, self.scale, self.low)  # (fp32: summed in fp32, or W made in the rows' dtype)
+            elif self.kind == "int8g":  # the scales fp32 (G, N): the products weighed in fp32
+                found = (self.codes, self.scale.t().contiguous(), self.low, torch.ones(self.out_features, dtype=dtype))
             else:
                 codes = unpack_nibbles(self.codes).to(torch.int32)
                 packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # the kernel's own blocked layout
@@ -238,10 +233,12 @@ class QuantLinear(nn.Module):
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8g":
-            codes, scale, low = operands
+            codes, scale_t, low, ones = operands
             if summed_rows(flat):  # a compiled step's one row: the codes converted inside the sums
-                return summed_grouped_product(flat, codes, scale, low)
-            return torch.nn.functional.linear(flat, dequantize_grouped(codes, scale, low, flat.dtype))
+                return summed_grouped_product(flat, codes, scale_t, low)
+            if dense or flat.dtype != torch.bfloat16:
+                return torch.nn.functional.linear(flat, self.weight.to(flat.dtype))
+            return grouped_product(flat, codes, scale_t, low, ones)
         if self.kind == "int8":
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)

@@ -113,4 +113,27 @@ def test_a_compiled_rows_sum_of_grouped_codes_is_the_dequantized_product(monkeyp
         with torch.no_grad(), summing(True):
             got = step(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert traced == [(48, 256)] * 2  # each compiled layer took the summed form
+    assert traced == [(8, 48, 32), (16, 48, 16)]  # each compiled layer took the summed form
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_decode_steps_bf16_rows_take_each_groups_product_within_its_rounding(type_name, rows):
+    """int8g with bf16 rows (a CPU with native bf16): each group's sum by torch's int8 kernel, rounded once to
+    bf16, weighed in fp32 (qkv.nn.grouped.grouped_product); against the float64 product of the same codes, within
+    one bf16 rounding of each group's sum; a tall matrix too (its groups accumulated one by one)."""
+    for n in (48, 16384):
+        w = np.random.default_rng(3).standard_normal((n, 256)).astype(np.float32)
+        codes, scale, low = blocks.decode(blocks_of(w, type_name), type_name)
+        layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale),
+                                       None if low is None else torch.from_numpy(low), None)
+        layer.compute_dtype = torch.bfloat16
+        x = torch.randn(1, rows, 256).to(torch.bfloat16)
+        with torch.no_grad():
+            got = layer(x.float()).double()
+        q = torch.from_numpy(codes).double().view(n, scale.shape[1], -1)
+        xs = x.double().view(rows, 1, q.shape[1], q.shape[2])
+        group_sums = (q * xs).sum(-1) * torch.from_numpy(scale).double()  # (rows, n, G)
+        want = group_sums.sum(-1) + (0 if low is None else xs[:, 0].sum(-1) @ torch.from_numpy(low).double().t())
+        bound = 2 ** -8 * group_sums.abs().sum(-1) + 2 ** -8 * want.abs()  # (the output's own bf16 rounding)
+        assert ((got[0] - want).abs() <= bound + 1e-6).all(), ((got[0] - want).abs() - bound).max()
