@@ -10,8 +10,9 @@ and explain; and `--kv-dtype fp32|bf16|fp16` (the decoder's KV cache, set_kv_dty
                  with either quant the output head stays above 4 bits: bf16 where the CPU has it natively,
                  else int8 (qkv.nn.quant.head_kind), and the products are bf16 where native
 
-A GGUF file's Q4_1 weights requantize to themselves (qkv.nn.quant): `--quant int4` on such a file runs the
-file's own weights. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
+Without --quant (None) a GGUF file's quantized blocks run as shipped (qkv.formats.gguf.blocks: its 4-bit types
+as int4 layers, the 5- to 8-bit ones as int8g), the products in bf16 where native; `--quant none` dequantizes
+them to --dtype, `--quant int8 | int4` requantizes that. bf16 is for CPUs that multiply it natively (qkv.hardware); elsewhere it is emulated,
 slower than fp32, and said so. With avx512_bf16 but no AMX, bf16 weights decode slower than fp32 (torch's
 one-row bf16 products are no faster there) unless the compiled step's sums take them (the default of generate,
 chat and serve; not with --no-compile), and that is said too.

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from qkv import hardware
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
-                                    summed_product, summed_rows)
+                                    summed_product, summed_rows, traced_here)
 from qkv.nn.grouped import dequantize_grouped, grouped_product
 from qkv.nn.swap import swap
 
@@ -234,8 +234,10 @@ class QuantLinear(nn.Module):
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8g":
             codes, scale_t, low, ones = operands
-            if summed_rows(flat):  # a compiled step's one row: the codes converted inside the sums
-                return summed_grouped_product(flat, codes, scale_t, low)
+            if traced_here():  # a compiled step's one row: the codes converted inside the sums; more rows: W
+                if flat.shape[0] == 1:  # dequantized in one kernel (not grouped_product's loop, traced)
+                    return summed_grouped_product(flat, codes, scale_t, low)
+                dense = True
             if dense or flat.dtype != torch.bfloat16:
                 return torch.nn.functional.linear(flat, self.weight.to(flat.dtype))
             return grouped_product(flat, codes, scale_t, low, ones)

@@ -113,7 +113,12 @@ def test_a_compiled_rows_sum_of_grouped_codes_is_the_dequantized_product(monkeyp
         with torch.no_grad(), summing(True):
             got = step(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert traced == [(8, 48, 32), (16, 48, 16)]  # each compiled layer took the summed form
+        rows = torch.randn(1, 3, 256)  # a short prompt's rows in a compiled graph: W dequantized in one kernel
+        with torch.no_grad(), summing(True):
+            got = step(rows)
+        want = rows @ torch.from_numpy(blocks.dequantize(codes, scale, low)).t() + layer.bias
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert traced == [(8, 48, 32), (16, 48, 16)]  # each compiled layer's one row took the summed form
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K", "Q6_K"])

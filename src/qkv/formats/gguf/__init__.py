@@ -6,9 +6,10 @@
 
 Reading: the file is checked and parsed by `reader` (the `gguf` package's memory map); each architecture
 (`archs.GGUF_ARCHS`) turns its metadata and tensors into the Hugging Face checkpoint llama.cpp converted them
-from (llama.cpp's Q/K row permutation undone), which the HF family's own rules map to qkv; every tensor type
-the `gguf` package knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, ...) is dequantized by it to
-float32. The tokenizer comes from `tokenizer.ggml.*` (`tokenizer`), the chat template from
+from (llama.cpp's Q/K row permutation undone), which the HF family's own rules map to qkv. With `shipped` (the
+default of generate, chat, serve and eval) a linear layer stored in a quantized block type keeps its blocks
+(`blocks`: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); every other tensor of a type the `gguf` package
+knows (F32, F16, BF16, Q2_K, Q3_K, IQ*, ...) is dequantized by it to float32. The tokenizer comes from `tokenizer.ggml.*` (`tokenizer`), the chat template from
 `tokenizer.chat_template`, the ids that end a turn from the EOS (and end-of-turn) token ids.
 """
 from __future__ import annotations
