@@ -213,7 +213,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         flat = x.reshape(-1, self.in_features)
         compute = (self.compute_dtype if x.device.type == "cpu" else None) or x.dtype  # (CPU kernels' choice)
-        flat = flat.to(compute) if flat.dtype != compute else flat.contiguous()
+        flat = (flat.to(compute) if flat.dtype != compute else flat).contiguous()  # (to() keeps a view's strides)
         dense = int8_dense(x, flat.dtype)
         y = (QuantProduct.apply(flat, self, dense) if flat.requires_grad and torch.is_grad_enabled()
              else self.product(flat, dense))

@@ -142,3 +142,16 @@ def test_a_decode_steps_bf16_rows_take_each_groups_product_within_its_rounding(t
         want = group_sums.sum(-1) + (0 if low is None else xs[:, 0].sum(-1) @ torch.from_numpy(low).double().t())
         bound = 2 ** -8 * group_sums.abs().sum(-1) + 2 ** -8 * want.abs()  # (the output's own bf16 rounding)
         assert ((got[0] - want).abs() <= bound + 1e-6).all(), ((got[0] - want).abs() - bound).max()
+
+
+def test_a_strided_input_converted_to_bf16_reaches_the_int4_kernel_contiguous():
+    """A view's rows (Gemma 3's FFN output after the fused gate/up) converted to the bf16 the kernel takes keep
+    the view's strides unless made contiguous: torch's int4 kernel refuses them."""
+    w = np.random.default_rng(5).standard_normal((32, 256)).astype(np.float32)
+    codes, scale, low = blocks.decode(blocks_of(w, "Q4_K"), "Q4_K")
+    layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None,
+                                   kind="int4")
+    layer.compute_dtype = torch.bfloat16
+    x = torch.randn(256, 5).t()[None]  # (1, 5, 256), not contiguous
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer(x.contiguous()))
