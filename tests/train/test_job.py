@@ -79,3 +79,16 @@ def test_a_resume_may_change_the_limits_and_layout_only(tmp_path):
         job.resume_config(out, None, None, ["train.lr=0.9"])
     assert RunConfig.load(out / CONFIG_FILE) == saved  # a refused resume changes nothing
     assert job.differences(saved, saved.override(["train.lr=0.9", "model.d_ff=80"])) == ["model.d_ff", "train.lr"]
+
+
+def test_only_rank_zero_refuses_a_filled_run_dir(tmp_path, monkeypatch):
+    """Under torchrun rank 0 writes a new run's config while another rank may still be starting (FSDP2's
+    setup has no collective to wait at): that rank must not take the new run for an existing one."""
+    out = tmp_path / "run"
+    out.mkdir()
+    RunConfig().save(out / CONFIG_FILE)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(QkvError, match="already exists"):
+        job.refuse_existing(out)
+    monkeypatch.setenv("RANK", "1")
+    job.refuse_existing(out)  # rank 0 has already decided

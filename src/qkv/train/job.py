@@ -108,6 +108,10 @@ def claim(out: Path, *, resume: bool):
 
 
 def refuse_existing(out: Path) -> None:
+    """QkvError when `out` holds a run; asked by rank 0 alone: under torchrun rank 0 may already have written
+    the new run's config while another rank is still starting, which must not read that as someone else's run."""
+    if parallel.env_rank() != 0:
+        return
     if out.is_dir() and not files.is_empty_run_dir(out):
         raise QkvError(f"{out} already exists; pass --resume to continue it or choose another --out")
 
