@@ -174,7 +174,7 @@ def main() -> None:
     x = torch.randn(args.rows, FF)
     results = {}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
-          f"{hardware.cpu_vendor()}, native bf16: {hardware.native_bf16_cpu()}, {args.threads} threads, {args.rows} "
+          f"{hardware.cpu_model()}, native bf16: {hardware.native_bf16_cpu()}, {args.threads} threads, {args.rows} "
           f"row(s), "
           f"torch {torch.__version__}")
     with torch.inference_mode():

@@ -65,10 +65,11 @@ def test_a_run_says_what_auto_chose_and_saves_it(capsys, tmp_path, monkeypatch, 
     assert code == 0 and "train.precision=auto" not in err
 
 
-def test_the_cpu_vendor_is_read_from_cpuinfo():
+def test_the_cpu_model_is_read_from_cpuinfo():
     from qkv import hardware
 
-    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: fpu avx2\n"
-    assert hardware.cpu_vendor_from(intel) == "GenuineIntel"
-    assert hardware.cpu_vendor_from(intel.replace("GenuineIntel", "AuthenticAMD")) == "AuthenticAMD"
-    assert hardware.cpu_vendor_from("processor : 0\nFeatures : fp asimd bf16\n") is None  # Arm says no vendor_id
+    intel = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
+             "flags\t\t: fpu avx2\n")
+    assert hardware.cpu_model_from(intel) == "Intel(R) Xeon(R) Platinum 8488C"
+    assert hardware.cpu_model_from("processor\t: 0\nmodel name\t: AMD EPYC\n") == "AMD EPYC"
+    assert hardware.cpu_model_from("processor : 0\nFeatures : fp asimd bf16\n") is None  # Arm's names no model

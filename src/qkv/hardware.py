@@ -53,20 +53,20 @@ def native_bf16_cpu() -> str | None:
     return None
 
 
-def cpu_vendor_from(cpuinfo: str) -> str | None:
-    """/proc/cpuinfo's vendor_id of the first processor (x86: "GenuineIntel", "AuthenticAMD"), or None."""
+def cpu_model_from(cpuinfo: str) -> str | None:
+    """/proc/cpuinfo's "model name" of the first processor, or None."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip().lower() == "vendor_id":
+        if key.strip().lower() == "model name":
             return value.strip() or None
     return None
 
 
 @functools.cache
-def cpu_vendor() -> str | None:
-    """This machine's CPU vendor (cpu_vendor_from), or None where /proc/cpuinfo does not say."""
+def cpu_model() -> str | None:
+    """This machine's CPU model (cpu_model_from), or None where /proc/cpuinfo does not say."""
     try:
-        return cpu_vendor_from(Path("/proc/cpuinfo").read_text(errors="replace"))
+        return cpu_model_from(Path("/proc/cpuinfo").read_text(errors="replace"))
     except OSError:
         return None
 

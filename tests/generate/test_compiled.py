@@ -44,7 +44,7 @@ def tiny(quant: str = "none", dtype: str = "fp32", **overrides) -> torch.nn.Modu
 
 
 # name: (quant, dtype, family, one row's products as summed_product's sums or torch's kernels): both forms on
-# every machine, whichever this CPU would choose (qkv.nn.decoding_linear.summed_form_faster)
+# every machine, whichever this CPU would choose (qkv.nn.forms, by dtype)
 MODELS = {"llama-int4": ("int4", "fp32", LLAMA, False), "gpt": ("none", "fp32", GPT, True),
           "llama-int8": ("int8", "fp32", LLAMA, True), "llama-bf16": ("none", "bf16", LLAMA, True),
           "gemma": ("none", "fp32", GEMMA, False)}  # (torch's kernels: its batch graph compiles in 46 s, not 61)

@@ -300,7 +300,7 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
     from qkv.nn import decoding_linear
     from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 
-    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: True)  # fp32 on an AMD CPU
+    monkeypatch.setattr(decoding_linear, "left_form_faster", lambda dtype: True)  # where W x^T is measured the faster
     model = tiny_model()
     layers = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     keys = list(model.state_dict())
@@ -326,7 +326,7 @@ def test_decoding_linears_swap_shares_parameters_and_put_back(monkeypatch):
 
 
 def test_where_nn_linear_is_the_faster_form_no_layer_takes_the_other(monkeypatch):
-    """Where nn.Linear's x W^T is the faster decode form (fp32 on Intel with MKL, bf16 on AMD), the swapped-in
+    """Where nn.Linear's x W^T is the faster decode form (qkv.nn.forms measures it per machine), the swapped-in
     layers (and the fused projections) multiply as nn.Linear does, never as W x^T; where W x^T is the faster,
     they take it; generation is the same greedy text either way."""
     from qkv.nn import decoding_linear, fuse

@@ -42,23 +42,6 @@ def test_the_bf16_head_equals_its_bf16_product_in_either_form(monkeypatch, left,
     assert (out.double() - exact).abs().max() < 0.05  # the true product of the bf16 operands, either form
 
 
-@pytest.mark.parametrize("vendor, mkl, fp32_left, bf16_left", [
-    ("GenuineIntel", True, False, True),  # MKL's one-row x W^T is the fast fp32 form there; oneDNN's bf16 is not
-    ("AuthenticAMD", True, True, False),  # the measured AMD machines: the reverse
-    ("GenuineIntel", False, True, True),  # no MKL: fp32 keeps the form measured first
-    (None, False, True, False),  # a CPU that does not say (Arm)
-])
-def test_the_decode_form_follows_the_cpu_and_the_dtype(monkeypatch, vendor, mkl, fp32_left, bf16_left):
-    from qkv import hardware
-    from qkv.nn import decoding_linear
-
-    monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
-    choose = decoding_linear.left_form_faster.__wrapped__  # the rule itself, not this machine's cached answer
-    assert choose(torch.float32) is fp32_left and choose(torch.bfloat16) is bf16_left
-    assert choose(torch.float16) is False and choose(torch.float64) is False
-
-
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                     reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
 
@@ -116,6 +99,7 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
               quant.Bf16Linear(linear.weight, linear.bias), quant.QuantLinear.from_linear(linear, "int4")]
     for rows, on, compiling, expected in [(1, True, True, [torch.float32, torch.int8, torch.bfloat16]),
                                           (1, True, False, []), (1, False, True, []),
+                                          (1, frozenset({torch.int8}), True, [torch.int8]),  # by dtype (forms)
                                           (2, True, True, [torch.float32]), (17, True, True, [])]:
         calls.clear()
         for layer in layers:

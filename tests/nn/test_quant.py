@@ -138,12 +138,23 @@ def test_on_a_gpu_the_layer_dequantizes_for_the_product_and_trains_through_it(ki
     torch.testing.assert_close(xg.grad.cpu(), (2 * want) @ cpu.weight, rtol=1e-4, atol=1e-3)
 
 
-def test_products_are_bf16_exactly_where_the_cpu_has_it(monkeypatch):
-    from qkv import hardware
+def test_products_are_bf16_where_the_machine_measured_bf16_rows_faster(monkeypatch):
+    """The rows' precision follows qkv.nn.forms' kept choice (quant_rows_bf16), not the CPU's flags."""
+    from qkv.nn import forms
 
-    for flag, expected in (("avx512_bf16", torch.bfloat16), (None, None)):
-        monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: flag)
+    for faster, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(forms, "choice", lambda name, measure=None: faster if name == "quant_rows_bf16" else None)
         assert QuantLinear.from_linear(_linear(torch.randn(8, 64)), "int8").compute_dtype == expected
+
+
+def test_the_rows_measurement_times_both_precisions_of_the_same_products():
+    """forms.measure_rows: int8 and int4 layers with bf16 and fp32 rows (checked equal to bf16's rounding before
+    they are timed), the faster chosen."""
+    from qkv.nn import forms
+
+    result = forms.measure_rows(QuantLinear.from_linear, megabytes=1)
+    assert result["bf16_rows_ms"] > 0 and result["fp32_rows_ms"] > 0
+    assert result["choice"] is (result["bf16_rows_ms"] < result["fp32_rows_ms"])
 
 
 def test_the_state_dict_round_trips_and_rebuilds_the_kernels_copy():
@@ -301,12 +312,12 @@ def test_bad_precisions_are_refused_and_emulated_bf16_is_warned(monkeypatch):
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "avx512_bf16")
     assert weights.check("bf16", "int4", torch.device("cpu")) == []
     # bf16 weights without AMX: one-row products no faster than fp32 (measured), so decoding is slower, unless
-    # the compiled step's sums take them (not on Intel: there it keeps torch's kernels)
+    # the compiled step's sums take them (where this machine measured them the faster: qkv.nn.forms)
     assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"))[0]
-    monkeypatch.setattr(weights, "summed_form_faster", lambda: True)
+    monkeypatch.setattr(weights, "summed_form_known", lambda dtype: True)
     assert weights.check("bf16", "none", torch.device("cpu"), compiled=True) == []
     assert "the compiled step (without --no-compile) is faster" in weights.check("bf16", "none", torch.device("cpu"))[0]
-    monkeypatch.setattr(weights, "summed_form_faster", lambda: False)
+    monkeypatch.setattr(weights, "summed_form_known", lambda dtype: False)
     assert "no AMX" in weights.check("bf16", "none", torch.device("cpu"), compiled=True)[0]
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "amx_bf16")
     assert weights.check("bf16", "none", torch.device("cpu")) == []

@@ -178,7 +178,7 @@ def tensors_held(model: nn.Module):
 
 def enable_in_background(model: nn.Module, threads: int | None = None, rows: tuple[int, ...] = (1,),
                          prompt: bool = True, announce=None, automatic: bool = True,
-                         summed: bool | None = None) -> CompiledStep:
+                         summed: bool | frozenset | None = None) -> CompiledStep:
     """Decode `model` eagerly now and with a compiled step once a Background has built it (the graphs for
     `rows` and, with `prompt`, a short prompt's): it takes over by itself (`automatic`) or at take_over()
     (a chat, between turns). ValueError where the step does not apply."""

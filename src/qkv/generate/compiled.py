@@ -6,9 +6,9 @@ residuals, the cache writes) and the Python that calls them. The math is the mod
 one new token per row, its K/V appended to the cache, attention over the cache); here it is written once more
 as one function of the step's inputs that TorchDynamo can trace whole, and inductor turns into a few fused C++
 kernels around torch's own product kernels, called from generated C++ (cpp_wrapper), so the step has no
-per-layer Python left. On a CPU where torch's kernels read one row's weights slowly (summed_form_faster: not
-Intel's) the products of one row are written as sums inductor generates too (qkv.nn.decoding_linear.
-summed_product: fp32, bf16, int8 weights and the bf16 head; int4 keeps torch's kernel):
+per-layer Python left. Where torch's kernels read one row's weights more slowly than sums inductor generates
+(measured once per machine and dtype: qkv.nn.forms) the products of one row are written as such sums too
+(qkv.nn.decoding_linear.summed_product: fp32, bf16, int8 weights and the bf16 head; int4 keeps torch's kernel):
 
     x = E[token] (+ P)                                    (model.embed, the model's own)
     per layer:  q, k, v = norm(x) [W^Q; W^K; W^V]^T         (fused, as qkv.nn.fuse)
@@ -54,7 +54,7 @@ from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache, RingLayerCache
 from qkv.nn.mla import LatentAttention
 from qkv.nn.moe import MoE
-from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_form_faster, summing
+from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_dtypes, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
 from qkv.nn.residual import pre_norm, sandwich_norm
@@ -134,7 +134,7 @@ class CompiledStep:
     """`step(tokens (B,), cache)` -> (B, V) logits for the next tokens, the cache advanced by one column, as
     model(tokens[:, None], cache=cache)[:, -1] gives them; `usable(cache)` says whether it applies."""
 
-    def __init__(self, model: nn.Module, summed: bool | None = None, owner: nn.Module | None = None,
+    def __init__(self, model: nn.Module, summed: bool | frozenset | None = None, owner: nn.Module | None = None,
                  build: bool = True):
         """`owner`: the model the step decodes for where `model` is its twin (Background: the graphs traced on a
         module tree of their own, sharing the owner's tensors); usable() watches the owner. `build`: False for
@@ -164,7 +164,7 @@ class CompiledStep:
         # reach it: Learned.embed's check is a data-dependent branch a compiled graph leaves out)
         self.positions = model.positional.weight.shape[0] if isinstance(model.positional, Learned) else sys.maxsize
         # one row's products as sums inductor generates (qkv.nn.decoding_linear.summed_product) or torch's kernels
-        self.summed = summed_form_faster() if summed is None else summed
+        self.summed = summed_dtypes() if summed is None else summed
         # emulate_precision_casts: a bf16 value rounded as the general step rounds it, not kept in fp32 across a
         # fusion, so that the step stays the general step's (to fp32's order of sums).
         # guard_filter_fn: the graph's guards on the model's modules and weights (some 400 tensors' dtypes,
@@ -373,9 +373,10 @@ def compiled_step(model: nn.Module) -> CompiledStep | None:
     return model.__dict__.get("_qkv_compiled_step")
 
 
-def enable(model: nn.Module, summed: bool | None = None) -> CompiledStep:
+def enable(model: nn.Module, summed: bool | frozenset | None = None) -> CompiledStep:
     """Decode `model` with a compiled step from now on (generate, chat); ValueError where it does not apply.
-    `summed`: one row's products as summed_product's sums (True) or torch's kernels; None: this CPU's faster."""
+    `summed`: one row's products as summed_product's sums (True, or the weight dtypes that do) or torch's
+    kernels (False); None: this CPU's faster, by dtype."""
     step = CompiledStep(model, summed)
     object.__setattr__(model, "_qkv_compiled_step", step)  # a plain attribute: not a submodule, not saved
     return step

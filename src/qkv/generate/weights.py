@@ -33,7 +33,7 @@ from qkv import hardware
 from qkv.errors import QkvError
 from qkv.formats import Run
 from qkv.formats import load as load_any
-from qkv.nn.decoding_linear import summed_form_faster
+from qkv.nn.decoding_linear import summed_form_known
 from qkv.nn.fuse import fuse_projections
 from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantizable,
                           quantization_of, quantize_model)
@@ -56,7 +56,7 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
         warnings.append("qkv: warning: --dtype bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or Arm "
                         "bf16): torch emulates it, slower than fp32")
     elif (dtype == "bf16" and quant in (None, "none") and device.type == "cpu" and hardware.native_bf16_cpu() == "avx512_bf16"
-          and not (compiled and summed_form_faster())):
+          and not (compiled and summed_form_known(torch.bfloat16))):
         # native_bf16_cpu names amx_bf16 first when a CPU has both, so "avx512_bf16" means x86 without AMX.
         # There torch's bf16 product for one row makes as many multiply-adds a second as fp32's (SmolLM2's
         # decode matrices 25-30 GB/s against 49-60; decode 29.6 against 38.5 tok/s, 2-core AMD EPYC,
@@ -65,7 +65,7 @@ def check(dtype: str, quant: str, device: torch.device, compiled: bool = False) 
         warnings.append("qkv: warning: --dtype bf16 on a CPU with avx512_bf16 but no AMX: torch's bf16 products for "
                         "one row run no faster than fp32's here, so decoding is slower than with --dtype fp32 "
                         "(prefill is faster)" + ("; the compiled step (without --no-compile) is faster" if
-                                                   summed_form_faster() else ""))
+                                                   summed_form_known(torch.bfloat16) else ""))
     return warnings
 
 

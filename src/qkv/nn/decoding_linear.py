@@ -4,7 +4,6 @@ step (qkv.nn.swap), and one row's product as a sum inductor writes (summed_produ
 layers take inside summing(True) (qkv.generate.compiled)."""
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import weakref
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv import hardware
+from qkv.nn import forms
 from qkv.nn.fastpath import has_hooks
 from qkv.nn.swap import swapped
 
@@ -81,12 +80,14 @@ SUMMED_ROWS = 16
 
 
 @contextmanager
-def summing(on: bool):
-    """Products of one row traced by torch.compile take summed_product's form for the duration (`on`), or
-    torch's kernels (qkv.generate.compiled's step: on where summed_form_faster)."""
+def summing(on: bool | frozenset):
+    """Products of one row traced by torch.compile take summed_product's form for the duration where their
+    weights' dtype is in `on` (True: every dtype, False: none), torch's kernels elsewhere (qkv.generate.compiled's
+    step: on for summed_dtypes())."""
+    on = frozenset(SUMMED_DTYPES if on is True else () if on is False else on)
     if on:
         inductor_prims()
-    before, _summing.on = getattr(_summing, "on", False), on
+    before, _summing.on = getattr(_summing, "on", frozenset()), on
     inside, _summing.inside = getattr(_summing, "inside", False), True
     try:
         yield
@@ -103,9 +104,10 @@ def traced_here() -> bool:
 
 def summed_rows(x: Tensor, w: Tensor | None = None) -> bool:
     """Whether `x` (..., in) is one row of a decoding step that torch.compile is tracing on the CPU inside
-    summing(True), or up to SUMMED_ROWS rows of a short prompt by fp32 weights `w`: the products that take
-    summed_product's form."""
-    if not (getattr(_summing, "on", False) and torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()):
+    summing() with the dtype of its weights `w` (or of `x` itself: attention) on, or up to SUMMED_ROWS rows of a
+    short prompt by fp32 weights: the products that take summed_product's form."""
+    if not (torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and (w if w is not None else x).dtype in getattr(_summing, "on", ())):
         return False
     rows = math.prod(x.shape[:-1])
     return rows == 1 or (w is not None and w.dtype == x.dtype == torch.float32 and rows <= SUMMED_ROWS)
@@ -171,12 +173,37 @@ def inductor_prims() -> None:
         pass
 
 
-@functools.cache
-def summed_form_faster() -> bool:
-    """Whether summed_product beats torch's kernels for a compiled step's one row on this CPU: measured so on
-    the AMD EPYC (summed_product's docstring). Intel keeps the kernels: there MKL's fp32 x W^T reads at the
-    copy bandwidth and AMX multiplies bf16 (left_form_faster), and the summed form was not measured."""
-    return hardware.cpu_vendor() != "GenuineIntel"
+SUMMED_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the weights summed_product takes (int8: codes)
+
+
+def summed_form_faster(dtype: torch.dtype) -> bool:
+    """Whether summed_product beats torch's kernels for a compiled step's one row of `dtype` weights on this CPU
+    (fp32, bf16, int8 codes): measured once per machine and kept (qkv.nn.forms; it compiles a small graph, so
+    ask where the step compiles). On the AMD EPYC with avx512_bf16 the sums won at all three (summed_product's
+    docstring); on an AVX2-only EPYC at fp32 and bf16, not int8 (qkv.nn.forms)."""
+    if dtype not in SUMMED_DTYPES:
+        return False
+
+    def measure():
+        inductor_prims()
+        left = dtype != torch.int8 and left_form_faster(dtype)
+        rows = torch.float32 if forms.choice("quant_rows_bf16") is False else torch.bfloat16  # as QuantLinear's
+        return forms.measure_summed(dtype, left, left_product, stored, int8_rows=rows)
+
+    return forms.choice(f"summed_{FORM_NAMES[dtype]}", measure)
+
+
+def summed_form_known(dtype: torch.dtype) -> bool | None:
+    """summed_form_faster(dtype) where this machine has measured it, else None (nothing compiled or measured)."""
+    return forms.choice(f"summed_{FORM_NAMES[dtype]}")
+
+
+def summed_dtypes() -> frozenset:
+    """The weight dtypes whose one-row products a compiled step takes as sums here (summing's `on`)."""
+    return frozenset(dtype for dtype in SUMMED_DTYPES if summed_form_faster(dtype))
+
+
+FORM_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 
 @contextmanager
@@ -209,7 +236,6 @@ def stands_in_for(name: str, module: nn.Module) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16) and not has_hooks(module))
 
 
-@functools.cache
 def left_form_faster(dtype: torch.dtype) -> bool:
     """Whether W x^T beats nn.Linear's x W^T for a decode step's products at `dtype` on this CPU (2 threads).
 
@@ -219,9 +245,8 @@ def left_form_faster(dtype: torch.dtype) -> bool:
     GB/s and W x^T at 5-11 (the class docstring). bf16 (oneDNN) is the other way round: on the AMD EPYC with
     avx512_bf16 SmolLM2's matrices read at 18.7 GB/s as x W^T against 10.6 as W x^T; on the Intel Xeon with
     AMX at 15-23 GB/s against 25-29 (its 49152 x 576 head 3.8 against 2.3 ms; SmolLM2 bf16 decode 28.7 ->
-    34.0 tok/s). Unmeasured cases take a default: fp32 without MKL, or on another vendor, W x^T (as on AMD);
-    bf16 elsewhere than Intel, and every other dtype, nn.Linear."""
-    intel = hardware.cpu_vendor() == "GenuineIntel"
-    if dtype == torch.float32:
-        return not (intel and torch.backends.mkl.is_available())
-    return dtype == torch.bfloat16 and intel
+    34.0 tok/s). So each machine measures both forms once (qkv.nn.forms) and keeps the faster; every other dtype
+    takes nn.Linear's."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return forms.choice(f"left_{FORM_NAMES[dtype]}", lambda: forms.measure_left(dtype, left_product))

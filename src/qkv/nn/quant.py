@@ -2,8 +2,8 @@
 
 A decoding step multiplies every weight matrix by a few rows (note 003, 推理原理: one token at a time, the KV
 cache holding the past), so its time is the time to read the weights: bytes per weight set the speed. Storing
-W in fewer bits trades a bounded error for that (the products in bf16 where the CPU multiplies it natively, in
-the activations' precision elsewhere: QuantLinear.compute_dtype):
+W in fewer bits trades a bounded error for that (the products in bf16 where torch's kernels are the faster so,
+measured per machine, in the activations' precision elsewhere: QuantLinear.compute_dtype):
 
     int8 (per output row i):       W_ij ~ s_i q_ij,              q_ij in [-127, 127],  s_i = max_j |W_ij| / 127
     int4 (per row i, group g of G consecutive inputs, asymmetric):
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv import hardware
+from qkv.nn import forms
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
                                     summed_product, summed_rows, traced_here)
@@ -99,6 +100,15 @@ def quantizable(name: str, module: nn.Module) -> bool:
     return type(module) is nn.Linear and not name.endswith("router")
 
 
+def quant_rows() -> torch.dtype | None:
+    """bf16 where torch's weight-only kernels are the faster with bf16 rows on this machine, whatever x's dtype
+    is, else None (x's dtype): measured once and kept (qkv.nn.forms.measure_rows). They read int8 at 21.5 GB/s
+    with bf16 rows and 2.9 with fp32 ones, int4 at 15.3 and 0.8 (SmolLM2's decode step, 2 threads, AMD EPYC with
+    avx512_bf16), and 4-7x faster with bf16 rows also on an AVX2-only EPYC without native bf16."""
+    faster = forms.choice("quant_rows_bf16", lambda: forms.measure_rows(QuantLinear.from_linear))
+    return torch.bfloat16 if faster else None
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b with W held quantized (int8 or int4, above); x in fp32 or bf16, y in x's dtype.
     `weight` is a property giving the dequantized matrix (for analyses that read it, not for speed)."""
@@ -114,10 +124,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("low", low)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
-        # the products' precision: bf16 where the CPU multiplies it natively, whatever x's dtype is (torch's
-        # weight-only kernels read int8 at 21.5 GB/s with bf16 rows and 2.9 with fp32 ones, int4 at 15.3 and
-        # 0.8: a decode step of SmolLM2, 2 threads, AMD EPYC with avx512_bf16); x's dtype elsewhere
-        self.compute_dtype: torch.dtype | None = torch.bfloat16 if hardware.native_bf16_cpu() else None
+        self.compute_dtype: torch.dtype | None = quant_rows()  # the products' precision on the CPU (None: x's)
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
@@ -243,7 +250,7 @@ class QuantLinear(nn.Module):
             return grouped_product(flat, codes, scale_t, low, ones)
         if self.kind == "int8":
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
-            if summed_rows(flat):  # a compiled step's one row, as a sum inductor writes (qkv.nn.decoding_linear)
+            if summed_rows(flat, codes):  # a compiled step's one row, as a sum inductor writes (decoding_linear)
                 return summed_product(flat, codes, scale=scale)
             if dense or self.in_features % INT8_KERNEL_K:  # q_ij exact in bf16 and fp32 (|q| <= 127)
                 return torch.nn.functional.linear(flat, codes.to(flat.dtype)).mul_(scale)  # (x q^T) s
@@ -316,7 +323,7 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x16 = x.to(self.weight.dtype)
-        if summed_rows(x16):  # a compiled step's one row (qkv.nn.decoding_linear)
+        if summed_rows(x16, self.weight):  # a compiled step's one row (qkv.nn.decoding_linear)
             return summed_product(x16, self.weight, self.bias).to(x.dtype)
         if self.left_form and decode_rows(x):  # a decode step's few rows (decoding_linear)
             bias = None if self.bias is None else self.bias[:, None]
