@@ -38,7 +38,7 @@ from qkv.nn import forms
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
                                     summed_product, summed_rows, traced_here)
-from qkv.nn.grouped import dequantize_grouped, grouped_product
+from qkv.nn.grouped import dequantize_grouped, grouped_op, grouped_product
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -241,13 +241,12 @@ class QuantLinear(nn.Module):
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8g":
             codes, scale_t, low, ones = operands
-            if traced_here():  # a compiled step's one row: the codes converted inside the sums; more rows: W
-                if flat.shape[0] == 1:  # dequantized in one kernel (not grouped_product's loop, traced)
-                    return summed_grouped_product(flat, codes, scale_t, low)
-                dense = True
-            if dense or flat.dtype != torch.bfloat16:
+            if summed_rows(flat, codes):  # a compiled step's one row where int8's sums are the faster here
+                return summed_grouped_product(flat, codes, scale_t, low)
+            traced = traced_here()  # a compiled graph: one bf16 row as one operator, more rows W dequantized
+            if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1):
                 return torch.nn.functional.linear(flat, self.weight.to(flat.dtype))
-            return grouped_product(flat, codes, scale_t, low, ones)
+            return (grouped_op if traced else grouped_product)(flat, codes, scale_t, low, ones)
         if self.kind == "int8":
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat, codes):  # a compiled step's one row, as a sum inductor writes (decoding_linear)

@@ -121,6 +121,28 @@ def test_a_compiled_rows_sum_of_grouped_codes_is_the_dequantized_product(monkeyp
     assert traced == [(8, 48, 32), (16, 48, 16)]  # each compiled layer's one row took the summed form
 
 
+def test_a_compiled_row_where_int8_sums_are_slower_calls_the_grouped_operator(monkeypatch):
+    """Where this machine's int8 sums lose to torch's int8 kernel (qkv.nn.forms; summing without int8), a compiled
+    step's one bf16 row of int8g calls grouped_product as one operator (qkv::grouped_product), through the
+    generated C++ as the step compiles it: the eager product exactly, never the sums."""
+    calls = []
+    monkeypatch.setattr(quant, "summed_grouped_product", lambda *args: calls.append("summed"))
+    w = np.random.default_rng(3).standard_normal((48, 256)).astype(np.float32)
+    codes, scale, low = blocks.decode(blocks_of(w, "Q5_1"), "Q5_1")
+    layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None)
+    layer.compute_dtype = torch.bfloat16
+    x = torch.randn(1, 1, 256)
+    step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})
+    with torch.no_grad(), summing(frozenset({torch.float32, torch.bfloat16})):
+        got = step(x)
+    with torch.no_grad():
+        eager = layer(x)
+    torch._dynamo.reset()
+    assert calls == [] and torch.equal(got, eager)
+    want = x.bfloat16().double() @ torch.from_numpy(blocks.dequantize(codes, scale, low)).double().t()
+    assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()  # bf16 rows and group sums
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_decode_steps_bf16_rows_take_each_groups_product_within_its_rounding(type_name, rows):
