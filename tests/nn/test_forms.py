@@ -40,6 +40,16 @@ def test_a_choice_is_measured_once_and_kept_in_the_file(home, monkeypatch):
     assert forms.choice("left_fp32") is None
 
 
+def test_a_measurement_leaves_the_random_state_as_it_was(home):
+    """A choice may be measured in the middle of a seeded run (the first model load): its random weights must
+    not move torch's generator."""
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    forms.choice("left_fp32", lambda: {"choice": True, "drawn": float(torch.rand(1000).sum())})
+    assert torch.equal(torch.rand(3), expected)
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"KEY | left_bf16": {"choice": "yes"}}', "\udcff"])
 def test_a_file_that_cannot_be_read_is_measured_over(home, text):
     path = home / ".cache" / "qkv" / forms.FILE_NAME

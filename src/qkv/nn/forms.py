@@ -74,7 +74,8 @@ def choice(name: str, measure: Callable[[], dict] | None = None) -> bool | None:
                 return None
             _measuring.names = measuring | {name}
             try:
-                entry = {**measure(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                with torch.random.fork_rng(devices=[]):  # its random weights leave the caller's random state as it was
+                    entry = {**measure(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             finally:
                 _measuring.names = measuring
             with _write_lock:
