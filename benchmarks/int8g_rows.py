@@ -1,7 +1,9 @@
 """int8g's products for a decode step's few bf16 rows (qkv.nn.grouped.grouped_product): each group's product by
 torch's int8 kernel, weighed by its fp32 scales, accumulated group by group or stacked, against dequantizing W
-to bf16 for the product (what a long prompt's rows take), a bf16 W of the same shape and torch's int8 kernel with
-one scale a row (--quant int8's layout, for the bandwidth it reaches).
+to bf16 for the product (what a long prompt's rows take), a bf16 W of the same shape, torch's int8 kernel with
+one scale a row (--quant int8's layout, for the bandwidth it reaches), and, for groups of 32, the same product as
+two int4 ones (a code c = 16 h + l in -128..127 splits exactly: l in 0..15 with scale s and minimum m, h + 8 in
+0..15 with scale 16 s and minimum -128 s; not a form qkv takes, measured for what it would give).
 
     python benchmarks/int8g_rows.py [--rows 1] [--threads 2] [--rounds 15]
 
@@ -17,6 +19,7 @@ import time
 import torch
 
 from qkv.nn.grouped import dequantize_grouped
+from qkv.nn.quant import QuantLinear
 
 SHAPES = [("SmolLM2 head, Q8_0", 49152, 576, 32), ("Gemma 3 head, Q8_0", 262144, 640, 32),
           ("Gemma 3 gate/up, Q5_0", 2048, 640, 32), ("Gemma 3 down, Q6_K", 640, 2048, 16)]
@@ -44,7 +47,19 @@ def forms(n: int, k: int, g: int, rows: int) -> dict:
         parts = torch.stack([torch._weight_int8pack_mm(xs[i], codes[i], ones) for i in range(groups)])
         return torch.einsum("gmn,gn->mn", parts.float(), scale_t)
 
-    return {"grouped, accumulated": accumulated, "grouped, stacked": stacked,
+    ways = {}
+    if g == 32:  # the int4 kernel's groups
+        low = plain & 15  # l = c mod 16, h = (c - l) / 16 in -8..7
+        halves = [QuantLinear.from_codes(low.to(torch.uint8), scale, torch.zeros_like(scale), None, kind="int4"),
+                  QuantLinear.from_codes(((plain - low) // 16 + 8).to(torch.uint8), 16 * scale, -128 * scale, None,
+                                         kind="int4")]
+        for half in halves:
+            half.compute_dtype = torch.bfloat16
+        torch.testing.assert_close(halves[0](x.float()) + halves[1](x.float()),
+                                   torch.nn.functional.linear(x.float(), dequantize_grouped(plain, scale, None)),
+                                   rtol=2e-2, atol=2e-2 * float(scale.max()) * k)  # the same product
+        ways["two int4 products"] = lambda: halves[0](x) + halves[1](x)
+    return {**ways, "grouped, accumulated": accumulated, "grouped, stacked": stacked,
             "dequantized to bf16": lambda: torch.nn.functional.linear(x, dequantize_grouped(plain, scale, None,
                                                                                            torch.bfloat16)),
             "bf16 W": lambda: torch.nn.functional.linear(x, w16),
