@@ -8,16 +8,19 @@ Each is measured on matrices too big for the caches, as a step reads them, both 
     left_fp32, left_bf16          W x^T (qkv.nn.decoding_linear.left_product) against nn.Linear's x W^T, eagerly
     summed_fp32, summed_bf16,     one row as the sums inductor writes (summed_product, inside the compiled step)
     summed_int8                   against torch's kernel in its faster form (int8: _weight_int8pack_mm)
+    quant_rows_bf16               the int8 and int4 weight-only kernels with bf16 rows against fp32 rows
+                                  (qkv.nn.quant.QuantLinear.compute_dtype)
 
 An AVX2-only EPYC (2026-12-07, 2 threads, 48 MB of SmolLM2-shaped matrices a pass) showed why by dtype: the sums
 read fp32 in 2.1 ms against torch's 4.7 and bf16 in 4.3 against 5.6, but int8 codes in 39 ms against the int8
 kernel's 6.8 (inductor converts int8 there without AVX-512).
 
-The first process that asks measures (a left form in about a quarter of a second, on the thread that asks; a
-summed form compiles a small graph, a few seconds, on the compiled step's background thread) and writes the
-result to ~/.cache/qkv/product-forms.json under this machine's key (its CPU model and native bf16, torch's
-version and thread count): a later start reads it. Delete the file to measure again. A file that cannot be
-read is measured over and rewritten.
+The first process that asks measures (on the AVX2 EPYC: the left forms 0.3 s and the rows' precision 1.0 s, on
+the thread that loads the model; the summed forms 6 s, each compiling a small graph, on the compiled step's
+background thread) and writes the result to ~/.cache/qkv/product-forms.json under this machine's key (its CPU
+model and native bf16, torch's version and thread count): a later start reads it. Delete the file to measure
+again. A file that cannot be read is measured over and rewritten. The random weights a measurement draws leave
+torch's random state as it was.
 """
 from __future__ import annotations
 
