@@ -61,10 +61,9 @@ def machine_key() -> str:
 
 
 def choice(name: str, measure: Callable[[], dict] | None = None) -> bool | None:
-    """The kept choice `name` (left_fp32, left_bf16, summed_fp32, summed_bf16, summed_int8, quant_rows_bf16) for this
-    machine; measured with `measure` (returning
-    {"choice": bool, ...figures}) and kept when there is none yet; None without `measure`, and inside its own
-    measurement."""
+    """The kept choice `name` (left_fp32, left_bf16, summed_fp32, summed_bf16, summed_int8, quant_rows_bf16) for
+    this machine; measured with `measure` (returning {"choice": bool, ...figures}) and kept where there is none
+    yet; None without `measure`, and inside its own measurement."""
     with _locks[name]:
         key = f"{machine_key()} | {name}"
         if key in _known:
