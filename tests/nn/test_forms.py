@@ -92,3 +92,27 @@ def test_the_summed_measurement_compiles_the_sums_and_checks_them(dtype):
     torch._dynamo.reset()
     assert result["summed_ms"] > 0 and result["kernels_ms"] > 0
     assert result["choice"] is (result["summed_ms"] < result["kernels_ms"])
+
+
+def test_a_measurement_runs_without_the_threads_profile_function_and_restores_it(home):
+    """The compiling thread's profile function sleeps while the model decodes: never inside a timed pass."""
+    import sys
+
+    def profile(frame, event, arg):
+        return None
+
+    seen = []
+    sys.setprofile(profile)
+    try:
+        forms.choice("left_bf16", lambda: seen.append(sys.getprofile()) or {"choice": False})
+        assert sys.getprofile() is profile
+    finally:
+        sys.setprofile(None)
+    assert seen == [None]
+
+
+def test_each_form_counts_its_fastest_pass(monkeypatch):
+    """Other work only adds time to a pass: the fastest of each form's passes is compared (after a warm pass)."""
+    ticks = iter([0, 0, 0, 5, 0, 2, 0, 7, 0, 3])  # the warm passes' starts, then (start, end) of a's and b's
+    monkeypatch.setattr(forms.time, "perf_counter", lambda: next(ticks) / 1000)
+    assert forms.timed({"a": lambda: None, "b": lambda: None}, rounds=2) == pytest.approx({"a": 5.0, "b": 2.0})
