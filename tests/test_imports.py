@@ -17,7 +17,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # docs/ARCHITECTURE.md's layers: a module imports its own package and lower layers only (layer 0 among itself)
-LAYERS = {"errors": 0, "registry": 0, "hardware": 0, "config_values": 0, "config_rules": 0, "rope_scaling": 0,
+LAYERS = {"errors": 0, "registry": 0, "hardware": 0, "heap": 0, "config_values": 0, "config_rules": 0, "rope_scaling": 0,
           "config": 0, "plan": 0, "files": 0, "schedules": 0, "presets": 0,
           "nn": 1, "ref": 1, "models": 2, "data": 2, "formats": 3, "analysis": 3, "generate": 4, "parallel": 4,
           "evaluate": 5, "explain": 5, "interp": 2, "serve": 5, "train": 6, "claims": 7, "cli": 8, "hf": 8, "__main__": 9}

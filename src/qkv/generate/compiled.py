@@ -54,6 +54,7 @@ from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache, RingLayerCache
 from qkv.nn.mla import LatentAttention
 from qkv.nn.moe import MoE
+from qkv.nn.embedding import activations_of
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears, stands_in_for, summed_dtypes, summing
 from qkv.nn.positional import Learned, Positional, Rotary, rotary_cos_sin
 from qkv.nn.quant import QuantLinear
@@ -346,7 +347,7 @@ def weights_signature(model: nn.Module) -> tuple:
     prepare() casts every float weight with it) and the head's kind (quantize_model swaps every layer with it).
     A few attribute reads: usable() asks every token."""
     head = model.lm_head
-    return model.tok_emb.weight.dtype, head.kind if isinstance(head, QuantLinear) else head.weight.dtype
+    return activations_of(model)[0], head.kind if isinstance(head, QuantLinear) else head.weight.dtype
 
 
 def next_logits(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from qkv.nn.changes import changes, count_registrations
+from qkv.nn.embedding import activations_of
 from qkv.nn.fastpath import has_hooks
 from qkv.nn.fuse import FUSIONS
 from qkv.nn.quant import QuantLinear
@@ -56,8 +57,8 @@ def step_operands(model: nn.Module, make: bool = False):
     """QuantLinear -> the kernel operands it reads in the step (() where none were made and not `make`), for the
     activations' dtype its kernel takes: QuantLinear.forward's choice (compute_dtype, on the CPU), else the
     model's (the embedding's)."""
-    weight = model.tok_emb.weight
-    cpu, dtype = weight.device.type == "cpu", weight.dtype
+    dtype, device = activations_of(model)
+    cpu = device.type == "cpu"
 
     def operands(layer: QuantLinear) -> tuple[Tensor, ...]:
         chosen = (layer.compute_dtype if cpu else None) or dtype

@@ -19,23 +19,20 @@ chat and serve; not with --no-compile), and that is said too.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from qkv import hardware
 from qkv.errors import QkvError
+from qkv.heap import freed_buffers_returned
 from qkv.formats import Run
 from qkv.formats import load as load_any
 from qkv.nn.decoding_linear import summed_form_known
+from qkv.nn.embedding import QuantEmbedding, activations_of
 from qkv.nn.fuse import fuse_projections
-from qkv.nn.quant import (GROUP, QUANTS, QuantLinear, cast_unquantized, head_kind, head_of, kind_for, quantizable,
+from qkv.nn.quant import (GROUP, QUANTS, Bf16Linear, QuantLinear, head_kind, head_of, kind_for, quantizable,
                           quantization_of, quantize_model)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -83,8 +80,7 @@ def set_kv_dtype(model: nn.Module, name: str | None) -> str | None:
         raise QkvError(f"--kv-dtype {name!r}: choose from {', '.join(KV_DTYPES)}")
     if not hasattr(model, "kv_dtype"):
         raise QkvError(f"--kv-dtype applies to decoder-only models (their KV cache); this is a {type(model).__name__}")
-    weight = model.tok_emb.weight
-    model.kv_dtype = KV_DTYPES[name] if KV_DTYPES[name] != weight.dtype else None
+    model.kv_dtype = KV_DTYPES[name] if KV_DTYPES[name] != activations_of(model)[0] else None
     if model.kv_dtype is None:
         return None
     return f"qkv: KV cache in {name} (keys and values rounded as they are written)"
@@ -145,6 +141,23 @@ def convert_model(model: nn.Module, dtype: str, quant: str, group: int) -> str:
             f"{dtype} activations")
 
 
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype) for every parameter and buffer but the quantized layers' (codes, fp32 scales and minima,
+    a bf16 head): their precision is what they were saved at. A table looked up in a quantized head's blocks
+    gives its rows in `dtype`."""
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding):
+            module.dtype = dtype
+        if isinstance(module, (QuantLinear, Bf16Linear)):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                setattr(module, name, b.to(dtype))
+
+
 def shipped_description(model: nn.Module) -> str:
     """What a model holding a GGUF file's blocks runs (qkv.formats.gguf.blocks): the layers of each type."""
     types: dict[str, int] = {}
@@ -170,42 +183,6 @@ def convert_block(dtype: str, quant: str, device: str | torch.device = "cpu", gr
             quantize_model(block, quant, group)  # a block holds no output head
         cast_unquantized(block, DTYPES[dtype])
     return convert
-
-
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc malloc.h)
-LOADING_MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold: blocks above it mapped, unmapped when freed
-STEADY_MMAP_THRESHOLD = 32 * 1024 * 1024  # the ceiling glibc's own adjustment reaches on 64-bit
-
-
-@contextmanager
-def freed_buffers_returned() -> Iterator[None]:
-    """While a model is read and converted, every buffer above 128 KiB is mapped on its own and returned to the
-    system when freed (glibc's mallopt; elsewhere nothing changes). glibc otherwise raises that threshold to
-    the size of the first big buffer freed, so the fp32 weights each block is read into before quantizing,
-    freed one after another, stay in the heap, which only grows: `qkv chat SmolLM2... --quant int8` peaked at
-    0.96-1.13 GB of resident memory that way, 0.72 GB this way (docs/real-models.md). Afterwards the threshold
-    is set to the ceiling that adjustment reaches, as if it had run."""
-    libc = glibc()
-    if libc is None:
-        yield
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def glibc():
-    """The C library when it is glibc (mallopt, malloc_trim), else None."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def round_weights(model: nn.Module, *, dtype: str = "fp32", quant: str = "none", group: int = GROUP) -> str | None:

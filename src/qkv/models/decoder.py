@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from qkv.models.context import document_positions, self_context
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, rolling_window
-from qkv.nn.embedding import Embeddings, last_tokens, previous_tokens
+from qkv.nn.embedding import Embeddings, activations_of, last_tokens, previous_tokens
 from qkv.nn.hookpoints import point
 from qkv.nn.positional import Positional
 
@@ -67,9 +67,9 @@ class DecoderLM(Embeddings):
         the kernel can still read (a local kernel's last w, any length; a sliding layer's ring; qkv.nn.cache). Its keys and values are
         held in the embedding's dtype, or in `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
         attn = self.blocks[0].attn
-        weight = self.tok_emb.weight
+        dtype, device = activations_of(self)
         windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.plan)
         heads, k_dim, v_dim = attn.cache_dims  # (latent attention: one key head of the latent, no values)
-        return KVCache(len(self.blocks), batch, heads, max_len, k_dim, dtype=self.kv_dtype or weight.dtype,
-                       device=weight.device, window=rolling_window(attn.kernel_name, attn.window) if rolling else 0,
+        return KVCache(len(self.blocks), batch, heads, max_len, k_dim, dtype=self.kv_dtype or dtype,
+                       device=device, window=rolling_window(attn.kernel_name, attn.window) if rolling else 0,
                        layer_windows=windows, v_dim=v_dim)

@@ -23,7 +23,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from qkv.nn.grouped import dequantize_grouped
 from qkv.nn.positional import Positional
+from qkv.nn.quant import QuantLinear, dequantize_int4, dequantize_int8, unpack_nibbles
 
 
 class Embeddings(nn.Module):
@@ -56,6 +58,47 @@ class Embeddings(nn.Module):
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.type_emb(types)
         return self.dropout(self.embed_norm(self.positional.embed(x, positions)))  # (B, T, D)
+
+
+class QuantEmbedding(nn.Module):
+    """E[x] looked up in the blocks of the quantized output head it is tied to (W_out = W_E, note 003: one
+    vocabulary matrix): a GGUF file's Q8_0 table as shipped (qkv.formats.gguf) is held once, as the head's codes,
+    scales and minima, and each row looked up is dequantized, s q + m, exactly the row the table dequantizes to.
+    Held beside the head in fp32 the table would be 4 bytes a weight more (Gemma 3's 262,144 x 640: 671 MB, against
+    its 178 MB of blocks). `dtype`: the rows' (the model's activations', set by qkv.generate.weights.cast_unquantized)."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule: the model holds it as lm_head
+        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.codes.device
+
+    def forward(self, input_ids: Tensor) -> Tensor:  # (...) ids -> (..., D)
+        return quantized_rows(self.head, input_ids.reshape(-1)).to(self.dtype).view(*input_ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, the rows of the {self.head.kind} head"
+
+
+def quantized_rows(layer: QuantLinear, ids: Tensor) -> Tensor:
+    """Rows `ids` (M,) of a quantized layer's W (out, in), dequantized to fp32 (M, in)."""
+    scale, low = layer.scale[ids], None if layer.low is None else layer.low[ids]
+    if layer.kind == "int8g":  # codes held group by group (G, out, g)
+        return dequantize_grouped(layer.codes[:, ids].transpose(0, 1).reshape(len(ids), -1), scale, low)
+    if layer.kind == "int4":
+        return dequantize_int4(unpack_nibbles(layer.codes[ids]), scale, low)
+    return dequantize_int8(layer.codes[ids], scale)
+
+
+def activations_of(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device a model's activations take: its embedding table's (a QuantEmbedding's rows')."""
+    table = model.tok_emb
+    if isinstance(table, QuantEmbedding):
+        return table.dtype, table.device
+    return table.weight.dtype, table.weight.device
 
 
 BIGRAM_MULTIPLIERS = (36313, 27191)  # modded-nanogpt's: spread (current, previous) over the int range

@@ -151,10 +151,10 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_codes(cls, codes: Tensor, scale: Tensor, low: Tensor | None, bias: Tensor | None,
                    kind: str = "int8g") -> "QuantLinear":
-        """A layer holding given codes (N, K) (int4: uint8 in [0, 15], by groups of 32), scales and minima
-        (N, K / G): a GGUF file's blocks as shipped (qkv.formats.gguf.blocks). int4 codes whose shape the
-        int4 kernel cannot take are held as int8g."""
-        n, k = codes.shape
+        """A layer holding given codes (N, K) (int4: uint8 in [0, 15], by groups of 32; int8g: or (N, K / G, G)),
+        scales and minima (N, K / G): a GGUF file's blocks as shipped (qkv.formats.gguf.blocks). int4 codes
+        whose shape the int4 kernel cannot take are held as int8g."""
+        n, k = codes.shape[0], codes[0].numel()
         if kind == "int4" and (k % 2 or n % 16 or scale.shape[1] * GROUP != k or low is None):
             kind, codes = "int8g", codes.to(torch.int8)
         if kind == "int4":
@@ -382,17 +382,3 @@ def head_of(model: nn.Module) -> str:
     """The kind of a quantized model's output head: bf16, int8 or int4 (none: not quantized)."""
     head = getattr(model, "lm_head", None)
     return "bf16" if isinstance(head, Bf16Linear) else head.kind if isinstance(head, QuantLinear) else "none"
-
-
-def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
-    """model.to(dtype) for every parameter and buffer but the quantized layers' (codes, fp32 scales and minima,
-    a bf16 head): their precision is what they were saved at."""
-    for module in model.modules():
-        if isinstance(module, (QuantLinear, Bf16Linear)):
-            continue
-        for name, p in module.named_parameters(recurse=False):
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point():
-                setattr(module, name, b.to(dtype))

@@ -10,6 +10,7 @@ from qkv.formats.gguf import blocks
 from qkv.generate import generate, weights
 from qkv.nn import quant
 from qkv.nn.decoding_linear import summed_grouped_product, summing
+from qkv.nn.embedding import QuantEmbedding
 from qkv.nn.quant import QuantLinear
 from tests.formats.gguf import write_llama
 
@@ -80,6 +81,27 @@ def test_every_matrix_holds_its_blocks_and_gives_the_dequantized_logits(shipped)
     with torch.no_grad():
         got, want = run.model(ids), whole.model(ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_tied_embedding_looks_its_rows_up_in_the_heads_blocks(shipped):
+    """No second, dequantized copy of a quantized table tied to the head: its rows, looked up in the head's
+    blocks, are the table the gguf package dequantizes."""
+    _, run, whole, _ = shipped
+    table, want = run.model.tok_emb, whole.model.tok_emb.weight
+    assert isinstance(table, QuantEmbedding) and table.head is run.model.lm_head
+    assert not list(table.parameters()) and not list(table.buffers())
+    ids = torch.tensor([[3, 0, 17], [want.shape[0] - 1, 5, 3]])
+    assert (table(ids) - want[ids]).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_a_bf16_model_looks_up_bf16_rows_and_keeps_them_in_a_bf16_cache(tmp_path):
+    path = write_llama(tmp_path / "m.gguf", width=64, tied=True, seed=2,
+                       raw=lambda name, w: (quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0))
+    run, whole = weights.load(path), weights.load(path, quant="none")
+    weights.prepare(run.model, dtype="bf16")
+    ids = torch.tensor([[1, 2, 40]])
+    assert torch.equal(run.model.tok_emb(ids), whole.model.tok_emb.weight[ids].bfloat16())
+    assert run.model.new_cache(1, 8).layers[0].k.dtype == torch.bfloat16
 
 
 def test_decoding_as_shipped_gives_the_dequantized_tokens(shipped):

@@ -1,6 +1,7 @@
 """qkv.formats.gguf.reader and the loader on hostile files: each is one `qkv: error:` line naming the problem,
 exit 2, no traceback; nothing is allocated from a header count before it is checked against the file's size;
 nothing existing is overwritten."""
+import os
 import struct
 
 import gguf
@@ -136,3 +137,32 @@ def test_the_plain_reader_reads_what_the_gguf_package_reads(good, tmp_path, endi
                    (tensor.name, tensor.tensor_type, tensor.shape.tolist(), tensor.data_offset)
             assert mine.data.dtype == tensor.data.dtype and mine.data.tobytes() == tensor.data.tobytes()
     assert plain_reader(gguf)(kinds).fields["k.strings"].contents() == ["a", "", "\u00fc" * 3]
+
+
+def resident_bytes_of(path) -> int:
+    """How much of the file's memory map this process holds resident (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps", encoding="utf-8"):
+        if line[0] in "0123456789abcdef" and " " in line:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_tensor_read_leaves_none_of_the_files_pages_resident(tmp_path, monkeypatch):
+    """GgufFile.release after each tensor: the tensors read are copies, the map's pages are given back (Gemma 3's
+    253 MB would otherwise count beside its weights); without it nearly the whole file stays resident."""
+    from qkv.formats.gguf.reader import GgufFile
+
+    path = write_llama(tmp_path / "m.gguf", width=256, ffn=512).resolve()
+    size = path.stat().st_size
+    file = GgufFile.open(path)
+    tensors = {name: file.tensor(name) for name in file.names}
+    assert resident_bytes_of(path) <= 0.02 * size
+    assert sum(t.nbytes for t in tensors.values()) >= 0.9 * size
+    monkeypatch.setattr(GgufFile, "release", lambda self: None)
+    kept = GgufFile.open(path)
+    tensors = {name: kept.tensor(name) for name in kept.names}
+    assert resident_bytes_of(path) >= 0.9 * size

@@ -36,6 +36,7 @@ from qkv.formats.hf import run_config
 from qkv.formats.hf.common import HF_FAMILIES
 from qkv.models import build_model
 from qkv.models.build import check_model
+from qkv.nn.embedding import QuantEmbedding
 
 __all__ = ["config", "detect", "is_gguf", "load", "save"]
 
@@ -53,19 +54,19 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
     read, where the architecture's mapping only renames the file's tensors (llama, qwen2); otherwise it is
     not called (the caller converts the loaded model). `shipped`: there, each linear layer whose tensor is
     of a quantized block type (blocks.SHIPPED_TYPES) holds the file's blocks as they are (qkv.nn.quant's int4
-    and int8g kinds), and so does the output head (also one tied to a quantized embedding, which itself is
-    read dequantized); the rest is read dequantized to fp32."""
+    and int8g kinds), and so does the output head (also one tied to a quantized embedding, which then looks its
+    rows up in the head's blocks); the rest is read dequantized to fp32."""
     path = Path(path)
     file, arch, hf, family, cfg = read_model_config(path)
+    tokenizer = cached_tokenizer(file.metadata, str(path))  # first: its parsing's garbage is returned before
+    check_vocabulary(tokenizer, cfg.vocab_size, path)  # the weights are read (qkv.heap.return_freed)
     with torch.device("meta"):  # no memory and no random initialisation: the file's tensors become the weights
         model = build_model(cfg)
     buffers = any(True for _ in model.buffers())
     streams = (convert is not None or shipped) and not buffers and hasattr(model, "blocks")
     readers = block_readers(file, arch, hf, family, cfg, path, model if shipped else None) if streams else None
     if readers is not None:
-        stream_blocks(model, readers, str(path), convert)
-        if shipped:
-            ship_tied_head(model, readers)
+        stream_blocks(model, readers, str(path), convert, ship_tied_head(model, readers) if shipped else set())
     elif shipped and not buffers and ship_whole(model, file, arch, hf, family, cfg, path):
         pass
     else:
@@ -75,8 +76,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
             raise QkvError(f"{path}: {exc}") from None
         model = model_with(cfg, tensors, str(path))  # one fp32 copy of the weights in memory, not two
         del tensors
-    tokenizer = cached_tokenizer(file.metadata, str(path))
-    check_vocabulary(tokenizer, cfg.vocab_size, path)
+    file.release()
     return Run(path=path, config=run_config(cfg, tokenizer.vocab_size), model=model.to(device).eval(),
                tokenizer=tokenizer, chat=chat_of(file.metadata, tokenizer))
 
@@ -118,9 +118,10 @@ def block_readers(file: GgufFile, arch, hf: dict, family, cfg, path: Path,
 
 
 def stream_blocks(model: nn.Module, readers: dict[str, Callable[[], torch.Tensor]], origin: str,
-                  convert: Callable[[nn.Module], None]) -> None:
+                  convert: Callable[[nn.Module], None], made: set[str] = frozenset()) -> None:
     """Each block's tensors read, assigned and converted before the next block's are read; then the rest (the
-    embedding, the final norm, the head). Peak: the converted blocks and one block in fp32."""
+    embedding, the final norm, the head; those in `made` are made already). Peak: the converted blocks and one
+    block in fp32."""
     for i, block in enumerate(model.blocks):
         inside = functools.partial(under, f"blocks.{i}")
         part = {name: read() for name, read in readers.items() if inside(name)}
@@ -133,7 +134,7 @@ def stream_blocks(model: nn.Module, readers: dict[str, Callable[[], torch.Tensor
         return not under("blocks", name)
 
     rest = {name: read() for name, read in readers.items() if outside(name)}
-    layers = place_shipped(model, rest)
+    layers = place_shipped(model, rest) | made
     assign_model_tensors(model, rest, origin, within=lambda name: outside(name) and name not in layers)
 
 
@@ -171,10 +172,10 @@ def ship_whole(model: nn.Module, file: GgufFile, arch, hf: dict, family, cfg, pa
         module = layer_at(model, module_name) if qkv_name.endswith(".weight") else None
         if shippable(file.tensors[readers[qkv_name].source], module, module_name):
             readers[qkv_name] = functools.partial(read_blocks, file, arch, hf, *sources[id(tensor)])
+    made = ship_tied_head(model, readers)
     part = {name: read() for name, read in readers.items()}
-    layers = place_shipped(model, part)
+    layers = place_shipped(model, part) | made
     assign_model_tensors(model, part, str(path), within=lambda name: name not in layers)
-    ship_tied_head(model, readers)
     return True
 
 
@@ -203,16 +204,24 @@ def place_shipped(model: nn.Module, part: dict) -> set[str]:
     return made
 
 
-def ship_tied_head(model: nn.Module, readers: dict) -> None:
+def ship_tied_head(model: nn.Module, readers: dict) -> set[str]:
     """An output head tied to an embedding stored in a quantized block type (SmolLM2's and Gemma 3's Q8_0
-    tables): the head holds the blocks, the embedding its dequantized rows (looked up, not multiplied)."""
+    tables), before anything is read: the head holds the blocks and the embedding looks its rows up in them
+    (qkv.nn.embedding.QuantEmbedding), so the table is never held dequantized; their readers are taken out of
+    `readers`. The names of the modules so made (none where the head is not tied to such a table)."""
     head, embedding = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
     read = readers.get("tok_emb.weight")
-    if type(head) is not nn.Linear or embedding is None or head.weight is not embedding.weight or read is None:
-        return
-    blocks = read_blocks(*read.args) if read.func is read_tensor else None
-    if isinstance(blocks, Shipped) and shippable(read.args[0].tensors[read.source], head, "lm_head"):
-        model.lm_head = blocks.layer(head.bias)
+    if (type(head) is not nn.Linear or embedding is None or head.weight is not embedding.weight or read is None
+            or read.func is not read_tensor or not shippable(read.args[0].tensors[read.source], head, "lm_head")):
+        return set()
+    blocks = read_blocks(*read.args)
+    if not isinstance(blocks, Shipped):
+        return set()
+    bias = readers.pop("lm_head.bias")() if head.bias is not None else None
+    model.lm_head = blocks.layer(bias)
+    model.tok_emb = QuantEmbedding(model.lm_head)
+    del readers["tok_emb.weight"]
+    return {"lm_head", "tok_emb"}
 
 
 def under(prefix: str, name: str) -> bool:

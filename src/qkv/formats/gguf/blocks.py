@@ -48,10 +48,18 @@ def kind_of(type_name: str) -> str:
 
 def decode(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(rows, bytes) uint8 of blocks of `type_name` -> (codes, scale, low) as the module docstring says."""
+    codes, scale, low = decode_groups(raw, type_name)
+    return codes.reshape(len(codes), -1), scale, low
+
+
+def decode_groups(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """decode with the codes by groups (rows, K / G, G): Q8_0's a view of `raw` (a memory-mapped file's
+    bytes), nothing copied."""
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, BLOCK_BYTES[type_name])  # (rows, blocks, bytes)
     codes, scale, low = DECODERS[type_name](blocks)
-    return (codes.reshape(rows, -1), scale.reshape(rows, -1).astype(np.float32),
+    scale = scale.reshape(rows, -1).astype(np.float32)
+    return (codes.reshape(rows, scale.shape[1], -1), scale,
             None if low is None else low.reshape(rows, -1).astype(np.float32))
 
 
@@ -92,7 +100,7 @@ def _q5_1(blocks):
 
 
 def _q8_0(blocks):
-    return blocks[..., 2:34].copy().view(np.int8), _half(blocks, 0), None
+    return blocks[..., 2:34].view(np.int8), _half(blocks, 0), None
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +165,8 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, low: np.ndarray | None) -> 
 
 @dataclass
 class Shipped:
-    """A weight read as its file's blocks: codes, scales, minima (decode) and its type's name."""
+    """A weight read as its file's blocks: codes (int4: rows, K / G, G; int8g: K / G, rows, G as the layer holds
+    them), scales and minima (rows, K / G) (decode_groups) and its type's name; nothing a view of the file."""
     codes: np.ndarray
     scale: np.ndarray
     low: np.ndarray | None
@@ -165,7 +174,11 @@ class Shipped:
 
     def layer(self, bias: torch.Tensor | None) -> QuantLinear:
         """The QuantLinear holding these blocks (bias: the layer's, float)."""
-        layer = QuantLinear.from_codes(torch.from_numpy(self.codes), torch.from_numpy(self.scale),
+        if kind_of(self.type_name) == "int8g":  # (rows, K / G, G) as a view: QuantLinear keeps the layout as it is
+            codes = torch.from_numpy(self.codes).transpose(0, 1)
+        else:
+            codes = torch.from_numpy(self.codes.reshape(len(self.codes), -1))
+        layer = QuantLinear.from_codes(codes, torch.from_numpy(self.scale),
                                        None if self.low is None else torch.from_numpy(self.low), bias,
                                        kind=kind_of(self.type_name))
         layer.origin = self.type_name  # (what the description of the model names: qkv.generate.weights)
@@ -189,9 +202,15 @@ def read_shipped(file, arch, hf: dict, name: str, hf_name: str) -> Shipped | Non
     order = row_order(arch, hf_name, raw.shape[0], hf)
     if order is None:
         return None
-    codes, scale, low = decode(raw, tensor.tensor_type.name)
-    if not np.array_equal(order, np.arange(len(order))):
-        codes, scale, low = codes[order], scale[order], None if low is None else low[order]
+    codes, scale, low = decode_groups(raw, tensor.tensor_type.name)
+    moved = not np.array_equal(order, np.arange(len(order)))
+    if moved:
+        scale, low = scale[order], None if low is None else low[order]
+    if kind_of(tensor.tensor_type.name) == "int8g":  # one copy of the file's bytes (Q8_0's), in the layer's layout
+        codes = np.ascontiguousarray(codes.transpose(1, 0, 2)[:, order] if moved else codes.transpose(1, 0, 2))
+    elif moved:
+        codes = codes[order]
+    file.release()  # (the file's pages read: copies made of them)
     return Shipped(codes, scale, low, tensor.tensor_type.name)
 
 
