@@ -10,6 +10,8 @@ What sets them apart from LLaMA, each a field of qkv's config or plan (qkv.plan)
 """
 from __future__ import annotations
 
+import torch
+
 from qkv.config import ModelConfig
 from qkv.errors import QkvError
 from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf,
@@ -96,7 +98,13 @@ def to_qkv(tensors: Tensors, cfg: ModelConfig) -> Tensors:
     """Gemma's (1 + w) norms become qkv's plain gains."""
     ignored = lambda name: cfg.tie_embeddings and name == "lm_head.weight"  # noqa: E731 - a tied head's copy
     out = import_tensors(tensors, rules(cfg), ignored)
-    return {name: t + 1 if is_norm(name) else t for name, t in out.items()}
+    return {name: gain(t) if is_norm(name) else t for name, t in out.items()}
+
+
+def gain(w: torch.Tensor) -> torch.Tensor:
+    """1 + w; for a shape-only (meta) tensor a new one of its shape, without the arithmetic (torch computes
+    a meta tensor's sum in Python code that imports torch._dynamo, 2 s at a GGUF file's load)."""
+    return torch.empty(w.shape, device="meta") if w.device.type == "meta" else w + 1
 
 
 def to_hf(tensors: Tensors, cfg: ModelConfig) -> Tensors:
