@@ -116,3 +116,10 @@ def test_each_form_counts_its_fastest_pass(monkeypatch):
     ticks = iter([0, 0, 0, 5, 0, 2, 0, 7, 0, 3])  # the warm passes' starts, then (start, end) of a's and b's
     monkeypatch.setattr(forms.time, "perf_counter", lambda: next(ticks) / 1000)
     assert forms.timed({"a": lambda: None, "b": lambda: None}, rounds=2) == pytest.approx({"a": 5.0, "b": 2.0})
+
+
+def test_the_dense_measurement_runs_both_precisions():
+    """A real measurement, small: the bf16 and fp32 products checked equal to bf16's rounding, then timed."""
+    result = forms.measure_dense(rows=16, megabytes=1)
+    assert result["bf16_ms"] > 0 and result["fp32_ms"] > 0
+    assert result["choice"] is (result["bf16_ms"] < result["fp32_ms"])

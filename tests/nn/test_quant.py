@@ -322,3 +322,28 @@ def test_bad_precisions_are_refused_and_emulated_bf16_is_warned(monkeypatch):
     monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: "amx_bf16")
     assert weights.check("bf16", "none", torch.device("cpu")) == []
     assert weights.check("fp32", "none", torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("kind", ["int8", "int8g"])
+def test_a_dense_product_is_taken_in_the_measured_precision(kind):
+    """A prompt's dense form (int8: (x q^T) s; int8g: W dequantized) in fp32 where dense_dtype says so (bf16 not
+    native: forms.measure_dense): the rows in the kernels' precision (compute_dtype, bf16 here, as a decode
+    step's), multiplied in fp32 within its rounding, returned in x's dtype; with dense_dtype None, in bf16."""
+    w = torch.randn(48, 256)
+    if kind == "int8":
+        layer = QuantLinear.from_linear(_linear(w), "int8")
+    else:
+        codes, scale = torch.randint(-127, 128, (48, 256), dtype=torch.int8), torch.rand(48, 8) / 64
+        layer = QuantLinear.from_codes(codes, scale, None, None)
+    x = torch.randn(2, DENSE_PROMPT, 256)
+    w = layer.weight if kind == "int8g" else dequantize_int8(layer.codes, layer.scale.bfloat16().float())
+    want = x.bfloat16().float() @ w.t()  # the rows (and int8's row scales, the kernel's) rounded to bf16
+    layer.compute_dtype, layer.dense_dtype = torch.bfloat16, torch.float32
+    with torch.no_grad():
+        fp32, rows16 = layer(x), layer(x.bfloat16())
+        layer.dense_dtype = None
+        bf16 = layer(x)
+    assert fp32.dtype == torch.float32 and rows16.dtype == torch.bfloat16
+    assert (fp32 - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(rows16, fp32.bfloat16())
+    assert (bf16 - want).abs().max() > 10 * (fp32 - want).abs().max()  # bf16's product rounds (int8: its scales)

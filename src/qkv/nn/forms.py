@@ -10,6 +10,8 @@ Each is measured on matrices too big for the caches, as a step reads them, both 
     summed_int8                   against torch's kernel in its faster form (int8: _weight_int8pack_mm)
     quant_rows_bf16               the int8 and int4 weight-only kernels with bf16 rows against fp32 rows
                                   (qkv.nn.quant.QuantLinear.compute_dtype)
+    dense_bf16                    a prompt's dense products (a quantized layer's codes or W converted for
+                                  torch's dense kernel) in bf16 against fp32 (QuantLinear.dense_dtype)
 
 An AVX2-only EPYC (2026-12-07, 2 threads, 48 MB of SmolLM2-shaped matrices a pass) showed why by dtype: the sums
 read fp32 in 2.1 ms against torch's 4.7 and bf16 in 4.3 against 5.6, but int8 codes in 39 ms against the int8
@@ -43,7 +45,7 @@ MEGABYTES = 48  # of weights of each dtype a measurement reads per pass: beyond 
 ROUNDS = 7  # alternating passes of each form; the fastest of each are compared
 # one lock a choice: an eager step may ask for a left form while another thread measures the summed one
 _locks = {name: threading.RLock() for name in ("left_fp32", "left_bf16", "summed_fp32", "summed_bf16", "summed_int8",
-                                                "quant_rows_bf16")}
+                                                "quant_rows_bf16", "dense_bf16")}
 _measuring = threading.local()  # the choices this thread is measuring (a layer its measurement builds asks too)
 _write_lock = threading.Lock()
 _known: dict[str, bool] = {}
@@ -61,7 +63,8 @@ def machine_key() -> str:
 
 
 def choice(name: str, measure: Callable[[], dict] | None = None) -> bool | None:
-    """The kept choice `name` (left_fp32, left_bf16, summed_fp32, summed_bf16, summed_int8, quant_rows_bf16) for
+    """The kept choice `name` (left_fp32, left_bf16, summed_fp32, summed_bf16, summed_int8, quant_rows_bf16,
+    dense_bf16) for
     this machine; measured with `measure` (returning {"choice": bool, ...figures}) and kept where there is none
     yet; None without `measure`, and inside its own measurement."""
     with _locks[name]:
@@ -210,3 +213,17 @@ def measure_rows(quantized: Callable[[torch.nn.Linear, str], torch.nn.Module], m
             same(y16, y32)
         ms = timed({"bf16_rows_ms": rows(torch.bfloat16), "fp32_rows_ms": rows(None)})
     return {"choice": ms["bf16_rows_ms"] < ms["fp32_rows_ms"], **ms}
+
+
+def measure_dense(rows: int = 128, megabytes: float = 2) -> dict:
+    """A prompt's dense product, `rows` rows through SmolLM2-shaped matrices (weights(), `megabytes` of fp32),
+    in bf16 against fp32: {"choice": bf16 is the faster, ms}. (An AVX2-only EPYC without native bf16,
+    2026-12-07: torch's bf16 product is emulated there, Gemma 3's 500-token prefill 14x slower in bf16.)"""
+    ws = [w for stack in weights(torch.float32, megabytes) for w in stack]
+    xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    ws16, xs16 = [w.bfloat16() for w in ws], {k: x.bfloat16() for k, x in xs.items()}
+    with torch.no_grad():
+        same(F.linear(xs16[576], ws16[0]), F.linear(xs[576], ws[0]))
+        ms = timed({"bf16_ms": lambda: [F.linear(xs16[w.shape[1]], w) for w in ws16],
+                    "fp32_ms": lambda: [F.linear(xs[w.shape[1]], w) for w in ws]})
+    return {"choice": ms["bf16_ms"] < ms["fp32_ms"], **ms}

@@ -74,7 +74,7 @@ def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
     one = QuantLinear(first.kind, first.in_features, sum(l.out_features for l in layers),
                       torch.cat([l.codes for l in layers], rows_at), torch.cat([l.scale for l in layers]),
                       None if first.low is None else torch.cat([l.low for l in layers]), bias)
-    one.compute_dtype = first.compute_dtype
+    one.compute_dtype, one.dense_dtype = first.compute_dtype, first.dense_dtype
     start = 0
     for layer in layers:
         rows = slice(start, start + layer.out_features)

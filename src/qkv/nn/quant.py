@@ -109,6 +109,12 @@ def quant_rows() -> torch.dtype | None:
     return torch.bfloat16 if faster else None
 
 
+def dense_rows() -> torch.dtype | None:
+    """fp32 where torch's dense product of a prompt's rows is the faster in fp32 than in bf16 on this machine
+    (bf16 not native: emulated), else None (the rows' own dtype): measured once and kept (forms.measure_dense)."""
+    return None if forms.choice("dense_bf16", forms.measure_dense) else torch.float32
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b with W held quantized (int8 or int4, above); x in fp32 or bf16, y in x's dtype.
     `weight` is a property giving the dequantized matrix (for analyses that read it, not for speed)."""
@@ -125,6 +131,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
         self.compute_dtype: torch.dtype | None = quant_rows()  # the products' precision on the CPU (None: x's)
+        self.dense_dtype: torch.dtype | None = dense_rows()  # the dense form's (None: the rows')
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
@@ -245,17 +252,22 @@ class QuantLinear(nn.Module):
                 return summed_grouped_product(flat, codes, scale_t, low)
             traced = traced_here()  # a compiled graph: one bf16 row as one operator, more rows W dequantized
             if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1):
-                return torch.nn.functional.linear(flat, self.weight.to(flat.dtype))
+                return self.dense_product(flat, self.weight)
             return (grouped_op if traced else grouped_product)(flat, codes, scale_t, low, ones)
         if self.kind == "int8":
             codes, scale = operands  # (the scales in flat's dtype: the kernel's rounding)
             if summed_rows(flat, codes):  # a compiled step's one row, as a sum inductor writes (decoding_linear)
                 return summed_product(flat, codes, scale=scale)
             if dense or self.in_features % INT8_KERNEL_K:  # q_ij exact in bf16 and fp32 (|q| <= 127)
-                return torch.nn.functional.linear(flat, codes.to(flat.dtype)).mul_(scale)  # (x q^T) s
+                return self.dense_product(flat, codes).mul_(scale)  # (x q^T) s
             return torch._weight_int8pack_mm(flat, codes, scale)
         packed, scales_and_zeros = operands
         return torch._weight_int4pack_mm_for_cpu(flat, packed, self.group, scales_and_zeros)
+
+    def dense_product(self, flat: Tensor, w: Tensor) -> Tensor:
+        """flat W^T by torch's dense kernel, in dense_dtype where set (the result then in it too), else flat's."""
+        dtype = self.dense_dtype or flat.dtype
+        return torch.nn.functional.linear(flat.to(dtype), w.to(dtype))
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind != "int8" else ""
