@@ -166,8 +166,11 @@ def shipped_description(model: nn.Module) -> str:
             types[module.origin] = types.get(module.origin, 0) + 1
     head = getattr(getattr(model, "lm_head", None), "origin", None) or "unquantized"
     floats = sum(type(module) is nn.Linear for module in model.modules())
+    table = getattr(model, "tok_emb", None)
+    own = isinstance(table, QuantEmbedding) and table.blocks is not getattr(model, "lm_head", None)
     return (f"the file's quantized blocks as shipped ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))} "
-            f"linear layers{f', {floats} unquantized' if floats else ''}; the head {head})")
+            f"linear layers{f', {floats} unquantized' if floats else ''}; the head {head}"
+            f"{f', the embedding {table.blocks.origin}' if own else ''})")
 
 
 def convert_block(dtype: str, quant: str, device: str | torch.device = "cpu", group: int = GROUP):

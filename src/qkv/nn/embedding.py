@@ -61,26 +61,29 @@ class Embeddings(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """E[x] looked up in the blocks of the quantized output head it is tied to (W_out = W_E, note 003: one
-    vocabulary matrix): a GGUF file's Q8_0 table as shipped (qkv.formats.gguf) is held once, as the head's codes,
-    scales and minima, and each row looked up is dequantized, s q + m, exactly the row the table dequantizes to.
-    Held beside the head in fp32 the table would be 4 bytes a weight more (Gemma 3's 262,144 x 640: 671 MB, against
-    its 178 MB of blocks). `dtype`: the rows' (the model's activations', set by qkv.generate.weights.cast_unquantized)."""
+    """E[x] looked up in a quantized layer's blocks: a GGUF file's table as shipped (qkv.formats.gguf). Each row
+    looked up is dequantized, s q + m, exactly the row the table dequantizes to; the table is never held in
+    float (Gemma 3's 262,144 x 640 in fp32 would be 671 MB beside its 178 MB of Q8_0 blocks; Llama 3.1 8B's
+    128,256 x 4,096 2.1 GB). `blocks`: the output head where the table is tied to it (W_out = W_E, note 003: one
+    vocabulary matrix; SmolLM2's and Gemma 3's Q8_0), else a layer of the table's own, never multiplied. Held
+    as a plain attribute, not a submodule: the model holds a tied head as lm_head, and a table's own blocks are
+    no layer that runs (nor one the compiled step prepares kernels for); a shipped model stays on the CPU.
+    `dtype`: the rows' (the model's activations', set by qkv.generate.weights.cast_unquantized)."""
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype = torch.float32):
+    def __init__(self, blocks: QuantLinear, dtype: torch.dtype = torch.float32):
         super().__init__()
-        object.__setattr__(self, "head", head)  # not a submodule: the model holds it as lm_head
-        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+        object.__setattr__(self, "blocks", blocks)
+        self.num_embeddings, self.embedding_dim, self.dtype = blocks.out_features, blocks.in_features, dtype
 
     @property
     def device(self) -> torch.device:
-        return self.head.codes.device
+        return self.blocks.codes.device
 
     def forward(self, input_ids: Tensor) -> Tensor:  # (...) ids -> (..., D)
-        return quantized_rows(self.head, input_ids.reshape(-1)).to(self.dtype).view(*input_ids.shape, -1)
+        return quantized_rows(self.blocks, input_ids.reshape(-1)).to(self.dtype).view(*input_ids.shape, -1)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, the rows of the {self.head.kind} head"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.blocks.kind} blocks"
 
 
 def quantized_rows(layer: QuantLinear, ids: Tensor) -> Tensor:

@@ -88,10 +88,32 @@ def test_the_tied_embedding_looks_its_rows_up_in_the_heads_blocks(shipped):
     blocks, are the table the gguf package dequantizes."""
     _, run, whole, _ = shipped
     table, want = run.model.tok_emb, whole.model.tok_emb.weight
-    assert isinstance(table, QuantEmbedding) and table.head is run.model.lm_head
+    assert isinstance(table, QuantEmbedding) and table.blocks is run.model.lm_head
     assert not list(table.parameters()) and not list(table.buffers())
     ids = torch.tensor([[3, 0, 17], [want.shape[0] - 1, 5, 3]])
     assert (table(ids) - want[ids]).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q6_K"])
+def test_an_untied_table_looks_its_rows_up_in_its_own_blocks(tmp_path, type_name):
+    """A quantized table beside its own head (Llama 3.1 8B's Q4_K beside Q6_K): held as its blocks, not in fp32;
+    its rows the gguf package's dequantized table, the model's logits the dequantized model's."""
+    path = write_llama(tmp_path / "m.gguf", width=256, ffn=512, seed=5,
+                       raw=lambda name, w: (blocks_of(w, type_name, seed=len(name)), GGMLQuantizationType[type_name]))
+    run, whole = weights.load(path), weights.load(path, quant="none")
+    for module in run.model.modules():
+        if isinstance(module, QuantLinear):
+            module.compute_dtype = None
+    description = weights.prepare(run.model)
+    weights.prepare(whole.model)
+    table, want = run.model.tok_emb, whole.model.tok_emb.weight
+    assert isinstance(table, QuantEmbedding) and table.blocks is not run.model.lm_head
+    assert description.endswith(f"the head {type_name}, the embedding {type_name}), fp32 activations")
+    assert (table(torch.arange(want.shape[0])) - want).abs().max() <= 1e-6 * want.abs().max()
+    ids = torch.tensor([run.tokenizer.encode("To be, or not to be, that is the question")])
+    with torch.no_grad():
+        got, expected = run.model(ids), whole.model(ids)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
 def test_a_bf16_model_looks_up_bf16_rows_and_keeps_them_in_a_bf16_cache(tmp_path):

@@ -54,8 +54,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
     read, where the architecture's mapping only renames the file's tensors (llama, qwen2); otherwise it is
     not called (the caller converts the loaded model). `shipped`: there, each linear layer whose tensor is
     of a quantized block type (blocks.SHIPPED_TYPES) holds the file's blocks as they are (qkv.nn.quant's int4
-    and int8g kinds), and so does the output head (also one tied to a quantized embedding, which then looks its
-    rows up in the head's blocks); the rest is read dequantized to fp32."""
+    and int8g kinds), and so does the output head; an embedding table of such a type looks its rows up in its
+    blocks (the head's, where tied); the rest is read dequantized to fp32."""
     path = Path(path)
     file, arch, hf, family, cfg = read_model_config(path)
     tokenizer = cached_tokenizer(file.metadata, str(path))  # first: its parsing's garbage is returned before
@@ -66,7 +66,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", *,
     streams = (convert is not None or shipped) and not buffers and hasattr(model, "blocks")
     readers = block_readers(file, arch, hf, family, cfg, path, model if shipped else None) if streams else None
     if readers is not None:
-        stream_blocks(model, readers, str(path), convert, ship_tied_head(model, readers) if shipped else set())
+        stream_blocks(model, readers, str(path), convert, ship_embedding(model, readers) if shipped else set())
     elif shipped and not buffers and ship_whole(model, file, arch, hf, family, cfg, path):
         pass
     else:
@@ -172,7 +172,7 @@ def ship_whole(model: nn.Module, file: GgufFile, arch, hf: dict, family, cfg, pa
         module = layer_at(model, module_name) if qkv_name.endswith(".weight") else None
         if shippable(file.tensors[readers[qkv_name].source], module, module_name):
             readers[qkv_name] = functools.partial(read_blocks, file, arch, hf, *sources[id(tensor)])
-    made = ship_tied_head(model, readers)
+    made = ship_embedding(model, readers)
     part = {name: read() for name, read in readers.items()}
     layers = place_shipped(model, part) | made
     assign_model_tensors(model, part, str(path), within=lambda name: name not in layers)
@@ -204,23 +204,30 @@ def place_shipped(model: nn.Module, part: dict) -> set[str]:
     return made
 
 
-def ship_tied_head(model: nn.Module, readers: dict) -> set[str]:
-    """An output head tied to an embedding stored in a quantized block type (SmolLM2's and Gemma 3's Q8_0
-    tables), before anything is read: the head holds the blocks and the embedding looks its rows up in them
-    (qkv.nn.embedding.QuantEmbedding), so the table is never held dequantized; their readers are taken out of
-    `readers`. The names of the modules so made (none where the head is not tied to such a table)."""
+def ship_embedding(model: nn.Module, readers: dict) -> set[str]:
+    """An embedding table stored in a quantized block type, before anything is read: looked up in its blocks
+    (qkv.nn.embedding.QuantEmbedding), never held dequantized. Tied to the output head (SmolLM2's and Gemma 3's
+    Q8_0 tables) the head holds the blocks as shipped and the table reads them; untied (Llama 3.1 8B's Q4_K table
+    beside a Q6_K head), the table holds its own. Their readers are taken out of `readers`; the names of the
+    modules so made."""
     head, embedding = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
     read = readers.get("tok_emb.weight")
-    if (type(head) is not nn.Linear or embedding is None or head.weight is not embedding.weight or read is None
-            or read.func is not read_tensor or not shippable(read.args[0].tensors[read.source], head, "lm_head")):
+    if type(embedding) is not nn.Embedding or read is None or read.func is not read_tensor:
+        return set()
+    tensor = read.args[0].tensors[read.source]
+    tied = type(head) is nn.Linear and head.weight is embedding.weight
+    if not (shippable(tensor, head, "lm_head") if tied else
+            tensor.tensor_type.name in SHIPPED_TYPES and len(tensor.shape) == 2):
         return set()
     blocks = read_blocks(*read.args)
     if not isinstance(blocks, Shipped):
         return set()
-    bias = readers.pop("lm_head.bias")() if head.bias is not None else None
-    model.lm_head = blocks.layer(bias)
-    model.tok_emb = QuantEmbedding(model.lm_head)
     del readers["tok_emb.weight"]
+    if not tied:
+        model.tok_emb = QuantEmbedding(blocks.layer(None))
+        return {"tok_emb"}
+    model.lm_head = blocks.layer(readers.pop("lm_head.bias")() if head.bias is not None else None)
+    model.tok_emb = QuantEmbedding(model.lm_head)
     return {"lm_head", "tok_emb"}
 
 
