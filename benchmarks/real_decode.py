@@ -120,12 +120,8 @@ class QkvEngine:
 def decode_bytes(model) -> int:
     """Bytes one decode step reads: every weight once, the embedding table not (one row is looked up) unless
     it is also the head (a table looked up in a quantized head's blocks holds none of its own)."""
-    total = weight_bytes(model)
-    if not hasattr(model.tok_emb, "weight"):  # (qkv.nn.embedding.QuantEmbedding)
-        return total
-    emb = model.tok_emb.weight
-    head = model.lm_head
-    tied = isinstance(head, torch.nn.Linear) and head.weight is emb  # the head reads the whole table
+    total, emb = weight_bytes(model), getattr(model.tok_emb, "weight", None)  # (None: qkv.nn.embedding.QuantEmbedding)
+    tied = emb is None or isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is emb  # the whole table
     return total if tied else total - emb.numel() * emb.element_size()
 
 
