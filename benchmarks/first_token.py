@@ -64,11 +64,11 @@ def one_start(model: str, precision: list[str], cache: str, timeout: float = 900
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("--quant", default="none")
+    parser.add_argument("--quant", help="none, int8 or int4; without it a GGUF file's blocks as shipped")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--starts", type=int, default=2)
     args = parser.parse_args()
-    precision = ["--quant", args.quant, "--dtype", args.dtype]
+    precision = (["--quant", args.quant] if args.quant else []) + ["--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as cache:
         for start in range(args.starts):
             print(f"start {start + 1} ({'empty cache' if start == 0 else 'cache of start 1'}):",
