@@ -5,6 +5,8 @@ loader's logits; a Llama 3.x model written by qkv (rope_freqs) and read back wit
 HF model; and files whose metadata contradicts itself, each refused in one line with exit code 2."""
 import copy
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -284,3 +286,15 @@ def test_smollm3_and_phi3_as_llama_cpp_lays_them_out_give_the_hf_models_logits(t
         llama_cpp_agrees(path, ids)
         if arch == "smollm3":
             assert run.config.model.layer_types == ("global", "global", "global", "nope")
+
+
+def test_reading_a_gemma3_file_does_not_import_the_compiler(tmp_path):
+    """qkv chat's first reply does not wait for torch._dynamo (2 s): the loader's trial of Gemma's (1 + w) norm
+    mapping on shape-only tensors makes them without arithmetic, which on meta tensors imports it."""
+    model, meta = gemma3()
+    path = write(tmp_path / "gemma3.gguf", model, "gemma3", GEMMA, meta, 1.0)
+    code = ("import sys; from qkv.generate import weights; run = weights.load(sys.argv[1]); "
+            "weights.prepare(run.model); print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
