@@ -314,11 +314,12 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp ranks (qkv.parallel.experts)
     schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b (qkv.parallel.pipeline)
     microbatches: int = 4  # pp > 1: micro-batches per batch, at least pp
 
     def validate(self) -> "ParallelConfig":
-        for name in ("dp", "tp", "pp", "microbatches"):
+        for name in ("dp", "tp", "pp", "ep", "microbatches"):
             _positive(f"parallel.{name}", getattr(self, name))
         choice("parallel.zero", self.zero, (0, 1, 2, 3))
         return self

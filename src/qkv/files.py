@@ -241,6 +241,12 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    """Load `optimizer_tensors`' form. The kernel choice (fused, foreach) stays this optimizer's: the run that saved
+    it may have had other tensors (plain weights where this layout has FSDP2 shards beside plain experts)."""
+    kernels = ("fused", "foreach")
+    if len(groups) == len(optimizer.param_groups):
+        groups = [{**saved, **{key: own[key] for key in kernels if key in own}}
+                  for saved, own in zip(groups, optimizer.param_groups)]
     state: dict[int, dict] = {}
     for name, value in tensors.items():
         if name.startswith("optim."):

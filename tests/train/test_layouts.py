@@ -6,7 +6,6 @@ checkpoints move between layouts; two torchrun agents act as two nodes.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from qkv.cli import main
 from qkv.files import MODEL_FILE, read_tensors
 from qkv.train.metrics import MetricsLog
-from tests.train import REPO, launch_env, reserved_port, setup_env, shared_dir, torchrun
+from tests.train import REPO, launch_env, reserved_port, torchrun
 
 STEPS = 12
 RELATIVE = 1e-5
@@ -57,15 +56,6 @@ def assert_same_run(got: Path, want: Path, rtol: float = RELATIVE, steps: int = 
     errors = {name: float((x[name] - y[name]).norm() / y[name].norm()) for name in x
               if not name.endswith("k_proj.bias")}  # gradient 0 in exact arithmetic: Adam turns rounding
     assert max(errors.values()) < 10 * rtol, errors  # into updates; elsewhere 12 Adam steps amplify it a little
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    monkeypatch = pytest.MonkeyPatch()
-    path = setup_env(monkeypatch, tmp_path_factory)
-    os.environ["QKV_CACHE"] = str(shared_dir(tmp_path_factory, "cache"))  # the launched ranks read it too
-    yield path
-    monkeypatch.undo()
 
 
 @pytest.fixture(scope="module")

@@ -131,9 +131,7 @@ class MoE(nn.Module):
         if wants(self, "gates"):
             top, gates = self.hooked_gates(top, gates, x.shape)
         kept = self.within_capacity(top.view(*x.shape[:-1], self.top_k))  # (N, k) bool
-        out = torch.zeros_like(tokens)
-        for expert, rows, gate in dispatch(top, gates, kept, self.experts):
-            out = out.index_add(0, rows, gate[:, None].to(x.dtype) * expert(tokens[rows]))
+        out = self.routed_output(tokens, top, gates, kept)
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.aux_loss = load_balancing_loss(balance_probs(scores, self.routing), top, len(self.experts))
@@ -143,6 +141,14 @@ class MoE(nn.Module):
                 counts = torch.bincount(top[kept], minlength=len(self.experts)).float()
                 self.routed = counts if self.routed is None else self.routed + counts
         return point(self, "post", out.view_as(x))
+
+    def routed_output(self, tokens: Tensor, top: Tensor, gates: Tensor, kept: Tensor) -> Tensor:
+        """sum_{e in top, kept} g_e FFN_e(x) for every token (N, D); expert parallel replaces it
+        (qkv.parallel.experts: the rows travel to the ranks that hold their experts and back)."""
+        out = torch.zeros_like(tokens)
+        for expert, rows, gate in dispatch(top, gates, kept, self.experts):
+            out = out.index_add(0, rows, gate[:, None].to(tokens.dtype) * expert(tokens[rows]))
+        return out
 
     def hooked_gates(self, top: Tensor, gates: Tensor, shape) -> tuple[Tensor, Tensor]:
         """The gates as a (B, T, E) point; a replacement's k largest entries of each row become the routes."""
@@ -172,17 +178,23 @@ def dispatch(top: Tensor, gates: Tensor, kept: Tensor, experts: nn.ModuleList):
     step of a 128-expert top-8 layer runs 8 experts, where a loop asking each expert for its tokens asks 128
     times (benchmarks/moe_dispatch.py)."""
     k = top.shape[-1]
-    routes = torch.nonzero(kept.reshape(-1), as_tuple=True)[0]  # kept routes, token-major   (R,)
-    chosen = top.reshape(-1)[routes]
-    order = torch.argsort(chosen, stable=True)
-    routes, chosen = routes[order], chosen[order]
-    counts = torch.bincount(chosen, minlength=len(experts)).tolist()  # the one transfer to the host
+    routes, counts = sorted_routes(top, kept, len(experts))
+    counts = counts.tolist()  # the one transfer to the host
     start = 0
     for expert, count in zip(experts, counts):
         if count:
             run = routes[start:start + count]
             yield expert, run // k, gates.reshape(-1)[run]
         start += count
+
+
+def sorted_routes(top: Tensor, kept: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """(routes (R,), counts (E,)): the kept routes' flat indices into top (N k) sorted by expert, stably (a
+    token's rows stay in order; route r is token r // k), and each expert's number of them."""
+    routes = torch.nonzero(kept.reshape(-1), as_tuple=True)[0]  # kept routes, token-major   (R,)
+    chosen = top.reshape(-1)[routes]
+    order = torch.argsort(chosen, stable=True)
+    return routes[order], torch.bincount(chosen, minlength=experts)
 
 
 def load_balancing_loss(probs: Tensor, top: Tensor, experts: int) -> Tensor:

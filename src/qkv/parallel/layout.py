@@ -13,7 +13,8 @@ ZeRO (note 000 LLM §7.3) keeps that update and shards the training state over t
             shards ("梯度分区"); each block's gathered weights stay from the forward to the backward
     zero=3  FSDP2 fully_shard, reshard_after_forward=True: weights sharded too, gathered block by block
             in the forward and again in the backward ("参数分区", "前向/反向传播时广播/收集参数")
-The mesh is (pp, dp, tp), tp innermost; gloo on CPU, NCCL on CUDA.
+The mesh is (pp, dp, tp), tp innermost; gloo on CPU, NCCL on CUDA. Expert parallel (parallel.ep) splits the
+experts of each MoE layer over groups of ep data-parallel ranks: qkv.parallel.experts.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from qkv.nn.block import Block
 from qkv.nn.moe import MoE
 from qkv.parallel.memory import apply_activation_checkpointing
 from qkv.files import load_optimizer, model_tensors, optimizer_tensors
-from qkv.parallel import pipeline
+from qkv.parallel import experts, pipeline
 
 if TYPE_CHECKING:  # torch.distributed.tensor and device_mesh take seconds to import: a single process never does
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,6 +55,10 @@ class Layout:
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None  # (pp, dp, tp); None in a single process
     dp_rank: int = 0  # this rank's coordinate along dp: which rows of each global batch it reads
+    ep: int = 1  # expert parallel (qkv.parallel.experts): experts split over groups of ep consecutive dp ranks
+    ep_rank: int = 0  # this rank's place in its expert group
+    ep_group: object = None  # its expert group's process group (ep > 1)
+    replicas: object = None  # the ranks holding the same experts in the other groups (dp > ep)
 
     @property
     def is_main(self) -> bool:
@@ -135,6 +140,7 @@ def check_layout(cfg: RunConfig, world: int) -> None:
     """QkvError unless parallel.dp x tp x pp processes fit this launch, the model and the batch."""
     check_world(cfg, world)
     pc, tc = cfg.parallel.validate(), cfg.train
+    experts.validate(cfg)  # parallel.ep's own rules first: they name the expert layout
     if pc.zero and pc.dp == 1:
         raise QkvError(f"parallel.zero={pc.zero} shards over data-parallel ranks and needs parallel.dp > 1")
     if pc.dp > 1 and pc.tp > 1 and pc.zero < 2:
@@ -173,8 +179,17 @@ def setup(cfg: RunConfig, device: torch.device) -> Layout:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (pc.pp, pc.dp, pc.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return Layout(rank=dist.get_rank(), world=world, dp=pc.dp, tp=pc.tp, pp=pc.pp, zero=pc.zero, device=device,
-                  mesh=mesh, dp_rank=mesh["dp"].get_local_rank())
+    rank = dist.get_rank()
+    ep_group = replicas = None  # under ep > 1 tp = pp = 1: a rank's dp coordinate is its rank
+    for first in range(0, world, pc.ep) if pc.ep > 1 else ():  # every rank makes every group, in one order
+        group = dist.new_group(list(range(first, first + pc.ep)))
+        ep_group = group if first <= rank < first + pc.ep else ep_group
+    for place in range(pc.ep) if 1 < pc.ep < pc.dp else ():
+        group = dist.new_group(list(range(place, world, pc.ep)))
+        replicas = group if rank % pc.ep == place else replicas
+    return Layout(rank=rank, world=world, dp=pc.dp, tp=pc.tp, pp=pc.pp, zero=pc.zero, device=device,
+                  mesh=mesh, dp_rank=mesh["dp"].get_local_rank(), ep=pc.ep, ep_rank=rank % pc.ep,
+                  ep_group=ep_group, replicas=replicas)
 
 
 def shutdown() -> None:
@@ -192,15 +207,17 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
         from qkv.parallel import tensor as tensor_parallel  # torch.distributed.tensor: only for tensor parallel
 
         tensor_parallel.apply(model, layout.mesh["tp"], cfg.model)
+    owner = experts.apply(model, layout) if layout.ep > 1 else {}  # the other ranks' experts: meta tensors
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, save_attention=True)  # docs/training.md: +5% vs +37% time
     if layout.dp == 1:
         return model
     if layout.zero >= 2:
-        return shard_fully(model, layout.mesh["dp"], reshard_after_forward=layout.zero == 3)
+        return shard_fully(model, layout.mesh["dp"], reshard_after_forward=layout.zero == 3, ignored=owner)
     from torch.nn.parallel import DistributedDataParallel
 
-    has_moe = any(isinstance(module, MoE) for module in model.modules())  # top-k leaves experts unused
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(owner))  # experts: their own sums
+    has_moe = not owner and any(isinstance(module, MoE) for module in model.modules())  # top-k: experts unused
     return DistributedDataParallel(model, process_group=layout.mesh["dp"].get_group(),
                                    device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
                                    forward_sync_buffers=False, find_unused_parameters=has_moe,
@@ -215,17 +232,21 @@ def unwrapped(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def shard_fully(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> nn.Module:
+def shard_fully(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool,
+                ignored: dict[str, int] | None = None) -> nn.Module:
     """FSDP2: one all-gather / reduce-scatter unit per block, the rest (embeddings, final norm, head) in
     the root unit, as torchtitan wraps its Llama. Weights stay fp32 (autocast handles bf16). The root
     unit stays gathered from its forward into the backward (FSDP2's own heuristic for the root): the
-    objective runs the head and the loss on the model's output, and the backward starts with them."""
+    objective runs the head and the loss on the model's output, and the backward starts with them.
+    `ignored`: parameter names FSDP2 leaves alone (expert parallel's experts)."""
     from torch.distributed.fsdp import fully_shard
 
+    ignored = {p for name, p in model.named_parameters() if name in (ignored or {})}
     for module in model.modules():
         if isinstance(module, Block):
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        ignored_params={p for p in module.parameters() if p in ignored} or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None)
     return model
 
 

@@ -49,8 +49,8 @@ from qkv.nn.fastpath import is_dtensor
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.registry import Registry
 from qkv.parallel.precision import autocast
-from qkv.parallel.stages import Stage, StagedForward, release, retie
-from qkv.files import load_optimizer, optimizer_tensors
+from qkv.parallel.stages import STATE_KEYS, Stage, StagedForward, load_resident_optimizer, release, retie
+from qkv.files import optimizer_tensors
 
 # parallel.schedule -> its class in torch.distributed.pipelining (imported when a pipeline is built: the
 # package takes over a second to import, and a config check only needs the names)
@@ -299,20 +299,8 @@ class Pipeline:
         return None
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
-        """A single-process optimizer state into this stage: each moment of a stage parameter cut to its
-        shard (every rank read the same file), the other stages' dropped."""
-        order = [p for group in optimizer.param_groups for p in group["params"]]
-        mine = {}
-        for key, value in tensors.items():
-            if key.startswith("optim."):
-                param = order[int(key.split(".")[1])]
-                if not param.is_meta:
-                    mine[key] = files.shard_like(value, param) if value.dim() else value
-        load_optimizer(optimizer, mine, groups)
-
-
-# the per-parameter state tensors of qkv's optimizers (qkv.train.optim: AdamW, Adam, SGD)
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+        """A single-process optimizer state into this stage (the other stages' dropped)."""
+        load_resident_optimizer(optimizer, tensors, groups)
 
 
 def local(tensor: Tensor) -> Tensor:

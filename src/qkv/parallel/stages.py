@@ -8,9 +8,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from qkv import files
 from qkv.models.context import self_context
 from qkv.nn.linear_cross_entropy import cross_entropy
 from qkv.nn.positional import Learned, Positional
+
+# the per-parameter state tensors of qkv's optimizers (qkv.train.optim: AdamW, Adam, SGD, Muon's momentum)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
 class Stage(nn.Module):
@@ -111,3 +115,17 @@ def release(model: nn.Module, keep: set[int]) -> None:
                 meta[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                                requires_grad=param.requires_grad)  # a DTensor's global shape
             module._parameters[name] = meta[id(param)]
+
+
+def load_resident_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
+    """A single-process optimizer state (qkv.files.optimizer_tensors) into a model whose other ranks' parameters
+    are meta tensors: each resident parameter's state cut to its shard (every rank read the same file), the
+    others' dropped."""
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            param = order[int(key.split(".")[1])]
+            if not param.is_meta:
+                mine[key] = files.shard_like(value, param) if value.dim() else value
+    files.load_optimizer(optimizer, mine, groups)

@@ -103,6 +103,9 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.train.objective in ("sft", "dpo") and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         raise QkvError(f"train.objective={cfg.train.objective!r} runs on data-parallel layouts (parallel.dp, "
                        "parallel.zero); its packed or paired rows do not go through tensor or pipeline stages")
+    if cfg.train.objective == "dpo" and cfg.parallel.ep > 1:
+        raise QkvError("train.objective='dpo' runs on data-parallel layouts without parallel.ep (its reference "
+                       "model keeps every expert on every rank)")
     if cfg.train.objective in ("sft", "dpo") and cfg.train.batch_warmup_steps:
         raise QkvError(f"train.batch_warmup_steps: train.objective={cfg.train.objective!r} weighs each batch's "
                        "tokens whole; set it to 0")
@@ -115,9 +118,9 @@ def check_lora(cfg: RunConfig) -> None:
     if not cfg.train.init:
         raise QkvError("train.lora: LoRA adapts a trained model; give --init RUN_OR_GGUF (a fresh model has nothing "
                        "to keep frozen)")
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        raise QkvError("train.lora runs on data-parallel layouts (parallel.dp, parallel.zero); tensor and pipeline "
-                       "parallel split the layers it wraps")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
+        raise QkvError("train.lora runs on data-parallel layouts (parallel.dp, parallel.zero); tensor, pipeline "
+                       "and expert parallel split the layers it wraps")
 
 
 def check_fits(cfg: RunConfig) -> None:

@@ -13,6 +13,8 @@ A runner has these methods:
 `MicroBatches` serves one process, data parallel (DDP, ZeRO via FSDP2) and tensor parallel: the batch (this
 rank's b / dp rows) in micro-batches of batch_size / accumulation / dp rows, each weighted by its share b_i / b
 (note 000 LLM §10.4: the accumulated gradient is the gradient of the whole batch), communicated once per step.
+`ExpertBatches` is MicroBatches with expert parallel: the experts' gradients, norm and state its own
+(qkv.parallel.experts).
 The pipeline's runner is qkv.parallel.pipeline.Pipeline.
 """
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.config import RunConfig
+from qkv.parallel import experts
 from qkv.parallel import layout as parallel
 from qkv.parallel.pipeline import Pipeline
+from qkv.parallel.stages import load_resident_optimizer
 
 # backward(module, micro, share) -> (loss, aux), both detached: one micro-batch's forward and backward
 Backward = Callable[[nn.Module, tuple[Tensor, ...], float], tuple[Tensor, Tensor]]
@@ -76,4 +80,29 @@ def runner_for(model: nn.Module, cfg: RunConfig, layout: parallel.Layout, scaler
             tensor_parallel.apply(model, layout.mesh["tp"], cfg.model, split_logits=False)  # the stage's loss
         return Pipeline(model, layout.mesh["pp"], cfg, layout.device, dp=layout.dp, tp=layout.tp, scaler=scaler,
                         wrap=lambda stage: parallel.parallelize(stage, cfg, layout, tensor=False))
-    return MicroBatches(model, cfg, layout)
+    return ExpertBatches(model, cfg, layout) if layout.ep > 1 else MicroBatches(model, cfg, layout)
+
+
+class ExpertBatches(MicroBatches):
+    """MicroBatches whose model's experts are split over expert groups (parallel.ep > 1)."""
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, layout: parallel.Layout):
+        super().__init__(model, cfg, layout)
+        self.owner = experts.expert_owner(model, layout.ep)  # expert parameter -> its rank in a group
+
+    def forward_backward(self, batch: tuple[Tensor, ...], backward: Backward) -> tuple[Tensor, Tensor]:
+        result = super().forward_backward(batch, backward)
+        experts.reduce_gradients(self.model, self.owner, self.layout)
+        return result
+
+    def clip(self, max_norm: float) -> Tensor:
+        return experts.clip_grad_norm(self.model, self.owner, max_norm, self.layout)
+
+    def full_weights(self) -> dict[str, Tensor]:
+        return experts.full_weights(self.model, self.owner, self.layout)
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, Tensor], list[dict]]:
+        return (self.full_weights(), *experts.full_optimizer_state(self.model, self.owner, optimizer, self.layout))
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list[dict]) -> None:
+        load_resident_optimizer(optimizer, tensors, groups)
