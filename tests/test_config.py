@@ -231,7 +231,7 @@ def test_from_dict_unknown_keys_list_the_choices():
     message = error_of(lambda: RunConfig.from_dict({"modle": {}}, origin="x.json"))
     assert message == "x.json: unknown key 'modle'; choose from: model, train, data, parallel"
     message = error_of(lambda: RunConfig.from_dict({"parallel": {"ddp": 2}}, origin="x.json"))
-    assert message == "x.json: parallel: unknown key 'ddp'; choose from: dp, tp, pp, zero, schedule, microbatches"
+    assert message == "x.json: parallel: unknown key 'ddp'; choose from: dp, tp, pp, zero, ep, schedule, microbatches"
 
 
 def test_from_dict_rejects_non_objects():
@@ -304,7 +304,7 @@ def test_override_unknown_section_or_field_lists_the_choices():
     assert error_of(lambda: RunConfig().override(["optim.lr=1"])) == (
         "--set: unknown key 'optim'; choose from: model, train, data, parallel")
     message = error_of(lambda: RunConfig().override(["parallel.ddp=2"]))
-    assert message == "--set parallel: unknown key 'ddp'; choose from: dp, tp, pp, zero, schedule, microbatches"
+    assert message == "--set parallel: unknown key 'ddp'; choose from: dp, tp, pp, zero, ep, schedule, microbatches"
     message = error_of(lambda: RunConfig().override(["model.dmodel=2"]))
     assert message.startswith("--set model: unknown key 'dmodel'; choose from: arch, vocab_size, d_model,")
     assert all(f.name in message for f in dataclasses.fields(ModelConfig))

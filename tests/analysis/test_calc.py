@@ -22,6 +22,19 @@ def test_pipeline_options_without_a_pipeline_are_refused(option):
         calc.setup_from(presets.get("tiny"), **{option: 4 if option == "microbatches" else "gpipe"})
 
 
+@pytest.mark.parametrize("sets, given", [([], {}), (["model.moe_experts=3"], {}), (["model.moe_experts=4"], {"gpus": 3})])
+def test_expert_parallel_that_cannot_split_the_experts_is_refused(sets, given):
+    """--ep without experts, not dividing them, or not dividing the data-parallel GPUs."""
+    cfg = presets.get("tiny").override(sets + ["parallel.dp=2"])
+    with pytest.raises(QkvError, match="--ep=2 splits each MoE layer's experts"):
+        calc.calculate(cfg, ep=2, **given)
+
+
+def test_expert_parallel_takes_the_runs_setting():
+    cfg = presets.get("tiny").override(["model.moe_experts=4", "parallel.dp=4", "parallel.ep=2"])
+    assert calc.setup_from(cfg).ep == 2 and calc.setup_from(cfg, ep=4).ep == 4
+
+
 def test_mfu_counts_every_token_of_an_optimizer_step():
     """32 sequences per step however they are split (dp 2 x accumulation 2 x 4 micro-batches of 2): MFU =
     6N-with-attention FLOPs per token x 32 x 32 tokens / step time / (peak x 2 GPUs)."""

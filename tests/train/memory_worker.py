@@ -32,6 +32,8 @@ LAYOUTS = {  # name: settings, 2 ranks each
     "zero0": ["parallel.dp=2"], "zero1": ["parallel.dp=2", "parallel.zero=1"],
     "zero2": ["parallel.dp=2", "parallel.zero=2"], "zero3": ["parallel.dp=2", "parallel.zero=3"],
     "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "parallel.microbatches=2"],
+    "ep2": ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4"],
+    "ep2_zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "model.moe_experts=4"],
 }
 PRECISIONS = ("fp32", "bf16")
 PEAK_LAYOUTS = {  # name: settings, 2 ranks each; 16 x 64 tokens per step

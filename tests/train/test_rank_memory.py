@@ -1,7 +1,7 @@
 """Memory per rank, measured (tests/train/memory_worker.py: 2 gloo processes, one Trainer step of each
 layout) against `qkv calc` (qkv.analysis.memory) for the same layout: the weights, gradients
-and optimizer states each rank holds agree within 10% (measured: exact for ZeRO 0-3 and pp, 0.4% under
-tp, whose row-parallel biases are replicated), in fp32 and bf16 (qkv keeps fp32 weights and gradients
+and optimizer states each rank holds agree within 10% (measured: exact for ZeRO 0-3, pp and expert parallel,
+0.4% under tp, whose row-parallel biases are replicated), in fp32 and bf16 (qkv keeps fp32 weights and gradients
 under autocast: the textbook layout's 2-byte weights would be half of what is measured); then each
 rank's whole peak under dp, tp and pp, activations included."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from qkv import presets
-from qkv.analysis import memory
+from qkv.analysis import memory, params
 from tests.train import setup_env, shared_dir, torchrun
 from tests.train.memory_worker import LAYOUTS, PEAK_LAYOUTS, PRECISIONS
 
@@ -35,8 +35,10 @@ def estimate(key: str, vocab_size: int, layout: str = "qkv") -> dict[str, float]
     name, precision = key.split("/")
     sets = dict(item.split("=") for item in LAYOUTS[name])
     setup = memory.Setup(precision=precision, gpus=int(sets.get("parallel.dp", 1)), zero=int(sets.get("parallel.zero", 0)),
-                         tp=int(sets.get("parallel.tp", 1)), pp=int(sets.get("parallel.pp", 1)), layout=layout)
-    cfg = dataclasses.replace(presets.get("tiny").model, vocab_size=vocab_size)
+                         tp=int(sets.get("parallel.tp", 1)), pp=int(sets.get("parallel.pp", 1)),
+                         ep=int(sets.get("parallel.ep", 1)), layout=layout)
+    model = presets.get("tiny").override([s for s in LAYOUTS[name] if s.startswith("model.")]).model
+    cfg = dataclasses.replace(model, vocab_size=vocab_size)
     states = memory.training(cfg, setup)
     return {"weights": states["weights"] + states["master_weights"], "gradients": states["gradients"],
             "optimizer_states": states["optimizer_states"]}
@@ -68,6 +70,19 @@ def test_sharding_divides_what_the_note_says(measured):
     vocab = measured[0]["pp2/fp32"]["vocab_size"]
     tied = vocab * presets.get("tiny").model.d_model * 4  # W_E, held by the first and the last stage
     assert sum(pp) == z[0]["weights"] + tied
+
+
+def test_expert_parallel_holds_half_the_experts(measured):
+    """Expert parallel on 2 ranks: each holds the non-expert weights and half of the routed experts, with their
+    gradients and Adam moments (counted exactly), also under FSDP2, which shards only the non-expert part."""
+    vocab = measured[0]["ep2/fp32"]["vocab_size"]
+    cfg = dataclasses.replace(presets.get("tiny").override(["model.moe_experts=4"]).model, vocab_size=vocab)
+    total, routed = params.breakdown(cfg)["total"], params.routed_experts(cfg)
+    assert routed > total / 2  # the experts are most of the model: halving them shows
+    for rank in measured:
+        assert rank["ep2/fp32"]["weights"] == 4 * (total - routed // 2)
+        assert rank["ep2/fp32"]["optimizer_states"] == 8 * (total - routed // 2)
+        assert rank["ep2_zero3/fp32"]["optimizer_states"] < rank["ep2/fp32"]["optimizer_states"]
 
 
 def test_the_textbook_layout_is_not_what_qkv_holds_in_bf16(measured):

@@ -63,7 +63,7 @@ def setup_from(cfg: RunConfig, **given) -> memory.Setup:
     micro = (given.get("microbatches") or pc.microbatches) if pipeline > 1 else 1
     default = dict(batch=max(1, tc.batch_size // (tc.accumulation * pc.dp * micro)), seq=tc.seq_len,
                    precision=auto_precision(tc), optimizer=tc.optimizer, zero=pc.zero, gpus=pc.dp,
-                   checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp,
+                   checkpointing=tc.activation_checkpointing, tp=pc.tp, pp=pc.pp, ep=pc.ep,
                    microbatches=micro, schedule=pc.schedule, accumulation=tc.accumulation,
                    split_logits=not tc.label_smoothing,  # head_cross_entropy gathers them for smoothing
                    device=run_device(tc))
@@ -75,6 +75,9 @@ def calculate(cfg: RunConfig, *, tokens: float | None = None, step_time: float |
               peak_flops: float | None = None, **options) -> dict:
     model = trained_model(cfg)
     setup = setup_from(cfg, **options)
+    if setup.ep > 1 and (not model.moe_experts or model.moe_experts % setup.ep or setup.gpus % setup.ep):
+        raise QkvError(f"--ep={setup.ep} splits each MoE layer's experts over data-parallel GPUs: it must divide "
+                       f"model.moe_experts={model.moe_experts} and --gpus={setup.gpus}")
     if setup.seq > model.max_seq_len and model.positional == "learned":
         raise QkvError(f"--seq={setup.seq} exceeds model.max_seq_len={model.max_seq_len} (learned positions)")
     counts = params.breakdown(model)

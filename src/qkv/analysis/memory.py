@@ -41,9 +41,11 @@ activations are rebuilt at a time in the backward.
 Per rank (`activations`): tensor parallel with sequence parallel keeps T/tp stream positions, H/tp heads
 and F/tp hidden units (LN(x) gathered whole; the logits V/tp wide, whole in a pipeline); pipeline stage s
 keeps its layers for the micro-batches in flight (IN_FLIGHT). Measured against each rank's peak: docs/distributed.md.
+Expert parallel (ep ranks) holds E / ep of the routed experts per rank, whole (ZeRO shards the rest over dp).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from qkv.analysis import params
@@ -83,6 +85,7 @@ class Setup:
     checkpointing: bool = False
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert-parallel ranks: each holds E / ep of every MoE layer's experts, unsharded by ZeRO
     layout: str = "qkv"  # or "textbook": low-precision weights and gradients beside an fp32 master copy
     chunked_head: bool = True  # the LM head and its loss in row chunks, as qkv's training step runs them
     split_logits: bool = True  # tp > 1: the loss on V/tp logits per rank (label smoothing gathers them whole)
@@ -97,19 +100,12 @@ class Setup:
         return LAYOUTS[self.layout][self.precision]
 
     def check(self) -> "Setup":
-        if self.precision not in PRECISION_BYTES:
-            raise QkvError(f"precision={self.precision!r} is not allowed; choose from: {', '.join(PRECISION_BYTES)}")
-        if self.device not in ("cuda", "cpu"):
-            raise QkvError(f"device={self.device!r} is not allowed; choose from: cuda, cpu")
-        if self.optimizer not in OPTIMIZER_BYTES:
-            raise QkvError(f"optimizer={self.optimizer!r} is not allowed; choose from: {', '.join(OPTIMIZER_BYTES)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise QkvError(f"zero={self.zero} is not allowed; choose from: 0, 1, 2, 3")
-        if self.layout not in LAYOUTS:
-            raise QkvError(f"layout={self.layout!r} is not allowed; choose from: {', '.join(LAYOUTS)}")
-        if self.schedule not in IN_FLIGHT:
-            raise QkvError(f"schedule={self.schedule!r} is not allowed; choose from: {', '.join(IN_FLIGHT)}")
-        for name in ("batch", "gpus", "tp", "pp", "microbatches", "accumulation"):
+        for name, allowed in (("precision", PRECISION_BYTES), ("device", ("cuda", "cpu")), ("optimizer", OPTIMIZER_BYTES),
+                              ("zero", (0, 1, 2, 3)), ("layout", LAYOUTS), ("schedule", IN_FLIGHT)):
+            if getattr(self, name) not in allowed:
+                raise QkvError(f"{name}={getattr(self, name)!r} is not allowed; choose from: "
+                               f"{', '.join(map(str, allowed))}")
+        for name in ("batch", "gpus", "tp", "pp", "ep", "microbatches", "accumulation"):
             if getattr(self, name) <= 0:
                 raise QkvError(f"{name}={getattr(self, name)} must be positive")
         if self.seq < 0:
@@ -372,7 +368,10 @@ def stage_activations(cfg: ModelConfig, setup: Setup, layer: float, head: float,
 def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
     """{part: bytes per GPU} and the total, for one training step's peak."""
     setup.check()
-    parts = {**model_states(rank_params(cfg, setup), setup, root_params(cfg, setup)), **activations(cfg, setup)}
+    routed = params.routed_experts(cfg) if setup.ep > 1 else 0  # expert parallel (qkv.parallel.experts)
+    held = model_states(rank_params(cfg, setup) - routed, setup, root_params(cfg, setup))
+    own = model_states(routed / setup.ep, dataclasses.replace(setup, zero=0))  # its experts, whole
+    parts = {**{part: held[part] + own[part] for part in held}, **activations(cfg, setup)}
     return {**parts, "total": sum(parts.values())}
 
 

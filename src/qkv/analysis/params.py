@@ -109,6 +109,13 @@ def active_ffn(cfg: ModelConfig, moe: bool | None = None) -> int:
     return ffn(cfg, True) - (cfg.moe_experts - cfg.moe_top_k) * expert(cfg, cfg.moe_d_ff or cfg.d_ff)
 
 
+def routed_experts(cfg: ModelConfig) -> int:
+    """The routed experts' parameters over a decoder's layers: what expert parallel splits over its ranks."""
+    if cfg.arch != "decoder" or not cfg.moe_experts:
+        return 0
+    return sum(routed_layers(cfg, cfg.decoder_layers, True)) * cfg.moe_experts * expert(cfg, cfg.moe_d_ff or cfg.d_ff)
+
+
 def routed_layers(cfg: ModelConfig, layers: int, decoder: bool) -> list[bool]:
     """Whether each layer of a stack routes: a decoder's as its plan says (dense layers listed), every layer
     of an encoder stack where the model has experts."""

@@ -38,7 +38,7 @@ def calc_text(r: dict) -> str:
         lines += [f"  + recomputed by activation checkpointing: {count(f['recomputed_with_checkpointing'])} (hardware FLOPs)"]
     lines += [""]
     mem = r["memory"]
-    grid = "".join(f", {name} {s[name]}" for name in ("tp", "pp") if s.get(name, 1) > 1)
+    grid = "".join(f", {name} {s[name]}" for name in ("tp", "pp", "ep") if s.get(name, 1) > 1)
     grid += f" ({s['schedule']}, {s['microbatches']} micro-batches)" if s.get("pp", 1) > 1 else ""
     title = (f"training memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO {s['zero']}, {s['gpus']} GPU(s)"
              f"{grid}, micro-batch {s['batch']} x {s['seq']}{', checkpointing' if s['checkpointing'] else ''}; "
@@ -52,7 +52,7 @@ def calc_text(r: dict) -> str:
                   "fp32 weights and gradients under autocast)"]
     if grid:
         lines += ["  (each part for its most loaded rank: tp splits heads, hidden units and T/tp stream positions; "
-                  "a pipeline stage holds its micro-batches in flight)"]
+                  "a pipeline stage holds its micro-batches in flight; expert parallel E / ep of the experts)"]
     lines += [""]
     lines += [f"inference KV cache for {s['batch']} x {s['seq']} tokens: {nbytes(r['kv_cache_bytes'])}", ""]
     if "compute" in r:

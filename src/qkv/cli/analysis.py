@@ -23,6 +23,7 @@ def add_parsers(sub) -> None:
     calc.add_argument("--gpus", type=count, help="data-parallel GPUs (default parallel.dp)")
     calc.add_argument("--tp", type=count, help="tensor-parallel ranks (default parallel.tp)")
     calc.add_argument("--pp", type=count, help="pipeline stages (default parallel.pp)")
+    calc.add_argument("--ep", type=count, help="expert-parallel ranks among the --gpus (default parallel.ep)")
     calc.add_argument("--microbatches", type=count, help="pipeline micro-batches per step (default "
                       "parallel.microbatches; --batch is one micro-batch)")
     calc.add_argument("--schedule", help="pipeline schedule, a name of parallel.schedule (default: the config's)")
@@ -75,7 +76,7 @@ def cmd_calc(args) -> int:
     else:
         cfg = calc.resolve(args.preset, args.config, args.set)
     result = calc.calculate(cfg, seq=args.seq, batch=args.batch, precision=args.precision,
-                            optimizer=args.optimizer, zero=args.zero, gpus=args.gpus, tp=args.tp, pp=args.pp,
+                            optimizer=args.optimizer, zero=args.zero, gpus=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep,
                             microbatches=args.microbatches, schedule=args.schedule, layout=args.layout,
                             checkpointing=args.checkpointing, tokens=args.tokens,
                             step_time=args.step_time, peak_flops=args.peak_flops)
