@@ -1,5 +1,5 @@
 """Memory per rank, measured against `qkv calc`: 2 gloo processes (tests/train/memory_worker.py) train one
-step of each layout (ZeRO 0-3 over dp=2, tp=2, pp=2) in fp32 and bf16 and record the bytes each rank holds
+step of each layout (ZeRO 0-3 over dp=2, tp=2, pp=2, expert parallel ep=2 with 4 experts) in fp32 and bf16 and record the bytes each rank holds
 of weights (at the end of the forward), gradients (after the backward) and optimizer states (after the
 update), then the whole step's peak for dp=2, tp=2 and pp=2 (1F1B and GPipe); beside them the
 calculator's figure for the most loaded rank (qkv.analysis.memory). Markdown tables on stdout
@@ -48,11 +48,12 @@ def main() -> None:
         sets = dict(item.split("=") for item in LAYOUTS[name])
         for precision in PRECISIONS:
             key = f"{name}/{precision}"
-            cfg = presets.get("tiny").override(list(args.set)).model
+            model_sets = [item for item in LAYOUTS[name] if item.startswith("model.")]  # the ep layouts' experts
+            cfg = presets.get("tiny").override(list(args.set) + model_sets).model
             cfg = dataclasses.replace(cfg, vocab_size=ranks[0][key]["vocab_size"])
             setup = memory.Setup(precision=precision, gpus=int(sets.get("parallel.dp", 1)),
                                  zero=int(sets.get("parallel.zero", 0)), tp=int(sets.get("parallel.tp", 1)),
-                                 pp=int(sets.get("parallel.pp", 1)))
+                                 pp=int(sets.get("parallel.pp", 1)), ep=int(sets.get("parallel.ep", 1)))
             est = memory.training(cfg, setup)
             est = {"weights": est["weights"] + est["master_weights"], "gradients": est["gradients"],
                    "optimizer_states": est["optimizer_states"]}

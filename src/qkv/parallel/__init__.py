@@ -6,6 +6,7 @@ stages; launched with torchrun), activation checkpointing and mixed-precision au
     tensor     tensor + sequence parallel plans (note 000 LLM §7.2)
     pipeline   pipeline stages with micro-batches (GPipe, 1F1B) and their checkpoints
     stages     each rank's share of the model in a pipeline
+    experts    expert parallel: each MoE layer's experts split over ranks, tokens sent by all-to-all
     memory     activation checkpointing (note 000 LLM §6.2) and the bytes of a rank's state
     precision  bf16 / fp16 autocast (note 000 LLM §6.2)
 

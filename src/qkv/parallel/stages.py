@@ -1,7 +1,8 @@
 """The modules of a pipeline stage (qkv.parallel.pipeline): the stage's part of a DecoderLM, the staged forward
 that evaluation runs, and the two rewrites of the whole model a stage needs: `release` (the other stages'
 parameters become meta tensors: shape, no storage) and `retie` (a weight tied across a stage's edge stays
-one parameter after FSDP2 replaced the stage's copy)."""
+one parameter after FSDP2 replaced the stage's copy); `load_resident_optimizer`, a single-process optimizer
+state into a model whose other ranks' parameters are meta tensors (also expert parallel's)."""
 from __future__ import annotations
 
 import torch
