@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from tests.train import verse
+from tests.train import benchmark_folder
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model.d_model=256", "model.n_heads=8", "model.n_layers=8", "model.d_ff=1024", "model.moe_experts=4",
@@ -39,11 +37,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--processes", type=int, default=2)
     args = parser.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="qkv-expert-parallel-"))
-    text = out / "verse.txt"
-    text.write_text(verse(lines=200), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "QKV_CACHE": str(out / "cache"),
-           "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    out, text, env = benchmark_folder("qkv-expert-parallel-")
     layouts = {"dp": [f"parallel.dp={args.processes}"],
                "dp x ep": [f"parallel.dp={args.processes}", f"parallel.ep={args.processes}"]}
     rates: dict[str, list[float]] = {name: [] for name in layouts}

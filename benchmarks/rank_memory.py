@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from qkv import presets
 from qkv.analysis import calc, memory
-from tests.train import verse
+from tests.train import benchmark_folder
 from tests.train.memory_worker import LAYOUTS, PEAK_LAYOUTS, PEAK_SHAPE, PRECISIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,11 +30,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=["model.d_model=256", "model.n_heads=8",
                                                            "model.n_layers=8", "model.d_ff=1024"])
     args = parser.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="qkv-rank-memory-"))
-    text = out / "verse.txt"
-    text.write_text(verse(lines=200), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "QKV_CACHE": str(out / "cache"),
-           "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    out, text, env = benchmark_folder("qkv-rank-memory-")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                     "tests.train.memory_worker", str(out), str(text), *args.set], cwd=REPO, env=env, check=True)
     ranks = [json.loads((out / f"memory{r}.json").read_text()) for r in (0, 1)]

@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -118,6 +119,17 @@ def launch_env() -> dict[str, str]:
     """The environment of a launched process: one torch thread, the tests package importable."""
     return {**os.environ, "OMP_NUM_THREADS": "1",
             "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def benchmark_folder(prefix: str) -> tuple[Path, Path, dict[str, str]]:
+    """A benchmark's temporary folder, its verse file (200 lines) and the environment of the ranks it launches:
+    launch_env's, with this checkout's src importable and a token cache of their own in the folder."""
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    text = out / "verse.txt"
+    text.write_text(verse(lines=200), encoding="utf-8")
+    env = launch_env()
+    return out, text, {**env, "QKV_CACHE": str(out / "cache"),
+                       "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{env['PYTHONPATH']}"}
 
 
 def torchrun(processes: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
