@@ -16,6 +16,7 @@ from qkv.errors import QkvError
 from qkv.files import read_tensors
 from qkv.parallel import layout as parallel
 from qkv.presets import get as preset
+from qkv.train import checks
 from tests.train.test_layouts import args, assert_same_run, launch
 
 STEPS = 12
@@ -67,3 +68,14 @@ def test_impossible_expert_layouts_are_refused_in_one_line(sets, message):
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
     with pytest.raises(QkvError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parallel.check_layout(cfg, world)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.lora=r=4", "train.init=base"], "tensor, pipeline and expert parallel split the layers it wraps"),
+    (["train.objective=dpo", "train.init=base"], "without parallel.ep"),
+])
+def test_adaptations_expert_parallel_cannot_run_are_refused(sets, message):
+    """LoRA wraps the experts' layers that expert parallel splits; DPO's reference model keeps every expert."""
+    cfg = preset("tiny").override(["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", *sets])
+    with pytest.raises(QkvError, match=message):
+        checks.check_lora(cfg)

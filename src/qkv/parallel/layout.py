@@ -216,7 +216,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, layout: Layout, *, tensor: boo
         return shard_fully(model, layout.mesh["dp"], reshard_after_forward=layout.zero == 3, ignored=owner)
     from torch.nn.parallel import DistributedDataParallel
 
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(owner))  # experts: their own sums
+    if owner:  # expert parallel's experts: reduced by qkv.parallel.experts, not in DDP's buckets
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(owner))
     has_moe = not owner and any(isinstance(module, MoE) for module in model.modules())  # top-k: experts unused
     return DistributedDataParallel(model, process_group=layout.mesh["dp"].get_group(),
                                    device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
