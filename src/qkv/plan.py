@@ -102,7 +102,6 @@ def check_plan(cfg: ModelConfig) -> None:
 
 
 def cached_columns(plan: LayerPlan, length: int) -> int:
-    """Key columns a layer's cache holds for `length` tokens: a sliding layer's ring, W + RING_SPARE slots, where
-    that is fewer (qkv.nn.cache.KVCache keeps it so)."""
-    ring = plan.window + RING_SPARE
-    return ring if plan.window and ring < length else length
+    """Key columns a layer's cache holds for `length` tokens: a sliding layer's ring, W + RING_SPARE slots at any
+    length (qkv.nn.cache.KVCache keeps it so)."""
+    return plan.window + RING_SPARE if plan.window else length

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from qkv.generate import background, compiled
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 from tests.cli.test_main import cli
 from tests.formats.gguf import write_llama
-from tests.generate.test_compiled import LLAMA, NEEDS_CXX, PROMPT, tiny
+from tests.generate.test_compiled import GEMMA, LLAMA, NEEDS_CXX, PROMPT, tiny
 
 pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (tests/generate/conftest.py)
 
@@ -22,8 +23,9 @@ pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (test
 def test_the_step_compiled_in_the_background_takes_over_with_the_general_steps_logits():
     """Eager tokens while the compiler works, the compiled step's once it is done (switched by usable() itself,
     announced in one line), each token's logits those of a twin model decoded by the general step throughout;
-    the graphs traced on a copy of the modules that holds the model's own tensors (nothing copied)."""
-    model, reference = tiny(**LLAMA), tiny(**LLAMA)  # (the same seed: the same weights)
+    the graphs traced on a copy of the modules that holds the model's own tensors (nothing copied) and on the
+    caches chat decodes with (Gemma's sliding layers in rings: no graph traced again after the switch)."""
+    model, reference = tiny(**GEMMA), tiny(**GEMMA)  # (the same seed: the same weights)
     lines: list[str] = []
     step = background.enable_in_background(model, threads=1, rows=(1,), prompt=False, announce=lines.append)
     owned = {id(tensor) for tensor in background.tensors_held(model)}
@@ -32,7 +34,7 @@ def test_the_step_compiled_in_the_background_takes_over_with_the_general_steps_l
     assert not any(isinstance(layer, DecodingLinear) for layer in model.modules())  # (the owner's as they were)
     paths = []
     with torch.inference_mode(), decoding_linears(model):
-        cache, general = model.new_cache(1, 40), reference.new_cache(1, 40)
+        cache, general = model.new_cache(1, 40, rolling=True), reference.new_cache(1, 40, rolling=True)
         got = compiled.prompt_logits(model, torch.tensor([PROMPT]), cache)
         want = reference(torch.tensor([PROMPT]), cache=general)[:, -1]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -40,12 +42,13 @@ def test_the_step_compiled_in_the_background_takes_over_with_the_general_steps_l
         for i in range(12):
             if i == 4:  # (4 eager tokens take milliseconds; the compiler seconds)
                 assert step.background.wait(600) and step.failed is None
+                graphs = counters["stats"]["unique_graphs"]
             paths.append(step.usable(cache))
             got = compiled.next_logits(model, token, cache)
             want = reference(token[:, None], cache=general)[:, -1]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same math, fused: fp32 rounding
             token = want.argmax(-1)
-    assert paths == [False] * 4 + [True] * 8
+    assert paths == [False] * 4 + [True] * 8 and counters["stats"]["unique_graphs"] == graphs
     assert len(lines) == 1 and lines[0].startswith("qkv: the compiled decoding step takes over (compiled in the "
                                                    "background in ")
     for a, b in zip(general.layers, cache.layers):

@@ -378,7 +378,7 @@ def training(cfg: ModelConfig, setup: Setup) -> dict[str, float]:
 def kv_cache(cfg: ModelConfig, *, batch: int, seq: int, bytes_per_element: int = 2, source_seq: int = 0) -> int:
     """Inference KV cache: K and V of every decoder layer, 2 B T Hkv Dh elements a layer (GQA/MQA shrink Hkv),
     T the layer's columns: all seq tokens for a global layer, a sliding layer's ring of W + RING_SPARE slots
-    where that is fewer (qkv.plan, qkv.nn.cache: generate and chat keep them so); an encoder-decoder also
+    at any length (qkv.plan, qkv.nn.cache: generate, chat and serve keep them so); an encoder-decoder also
     caches the cross-attention K, V over the S source tokens. Latent attention (qkv.nn.mla) caches r + d_R
     elements a token a layer: the latent and the shared RoPE key, whatever its head count."""
     if cfg.arch == "encoder":

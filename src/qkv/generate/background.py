@@ -47,12 +47,12 @@ def trace(step: CompiledStep, rows: tuple[int, ...], prompt: bool) -> None:
     its own: TorchDynamo traces each graph and inductor compiles it (or reads it from its cache)."""
     model = step.model
     with torch.inference_mode(), decoding_linears(model):  # (as generate, chat and the server decode)
-        for count in rows:
-            cache = model.new_cache(count, 3)
+        for count in rows:  # (caches of the kind generate, chat and serve decode with: sliding layers in rings)
+            cache = model.new_cache(count, 3, rings=True)
             model(torch.zeros(count, 1, dtype=torch.long), cache=cache)
             step(torch.zeros(count, dtype=torch.long), cache)
         if prompt:
-            step.prompt(torch.zeros(1, 2, dtype=torch.long), model.new_cache(1, 3))
+            step.prompt(torch.zeros(1, 2, dtype=torch.long), model.new_cache(1, 3, rings=True))
 
 
 class Background:

@@ -62,13 +62,15 @@ class DecoderLM(Embeddings):
             # the whole head (SmolLM2's: 48 against 3 ms)
         return point(self, "logits", self.lm_head(x)) if head else x  # (B, T, V) or (B, T, D)
 
-    def new_cache(self, batch: int, max_len: int, *, rolling: bool = False) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, *, rolling: bool = False, rings: bool | None = None) -> KVCache:
         """A preallocated KV cache for `batch` rows of up to `max_len` tokens; `rolling`: keep only the columns
-        the kernel can still read (a local kernel's last w, any length; a sliding layer's ring; qkv.nn.cache). Its keys and values are
-        held in the embedding's dtype, or in `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
+        the kernel can still read (a local kernel's last w, any length) and `rings` (by default as `rolling`) each
+        sliding layer's in a ring (qkv.nn.cache). Its keys and values are held in the embedding's dtype, or in
+        `kv_dtype` where set (qkv.generate.weights.set_kv_dtype)."""
         attn = self.blocks[0].attn
         dtype, device = activations_of(self)
-        windows = tuple(block.attn.sliding for block in self.blocks) if rolling else ()  # rings (qkv.plan)
+        rings = rolling if rings is None else rings
+        windows = tuple(block.attn.sliding for block in self.blocks) if rings else ()  # (qkv.plan)
         heads, k_dim, v_dim = attn.cache_dims  # (latent attention: one key head of the latent, no values)
         return KVCache(len(self.blocks), batch, heads, max_len, k_dim, dtype=self.kv_dtype or dtype,
                        device=device, window=rolling_window(attn.kernel_name, attn.window) if rolling else 0,

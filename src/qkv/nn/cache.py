@@ -17,7 +17,10 @@ it (generation does; Transformer-XL segment training keeps the full cache).
 
 Ring cache (a sliding layer of qkv.plan, `layer_windows`): a layer that sees only its last W keys keeps
 W + RING_SPARE columns in a ring, column c in slot c mod slots, so a long chat's memory grows with the global
-layers only (Gemma 3 270M at 8,192 tokens: 3 of its 18 layers). The KVCache still records every column's
+layers only (Gemma 3 270M at 8,192 tokens: 3 of its 18 layers). The ring has its W + RING_SPARE slots however
+short the context, so that every cache a model decodes with is of one kind: the compiled step traces one graph
+for it (qkv.generate.compiled; a cache of another kind would trace again, a minute or more, in the middle of a
+chat or a server's batch). The KVCache still records every column's
 position and padding (a few bytes a column); a ring's `append` returns its kept columns in order, then this
 call's, with `columns` their indices among all of them, and the attention masks by those (qkv.nn.attention).
 The spare columns let a compiled prompt of up to RING_SPARE + 1 tokens write in place without overwriting a key
@@ -132,6 +135,13 @@ class RingLayerCache:
 
     detach = LayerCache.detach
 
+    def keep_last(self, n: int) -> None:
+        """Keep the last n columns, numbered from 0 again: the slots turned so that column c - start, once c,
+        sits in slot (c - start) mod slots (those of the n it no longer holds were overwritten before)."""
+        start = max(self.length - n, 0)
+        self.k, self.v = self.k.roll(-(start % self.slots), dims=2), self.v.roll(-(start % self.slots), dims=2)
+        self.length -= start
+
     def holds(self, n: int, window: int) -> bool:
         """Whether, cut back to n columns, the ring still holds the last `window` - 1 of them (a query at
         column n sees back to n - window + 1)."""
@@ -149,16 +159,15 @@ class KVCache:
                  *, dtype=torch.float32, device=None, window: int = 0, layer_windows: tuple[int, ...] = (),
                  v_dim: int | None = None):
         """`window` > 0: a rolling cache (module docstring): only the last `window` columns are kept.
-        `layer_windows`: each layer's sliding window W (0: global), a ring of W + RING_SPARE columns where W > 0."""
+        `layer_windows`: each layer's sliding window W (0: global), a ring of W + RING_SPARE slots where W > 0."""
         self.window = window
         self.layer_windows = tuple(layer_windows) or (0,) * n_layers
         if window:
             self.layers = [RollingLayerCache(batch, n_kv_heads, window, head_dim, dtype=dtype, device=device)
                            for _ in range(n_layers)]
         else:
-            self.layers = [RingLayerCache(batch, n_kv_heads, min(w + RING_SPARE, max_len), head_dim, dtype=dtype,
-                                          device=device) if w and w + RING_SPARE < max_len else
-                           LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, v_dim=v_dim)
+            self.layers = [RingLayerCache(batch, n_kv_heads, w + RING_SPARE, head_dim, dtype=dtype, device=device)
+                           if w else LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, v_dim=v_dim)
                            for w in self.layer_windows]
         self.max_len = max_len
         self.length = 0

@@ -238,7 +238,7 @@ class Engine:
         ids, mask = pad_left([job.prompt for job in jobs], 0)  # (k, T), 1 for tokens
         ids, mask = ids.to(device), mask.to(device)
         T = ids.shape[1]
-        cache = self.model.new_cache(len(jobs), T)
+        cache = self.model.new_cache(len(jobs), T, rings=True)  # (a sliding layer's: qkv.nn.cache)
         padded = mask if not bool(mask.all()) else None
         head = self.model.lm_head if isinstance(self.model, DecoderLM) else None  # applied where logits are
         out = self.model(ids, attention_mask=padded, cache=cache, **({"head": False} if head else {}))  # wanted
