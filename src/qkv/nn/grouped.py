@@ -22,17 +22,20 @@ def grouped_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | 
     each group's x_g q_g^T by torch's int8 kernel (unit scales: its bf16 rounding of one group's sum), weighed
     by the fp32 scales s_g (G, N). Against dequantizing W for each call (`python benchmarks/int8g_rows.py`,
     2026-12-07, 2-core AMD EPYC with avx512_bf16, one row): SmolLM2's 49,152 x 576 Q8_0 head 3.1 ms against
-    57 (its bf16 head 5.4), Gemma 3's 2,048 x 640 Q5_0 0.3 against 0.7. Big matrices accumulate group by group
-    (the head 3.1 ms against 4.8 stacked), small ones stack the groups' products (fewer calls)."""
+    57 (its bf16 head 5.4), Gemma 3's 2,048 x 640 Q5_0 0.3 against 0.7. Big matrices and several rows accumulate
+    group by group (the head 3.1 ms against 4.8 stacked), one row of a small one stacks the groups' products and
+    weighs them in one sum. The weighing of G products (M, N) (2026-12-07, 2-core AMD EPYC with AVX2 only, ms):
+    accumulated 0.23 and 1.0 for Gemma's 20 x (8, 2,048) and 128 x (8, 640), against 0.96 and 5.8 as one einsum
+    (a batched product over N); for one row, stacked 0.05 and 0.07 against 0.15 and 0.85 accumulated."""
     groups, n, g = codes.shape
     xs = flat.view(-1, groups, g).transpose(0, 1).contiguous()  # (G, M, g)
-    if n >= 16384:
+    if n >= 16384 or flat.shape[0] > 1:
         y = torch.zeros(flat.shape[0], n)
         for i in range(groups):
             y.addcmul_(torch._weight_int8pack_mm(xs[i], codes[i], ones), scale_t[i])
     else:
-        parts = torch.stack([torch._weight_int8pack_mm(xs[i], codes[i], ones) for i in range(groups)])
-        y = torch.einsum("gmn,gn->mn", parts.float(), scale_t)
+        parts = torch.stack([torch._weight_int8pack_mm(xs[i], codes[i], ones) for i in range(groups)])  # (G, 1, N)
+        y = (parts.float() * scale_t[:, None]).sum(0)
     if low is not None:
         y = y + xs.float().sum(-1).t() @ low.t()  # (M, G) (G, N)
     return y.to(flat.dtype)
