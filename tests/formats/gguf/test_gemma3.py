@@ -99,6 +99,43 @@ def test_the_commands_on_the_real_file(gemma, tmp_path):
     assert found["kv_cache_bytes"] == (3 * 8192 + 15 * (512 + 16)) * 2 * 256 * 4  # 66.6 MB, against 302 MB
 
 
+def test_the_servers_batch_keeps_the_sliding_layers_in_rings_and_each_request_equals_generate_alone(gemma,
+                                                                                                  monkeypatch):
+    """`qkv serve`'s engine on the real file: a prompt past the window (881 tokens) and two short ones decoded
+    together, each row's sliding layers gathered into rings of 528 slots, the greedy tokens of each as
+    `generate` gives them alone."""
+    from qkv.generate import generate
+    from qkv.nn.cache import RingLayerCache
+    from qkv.serve import engine as engine_module
+    from tests.serve.test_engine import Recorder
+
+    run = gemma[0]
+    texts = [[run.tokenizer.start_id] + run.tokenizer.encode(prompt) for prompt in (LONG, *PROMPTS[:2])]
+    rings = []
+    engine = engine_module.Engine(run.model, max_batch=4, threads=1)
+    gather = engine_module.gather_rows
+
+    def recorded(model, parts, room):
+        out = gather(model, parts, room)
+        rings.extend(layer.k.shape[2] for layer in out.layers if isinstance(layer, RingLayerCache))
+        return out
+
+    recorders = [Recorder() for _ in texts]
+    monkeypatch.setattr(engine_module, "gather_rows", recorded)
+    engine.start()
+    try:
+        engine.submit(*[r.job(ids, 8) for r, ids in zip(recorders, texts)])
+        for recorder in recorders:
+            assert recorder.done.wait(300)
+    finally:
+        engine.stop()
+    assert rings and set(rings) == {512 + 16} and len(texts[0]) > 528
+    for recorder, ids in zip(recorders, texts):
+        with torch.no_grad():
+            alone = generate(run.model, torch.tensor(ids), max_new_tokens=8)[len(ids):].tolist()
+        assert recorder.tokens == alone
+
+
 def test_lora_sft_of_the_real_file_loads_in_peft_with_qkvs_logits(gemma, tmp_path):
     run, theirs, _ = gemma
     lora_sft_loads_in_peft(run, theirs, tmp_path)
