@@ -10,6 +10,8 @@ Each is measured on matrices too big for the caches, as a step reads them, both 
     summed_int8                   against torch's kernel in its faster form (int8: _weight_int8pack_mm)
     quant_rows_bf16               the int8 and int4 weight-only kernels with bf16 rows against fp32 rows
                                   (qkv.nn.quant.QuantLinear.compute_dtype)
+    native_int8g                  a GGUF file's 5- to 8-bit blocks (int8g) times one fp32 row by the loops of
+                                  qkv/nn/grouped.c against torch's int8 kernel group by group with a bf16 row
     dense_bf16                    a prompt's dense products (a quantized layer's codes or W converted for
                                   torch's dense kernel) in bf16 against fp32 (QuantLinear.dense_dtype)
 
@@ -45,7 +47,7 @@ MEGABYTES = 48  # of weights of each dtype a measurement reads per pass: beyond 
 ROUNDS = 7  # alternating passes of each form; the fastest of each are compared
 # one lock a choice: an eager step may ask for a left form while another thread measures the summed one
 _locks = {name: threading.RLock() for name in ("left_fp32", "left_bf16", "summed_fp32", "summed_bf16", "summed_int8",
-                                                "quant_rows_bf16", "dense_bf16")}
+                                                "quant_rows_bf16", "dense_bf16", "native_int8g")}
 _measuring = threading.local()  # the choices this thread is measuring (a layer its measurement builds asks too)
 _write_lock = threading.Lock()
 _known: dict[str, bool] = {}
@@ -227,3 +229,28 @@ def measure_dense(rows: int = 128, megabytes: float = 2) -> dict:
         ms = timed({"bf16_ms": lambda: [F.linear(xs16[w.shape[1]], w) for w in ws16],
                     "fp32_ms": lambda: [F.linear(xs[w.shape[1]], w) for w in ws]})
     return {"choice": ms["bf16_ms"] < ms["fp32_ms"], **ms}
+
+
+def measure_native(native: Callable, grouped: Callable, megabytes: float = MEGABYTES / 2) -> dict:
+    """int8g's one-row product, Gemma 3's gate/up (2,048 x 640, groups of 32) and down (640 x 2,048, groups of
+    16) shapes, `megabytes` of codes: grouped.c's loops, `native(x, codes, scale_t, low)` with an fp32 row,
+    against torch's int8 kernel group by group, `grouped(x, codes, scale_t, low, ones)` with a bf16 row:
+    {"choice": the loops are the faster, ms}. (An AVX2-only EPYC, 2026-12-07: see qkv.nn.grouped.)"""
+    shapes = [(2048, 640, 32), (640, 2048, 16)]
+    count = max(1, round(megabytes * 2 ** 20 / sum(n * k for n, k, _ in shapes)))
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(count):
+        for n, k, g in shapes:
+            codes = torch.randint(-127, 128, (k // g, n, g), dtype=torch.int8, generator=generator)
+            layers.append((codes, torch.rand(k // g, n, generator=generator) / 64, torch.ones(n, dtype=torch.bfloat16)))
+    xs = {k: torch.randn(1, k, generator=generator) for _, k, _ in shapes}
+
+    def rows(codes: torch.Tensor) -> torch.Tensor:
+        return xs[codes.shape[0] * codes.shape[2]]
+    with torch.no_grad():
+        codes, scale_t, ones = layers[0]
+        same(native(rows(codes), codes, scale_t, None), grouped(rows(codes).bfloat16(), codes, scale_t, None, ones))
+        ms = timed({"native_ms": lambda: [native(rows(c), c, s, None) for c, s, _ in layers],
+                    "grouped_ms": lambda: [grouped(rows(c).bfloat16(), c, s, None, o) for c, s, o in layers]})
+    return {"choice": ms["native_ms"] < ms["grouped_ms"], **ms}

@@ -3,8 +3,12 @@ qkv.formats.gguf.blocks): W_ij = s_ig q_ij + m_ig by groups g of 32 or 16 inputs
 (G, out, g)."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
+
+from qkv.nn import forms, native
 
 
 def dequantize_grouped(codes: Tensor, scale: Tensor, low: Tensor | None, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -51,3 +55,62 @@ def grouped_op(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None,
 @grouped_op.register_fake
 def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, ones: Tensor) -> Tensor:
     return flat.new_empty(flat.shape[0], codes.shape[1])
+
+
+NATIVE_ROWS = 16  # rows up to which int8g's product may take the loops of grouped.c (a decode step, a short prompt)
+
+
+def native_kernel():
+    """grouped.c's qkv_grouped_rows built for this machine (qkv.nn.native), or None."""
+    lib = native.library("grouped")
+    if lib is None:
+        return None
+    function = lib.qkv_grouped_rows
+    if function.argtypes is None:
+        pointer, number, wide = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        function.argtypes = [pointer, pointer, number, number, pointer, wide, wide, number, number, number, pointer,
+                             pointer, wide, wide, pointer, number]
+        function.restype = None
+    return function
+
+
+def native_rows() -> bool:
+    """Whether int8g's products of a few rows take grouped.c's loops (native_product, fp32 rows) on this machine:
+    where they are built and measured the faster than torch's int8 kernel group by group (forms.measure_native)."""
+    if native_kernel() is None:
+        return False
+    return bool(forms.choice("native_int8g", lambda: forms.measure_native(native_product, grouped_product)))
+
+
+def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+    """int8g's x W^T for a few rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
+    products, then the groups' sums weighed by their scales (y (M, N) fp32). `scale_t` (G, N) contiguous fp32;
+    the codes (G, N, g) and minima (N, G) may be views."""
+    groups, n, g = codes.shape
+    x = flat.float().contiguous()
+    rows = x.shape[0]
+    assert codes.dtype == torch.int8 and codes.stride(2) == 1 and scale_t.is_contiguous() and x.shape[1] == groups * g
+    xsum = x.view(rows, groups, g).sum(-1).contiguous() if low is not None else None
+    low, scale_t = (low.float() if low is not None else None), scale_t.float()  # (held: their pointers are used)
+    y = torch.empty(rows, n)
+    native_kernel()(x.data_ptr(), None if xsum is None else xsum.data_ptr(), rows, x.shape[1], codes.data_ptr(),
+                    codes.stride(0), codes.stride(1), groups, n, g, scale_t.data_ptr(),
+                    None if low is None else low.data_ptr(), 0 if low is None else low.stride(0),
+                    0 if low is None else low.stride(1), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+@torch.library.custom_op("qkv::native_grouped", mutates_args=())
+def native_op(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+    """native_product as one operator: what a compiled graph calls."""
+    return native_product(flat, codes, scale_t, low)
+
+
+@native_op.register_fake
+def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+    return flat.new_empty(flat.shape[0], codes.shape[1], dtype=torch.float32)
+
+
+def native_grouped(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+    """native_product, as one operator where torch.compile traces it (native_op)."""
+    return (native_op if torch.compiler.is_compiling() else native_product)(flat, codes, scale_t, low)

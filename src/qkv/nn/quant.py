@@ -16,10 +16,10 @@ from float weights here:
 
     int8g (per row i, group g of 32 or 16 inputs):  W_ij = s_ig q_ij + m_ig,   q_ij int8 as the file has it
 
-held group by group, codes (G, out, g): a decode step's bf16 rows take each group's product by torch's int8
-kernel and weigh it by its fp32 scales (grouped_product); a long prompt's rows, and fp32 ones, W dequantized to
-their dtype; one row of a compiled step sums the codes converted inside inductor's loop
-(qkv.nn.decoding_linear.summed_grouped_product).
+held group by group, codes (G, out, g): up to NATIVE_ROWS rows by qkv/nn/grouped.c's loops in fp32 where built
+and faster (qkv.nn.grouped.native_product), else bf16 rows each group's product by torch's int8 kernel weighed
+by its fp32 scales (grouped_product); a long prompt's rows, and fp32 ones, W dequantized to their dtype; one
+row of a compiled step where the sums inductor writes are the faster (decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
 weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
 products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
@@ -38,7 +38,7 @@ from qkv.nn import forms
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
                                     summed_product, summed_rows, traced_here)
-from qkv.nn.grouped import dequantize_grouped, grouped_op, grouped_product
+from qkv.nn.grouped import NATIVE_ROWS, dequantize_grouped, grouped_op, grouped_product, native_grouped, native_rows
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -132,6 +132,7 @@ class QuantLinear(nn.Module):
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
         self.compute_dtype: torch.dtype | None = quant_rows()  # the products' precision on the CPU (None: x's)
         self.dense_dtype: torch.dtype | None = dense_rows()  # the dense form's (None: the rows')
+        self.native = kind == "int8g" and native_rows()  # a few rows by grouped.c's loops (in fp32)
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
@@ -226,7 +227,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         flat = x.reshape(-1, self.in_features)
-        compute = (self.compute_dtype if x.device.type == "cpu" else None) or x.dtype  # (CPU kernels' choice)
+        native = self.native and flat.shape[0] <= NATIVE_ROWS  # (grouped.c's loops take x's rows as they come)
+        compute = (self.compute_dtype if x.device.type == "cpu" and not native else None) or x.dtype
         flat = (flat.to(compute) if flat.dtype != compute else flat).contiguous()  # (to() keeps a view's strides)
         dense = int8_dense(x, flat.dtype)
         y = (QuantProduct.apply(flat, self, dense) if flat.requires_grad and torch.is_grad_enabled()
@@ -250,6 +252,8 @@ class QuantLinear(nn.Module):
             codes, scale_t, low, ones = operands
             if summed_rows(flat, codes):  # a compiled step's one row where int8's sums are the faster here
                 return summed_grouped_product(flat, codes, scale_t, low)
+            if self.native and flat.shape[0] <= NATIVE_ROWS:  # grouped.c's loops, fp32 inside
+                return native_grouped(flat, codes, scale_t, low).to(flat.dtype)
             traced = traced_here()  # a compiled graph: one bf16 row as one operator, more rows W dequantized
             if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1):
                 return self.dense_product(flat, self.weight)
@@ -346,8 +350,7 @@ class Bf16Linear(nn.Module):
 
 
 def head_kind() -> str:
-    """The output head's kind in a quantized model: bf16 where the CPU multiplies it natively, else int8
-    (llama.cpp's files keep the head above 4 bits too)."""
+    """A quantized model's head: bf16 where the CPU has it natively, else int8 (llama.cpp keeps heads above 4 bits)."""
     return "bf16" if hardware.native_bf16_cpu() else "int8"
 
 

@@ -174,7 +174,7 @@ def test_a_compiled_row_where_int8_sums_are_slower_calls_the_grouped_operator(mo
     w = np.random.default_rng(3).standard_normal((48, 256)).astype(np.float32)
     codes, scale, low = blocks.decode(blocks_of(w, "Q5_1"), "Q5_1")
     layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None)
-    layer.compute_dtype = torch.bfloat16
+    layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
     x = torch.randn(1, 1, 256)
     step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})
     with torch.no_grad(), summing(frozenset({torch.float32, torch.bfloat16})):
@@ -198,7 +198,7 @@ def test_a_decode_steps_bf16_rows_take_each_groups_product_within_its_rounding(t
         codes, scale, low = blocks.decode(blocks_of(w, type_name), type_name)
         layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale),
                                        None if low is None else torch.from_numpy(low), None)
-        layer.compute_dtype = torch.bfloat16
+        layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
         x = torch.randn(1, rows, 256).to(torch.bfloat16)
         with torch.no_grad():
             got = layer(x.float()).double()
@@ -217,7 +217,7 @@ def test_a_strided_input_converted_to_bf16_reaches_the_int4_kernel_contiguous():
     codes, scale, low = blocks.decode(blocks_of(w, "Q4_K"), "Q4_K")
     layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None,
                                    kind="int4")
-    layer.compute_dtype = torch.bfloat16
+    layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
     x = torch.randn(256, 5).t()[None]  # (1, 5, 256), not contiguous
     with torch.no_grad():
         assert torch.equal(layer(x), layer(x.contiguous()))

@@ -1,0 +1,119 @@
+"""int8g's products of a few rows by qkv/nn/grouped.c's loops (qkv.nn.grouped.native_product), built by the
+machine's C compiler (qkv.nn.native): against the float64 product of the same codes, eagerly, in a layer, and as
+one operator of a compiled graph; and the build's failures, which leave torch's kernels in charge."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from qkv.formats.gguf import blocks
+from qkv.nn import grouped, native
+from qkv.nn.quant import QuantLinear
+from tests.formats.gguf.test_blocks import blocks_of
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on PATH to build grouped.c with")
+
+
+def float64_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None):
+    """x (M, K) W^T with W = s q + m by groups: codes (G, N, g), scale and low (N, G), all in float64."""
+    w = codes.double().permute(1, 0, 2) * scale.double()[..., None]
+    if low is not None:
+        w = w + low.double()[..., None]
+    return x.double() @ w.reshape(codes.shape[1], -1).t()
+
+
+@pytest.mark.parametrize("g", [32, 16, 12])  # (12: the plain loops; 16 and 32: eight lanes where built with AVX2)
+@pytest.mark.parametrize("rows", [1, 3, 6])  # (6: two passes of four rows)
+@pytest.mark.parametrize("minima", [False, True])
+def test_the_loops_give_the_float64_product_to_fp32s_rounding(g, rows, minima):
+    generator = torch.Generator().manual_seed(g + rows)
+    groups, n = 192 // g, 37  # (37 output rows: an odd count shared among the threads)
+    codes = torch.randint(-128, 128, (groups, n, g), dtype=torch.int8, generator=generator)
+    scale = torch.rand(n, groups, generator=generator) / 64
+    low = -torch.rand(n, groups, generator=generator) if minima else None
+    x = torch.randn(rows, groups * g, generator=generator)
+    got = grouped.native_product(x, codes, scale.t().contiguous(), low)
+    want = float64_product(x, codes, scale, low)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()  # fp32 sums of 192 terms: ~1e-7 here
+
+
+def test_codes_and_minima_viewed_from_another_layout_are_read_through_their_strides():
+    """The codes as a file lays them out, (N, G, g), seen as (G, N, g) without a copy; the minima transposed."""
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (40, 8, 32), dtype=torch.int8, generator=generator).permute(1, 0, 2)
+    scale, low = torch.rand(40, 8, generator=generator), torch.rand(8, 40, generator=generator).t()
+    x = torch.randn(2, 256, generator=generator)
+    got = grouped.native_product(x, codes, scale.t().contiguous(), low)
+    want = float64_product(x, codes, scale, low)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def shipped_layer(type_name: str, n: int = 48, k: int = 256) -> tuple[QuantLinear, torch.Tensor]:
+    """A layer holding a GGUF block type's codes (through the gguf package's quantizer) and its dequantized W."""
+    w = np.random.default_rng(4).standard_normal((n, k)).astype(np.float32)
+    codes, scale, low = blocks.decode(blocks_of(w, type_name), type_name)
+    layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale),
+                                   None if low is None else torch.from_numpy(low), torch.randn(n))
+    return layer, torch.from_numpy(blocks.dequantize(codes, scale, low))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_K", "Q6_K"])
+def test_a_layers_few_fp32_rows_take_the_loops_unrounded(type_name, monkeypatch):
+    """A decode step's row and a short prompt's rows, fp32, through the loops (the rows not rounded to the
+    bf16 torch's int8 kernel takes): the dequantized product to fp32's rounding; more rows than NATIVE_ROWS
+    another form."""
+    layer, w = shipped_layer(type_name)  # (first: a first layer may measure the loops, qkv.nn.forms)
+    calls = []
+    monkeypatch.setattr(grouped, "native_product",
+                        lambda *args, product=grouped.native_product: calls.append(1) or product(*args))
+    layer.native, layer.compute_dtype = True, torch.bfloat16
+    for shape in ((1, 1, 256), (1, grouped.NATIVE_ROWS, 256)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            got = layer(x)
+        want = x.double() @ w.double().t() + layer.bias.double()
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert len(calls) == 2
+    with torch.no_grad():
+        layer(torch.randn(1, grouped.NATIVE_ROWS + 1, 256))
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
+def test_a_compiled_row_calls_the_loops_as_one_operator(monkeypatch, tmp_path):
+    """Inside a compiled graph (the decoding step's cpp_wrapper form) the loops are one operator
+    (qkv::native_grouped): the eager layer's product exactly."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    layer, w = shipped_layer("Q6_K")
+    layer.native = True
+    x = torch.randn(1, 1, 256)
+    step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})
+    with torch.no_grad():
+        got, eager = step(x), layer(x)
+    torch._dynamo.reset()
+    assert torch.equal(got, eager)
+    want = x.double() @ w.double().t() + layer.bias.double()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_no_library_where_the_build_fails_or_is_turned_off(monkeypatch, tmp_path):
+    """A compiler that fails leaves nothing in the cache and no library (torch's kernels then); QKV_NATIVE=0
+    builds nothing; a build that works is kept and loaded again from the cache."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CC", shutil.which("false"))
+    assert native.build("grouped") is None
+    assert not any((tmp_path / ".cache" / "qkv" / "native").glob("*"))
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    assert native.library("grouped") is None and not any((tmp_path / ".cache" / "qkv" / "native").glob("*"))
+    monkeypatch.delenv("QKV_NATIVE")
+    monkeypatch.setattr(native, "_built", {})
+    assert native.library("grouped") is not None
+    kept = list((tmp_path / ".cache" / "qkv" / "native").glob("grouped-*.so"))
+    assert len(kept) == 1
+    monkeypatch.setattr(native.subprocess, "run", lambda *args, **kwargs: pytest.fail("built again"))
+    assert native.build("grouped") is not None
