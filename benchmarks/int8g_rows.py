@@ -1,9 +1,11 @@
 """int8g's products for a decode step's few bf16 rows (qkv.nn.grouped.grouped_product): each group's product by
 torch's int8 kernel, weighed by its fp32 scales, accumulated group by group or stacked, against dequantizing W
 to bf16 for the product (what a long prompt's rows take), a bf16 W of the same shape, torch's int8 kernel with
-one scale a row (--quant int8's layout, for the bandwidth it reaches), and, for groups of 32, the same product as
-two int4 ones (a code c = 16 h + l in -128..127 splits exactly: l in 0..15 with scale s and minimum m, h + 8 in
-0..15 with scale 16 s and minimum -128 s; not a form qkv takes, measured for what it would give).
+one scale a row (--quant int8's layout, for the bandwidth it reaches), the loops of qkv/nn/grouped.c with the
+row in fp32 where they build (the form qkv takes where measured faster: qkv.nn.forms), and, for groups of 32,
+the same product as two int4 ones (a code c = 16 h + l in -128..127 splits exactly: l in 0..15 with scale s and
+minimum m, h + 8 in 0..15 with scale 16 s and minimum -128 s; not a form qkv takes, measured for what it would
+give).
 
     python benchmarks/int8g_rows.py [--rows 1] [--threads 2] [--rounds 15]
 
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from qkv.nn.grouped import dequantize_grouped
+from qkv.nn.grouped import dequantize_grouped, native_kernel, native_product
 from qkv.nn.quant import QuantLinear
 
 SHAPES = [("SmolLM2 head, Q8_0", 49152, 576, 32), ("Gemma 3 head, Q8_0", 262144, 640, 32),
@@ -45,7 +47,7 @@ def forms(n: int, k: int, g: int, rows: int) -> dict:
     def stacked():
         xs = x.view(rows, groups, g).transpose(0, 1).contiguous()
         parts = torch.stack([torch._weight_int8pack_mm(xs[i], codes[i], ones) for i in range(groups)])
-        return torch.einsum("gmn,gn->mn", parts.float(), scale_t)
+        return (parts.float() * scale_t[:, None]).sum(0)
 
     ways = {}
     if g == 32:  # the int4 kernel's groups
@@ -59,6 +61,9 @@ def forms(n: int, k: int, g: int, rows: int) -> dict:
                                    torch.nn.functional.linear(x.float(), dequantize_grouped(plain, scale, None)),
                                    rtol=2e-2, atol=2e-2 * float(scale.max()) * k)  # the same product
         ways["two int4 products"] = lambda: halves[0](x) + halves[1](x)
+    if native_kernel() is not None:  # grouped.c's loops (qkv.nn.grouped.native_product), the row in fp32
+        xf = x.float()
+        ways["grouped.c, fp32 row"] = lambda: native_product(xf, codes, scale_t, None)
     return {**ways, "grouped, accumulated": accumulated, "grouped, stacked": stacked,
             "dequantized to bf16": lambda: torch.nn.functional.linear(x, dequantize_grouped(plain, scale, None,
                                                                                            torch.bfloat16)),

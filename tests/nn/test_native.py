@@ -9,7 +9,7 @@ import torch
 
 from qkv.formats.gguf import blocks
 from qkv.nn import grouped, native
-from qkv.nn.quant import QuantLinear
+from qkv.nn.quant import DENSE_PROMPT, QuantLinear
 from tests.formats.gguf.test_blocks import blocks_of
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on PATH to build grouped.c with")
@@ -60,25 +60,26 @@ def shipped_layer(type_name: str, n: int = 48, k: int = 256) -> tuple[QuantLinea
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_K", "Q6_K"])
-def test_a_layers_few_fp32_rows_take_the_loops_unrounded(type_name, monkeypatch):
-    """A decode step's row and a short prompt's rows, fp32, through the loops (the rows not rounded to the
-    bf16 torch's int8 kernel takes): the dequantized product to fp32's rounding; more rows than NATIVE_ROWS
-    another form."""
+def test_a_layers_rows_take_the_loops_unrounded_and_alike_alone_or_batched(type_name, monkeypatch):
+    """A decode step's row and a prompt's rows under DENSE_PROMPT positions, fp32, through the loops (the rows
+    not rounded to the bf16 torch's int8 kernel takes): the dequantized product to fp32's rounding, and each
+    row's product bit for bit the one it has alone (a server's batch); a longer prompt another form."""
     layer, w = shipped_layer(type_name)  # (first: a first layer may measure the loops, qkv.nn.forms)
     calls = []
     monkeypatch.setattr(grouped, "native_product",
                         lambda *args, product=grouped.native_product: calls.append(1) or product(*args))
     layer.native, layer.compute_dtype = True, torch.bfloat16
-    for shape in ((1, 1, 256), (1, grouped.NATIVE_ROWS, 256)):
+    for shape in ((1, 1, 256), (1, DENSE_PROMPT - 1, 256), (7, 5, 256)):
         x = torch.randn(shape)
         with torch.no_grad():
             got = layer(x)
+            assert all(torch.equal(got[b:b + 1], layer(x[b:b + 1])) for b in range(shape[0]))
         want = x.double() @ w.double().t() + layer.bias.double()
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    assert len(calls) == 2
+    assert len(calls) == 2 + 2 + 8  # (each shape once whole, then row by row)
     with torch.no_grad():
-        layer(torch.randn(1, grouped.NATIVE_ROWS + 1, 256))
-    assert len(calls) == 2
+        layer(torch.randn(1, DENSE_PROMPT, 256))
+    assert len(calls) == 12
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,

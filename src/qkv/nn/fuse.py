@@ -70,9 +70,11 @@ def fuse_linear(layers: list[nn.Linear]) -> nn.Module | None:
 def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
     first = layers[0]
     bias = None if first.bias is None else torch.cat([l.bias for l in layers])
-    rows_at = 1 if first.kind == "int8g" else 0  # (int8g's codes are (G, out, g))
+    rows_at = 1 if first.kind == "int8g" else 0  # (int8g's codes are (G, out, g), maybe a view of (out, G, g))
+    codes = (torch.cat([l.codes for l in layers], rows_at) if rows_at == 0 or first.codes.is_contiguous() else
+             torch.cat([l.codes.transpose(0, 1) for l in layers]).transpose(0, 1))  # (its layout kept)
     one = QuantLinear(first.kind, first.in_features, sum(l.out_features for l in layers),
-                      torch.cat([l.codes for l in layers], rows_at), torch.cat([l.scale for l in layers]),
+                      codes, torch.cat([l.scale for l in layers]),
                       None if first.low is None else torch.cat([l.low for l in layers]), bias)
     one.compute_dtype, one.dense_dtype = first.compute_dtype, first.dense_dtype
     start = 0

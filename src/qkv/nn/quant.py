@@ -16,9 +16,9 @@ from float weights here:
 
     int8g (per row i, group g of 32 or 16 inputs):  W_ij = s_ig q_ij + m_ig,   q_ij int8 as the file has it
 
-held group by group, codes (G, out, g): up to NATIVE_ROWS rows by qkv/nn/grouped.c's loops in fp32 where built
-and faster (qkv.nn.grouped.native_product), else bf16 rows each group's product by torch's int8 kernel weighed
-by its fp32 scales (grouped_product); a long prompt's rows, and fp32 ones, W dequantized to their dtype; one
+held group by group, codes (G, out, g): under DENSE_PROMPT positions a row by qkv/nn/grouped.c's loops in fp32
+where built and faster (grouped.native_product), else bf16 rows each group's product by torch's int8 kernel
+weighed by its fp32 scales (grouped_product); longer prompts, and fp32 rows, W dequantized to their dtype; one
 row of a compiled step where the sums inductor writes are the faster (decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
 weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
@@ -38,7 +38,8 @@ from qkv.nn import forms
 from qkv.nn.changes import changed
 from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
                                     summed_product, summed_rows, traced_here)
-from qkv.nn.grouped import NATIVE_ROWS, dequantize_grouped, grouped_op, grouped_product, native_grouped, native_rows
+from qkv.nn.grouped import (dequantize_grouped, grouped_layout, grouped_op, grouped_product, native_grouped,
+                             native_rows)
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -167,8 +168,8 @@ class QuantLinear(nn.Module):
             kind, codes = "int8g", codes.to(torch.int8)
         if kind == "int4":
             codes = pack_nibbles(codes)
-        else:  # (G, N, g): each group's codes one contiguous (N, g) matrix, as torch's int8 kernel takes them
-            codes = codes.reshape(n, scale.shape[1], -1).transpose(0, 1).contiguous()
+        else:  # (G, N, g): each group's (N, g) contiguous for torch's int8 kernel, or a view of (N, G, g) rows
+            codes = grouped_layout(codes.reshape(n, scale.shape[1], -1).transpose(0, 1))  # for grouped.c's loops
         return cls(kind, k, n, codes, scale.float(), None if low is None else low.float(), bias)
 
     @torch.no_grad()
@@ -227,12 +228,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         flat = x.reshape(-1, self.in_features)
-        native = self.native and flat.shape[0] <= NATIVE_ROWS  # (grouped.c's loops take x's rows as they come)
-        compute = (self.compute_dtype if x.device.type == "cpu" and not native else None) or x.dtype
+        native = self.native and x.device.type == "cpu" and not dense_prompt(x.shape[-2] if x.dim() > 2 else len(flat))
+        compute = (self.compute_dtype if x.device.type == "cpu" and not native else None) or x.dtype  # (native: x's)
         flat = (flat.to(compute) if flat.dtype != compute else flat).contiguous()  # (to() keeps a view's strides)
         dense = int8_dense(x, flat.dtype)
         y = (QuantProduct.apply(flat, self, dense) if flat.requires_grad and torch.is_grad_enabled()
-             else self.product(flat, dense))
+             else self.product(flat, dense, native))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         out_dtype = x.dtype  # under autocast, what nn.Linear would give (bf16): no fp32 copy of each output
@@ -240,11 +241,11 @@ class QuantLinear(nn.Module):
             out_dtype = torch.get_autocast_dtype(x.device.type)
         return y.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
-    def product(self, flat: Tensor, dense: bool = False) -> Tensor:
+    def product(self, flat: Tensor, dense: bool = False, native: bool = False) -> Tensor:
         """flat (M, in) W^T by the weight-only kernel, in flat's dtype (int8 with `dense`: (x q^T) s by torch's
         dense kernel, int8_dense). torch's kernels for these layouts are CPU ones: on another device the layer's W
         is dequantized for the product and dropped after it (the codes are what stays in memory, as for QLoRA's
-        frozen base)."""
+        frozen base). int8g with `native`: grouped.c's loops, each row alone in fp32 (forward)."""
         if flat.device.type != "cpu":
             return flat @ self.weight.to(flat.dtype).t()
         operands = self.kernel_operands(flat.dtype)
@@ -252,10 +253,10 @@ class QuantLinear(nn.Module):
             codes, scale_t, low, ones = operands
             if summed_rows(flat, codes):  # a compiled step's one row where int8's sums are the faster here
                 return summed_grouped_product(flat, codes, scale_t, low)
-            if self.native and flat.shape[0] <= NATIVE_ROWS:  # grouped.c's loops, fp32 inside
+            if native:  # (a row's product the same whatever rows beside it: as alone in a server's batch)
                 return native_grouped(flat, codes, scale_t, low).to(flat.dtype)
             traced = traced_here()  # a compiled graph: one bf16 row as one operator, more rows W dequantized
-            if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1):
+            if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1) or not codes.is_contiguous():
                 return self.dense_product(flat, self.weight)
             return (grouped_op if traced else grouped_product)(flat, codes, scale_t, low, ones)
         if self.kind == "int8":
@@ -270,8 +271,7 @@ class QuantLinear(nn.Module):
 
     def dense_product(self, flat: Tensor, w: Tensor) -> Tensor:
         """flat W^T by torch's dense kernel, in dense_dtype where set (the result then in it too), else flat's."""
-        dtype = self.dense_dtype or flat.dtype
-        return torch.nn.functional.linear(flat.to(dtype), w.to(dtype))
+        return torch.nn.functional.linear(flat.to(self.dense_dtype or flat.dtype), w.to(self.dense_dtype or flat.dtype))
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind != "int8" else ""

@@ -175,6 +175,7 @@ def test_a_compiled_row_where_int8_sums_are_slower_calls_the_grouped_operator(mo
     codes, scale, low = blocks.decode(blocks_of(w, "Q5_1"), "Q5_1")
     layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None)
     layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
+    layer.codes = layer.codes.contiguous()  # (its groups' planes, as that kernel takes them)
     x = torch.randn(1, 1, 256)
     step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})
     with torch.no_grad(), summing(frozenset({torch.float32, torch.bfloat16})):
@@ -199,6 +200,7 @@ def test_a_decode_steps_bf16_rows_take_each_groups_product_within_its_rounding(t
         layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale),
                                        None if low is None else torch.from_numpy(low), None)
         layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
+        layer.codes = layer.codes.contiguous()  # (its groups' planes, as that kernel takes them)
         x = torch.randn(1, rows, 256).to(torch.bfloat16)
         with torch.no_grad():
             got = layer(x.float()).double()
@@ -218,6 +220,7 @@ def test_a_strided_input_converted_to_bf16_reaches_the_int4_kernel_contiguous():
     layer = QuantLinear.from_codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low), None,
                                    kind="int4")
     layer.compute_dtype, layer.native = torch.bfloat16, False  # (torch's int8 kernel: not grouped.c's loops)
+    layer.codes = layer.codes.contiguous()  # (its groups' planes, as that kernel takes them)
     x = torch.randn(256, 5).t()[None]  # (1, 5, 256), not contiguous
     with torch.no_grad():
         assert torch.equal(layer(x), layer(x.contiguous()))

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qkv.nn.grouped import native_rows
 from qkv.nn.quant import QuantLinear, quantizable
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -206,8 +207,10 @@ def read_shipped(file, arch, hf: dict, name: str, hf_name: str) -> Shipped | Non
     moved = not np.array_equal(order, np.arange(len(order)))
     if moved:
         scale, low = scale[order], None if low is None else low[order]
-    if kind_of(tensor.tensor_type.name) == "int8g":  # one copy of the file's bytes (Q8_0's), in the layer's layout
+    if kind_of(tensor.tensor_type.name) == "int8g" and not native_rows():  # one copy of the file's bytes
         codes = np.ascontiguousarray(codes.transpose(1, 0, 2)[:, order] if moved else codes.transpose(1, 0, 2))
+    elif kind_of(tensor.tensor_type.name) == "int8g":  # (Q8_0's) in the layer's layout: planes, or rows for
+        codes = np.ascontiguousarray(codes[order] if moved else codes).transpose(1, 0, 2)  # grouped.c's loops
     elif moved:
         codes = codes[order]
     file.release()  # (the file's pages read: copies made of them)
