@@ -15,7 +15,7 @@ from qkv.generate import background, compiled
 from qkv.nn.decoding_linear import DecodingLinear, decoding_linears
 from tests.cli.test_main import cli
 from tests.formats.gguf import write_llama
-from tests.generate.test_compiled import GEMMA, LLAMA, NEEDS_CXX, PROMPT, tiny
+from tests.generate.test_compiled import LLAMA, NEEDS_CXX, PROMPT, tiny
 
 pytestmark = [NEEDS_CXX, pytest.mark.usefixtures("own_inductor_cache")]  # (tests/generate/conftest.py)
 
@@ -24,8 +24,9 @@ def test_the_step_compiled_in_the_background_takes_over_with_the_general_steps_l
     """Eager tokens while the compiler works, the compiled step's once it is done (switched by usable() itself,
     announced in one line), each token's logits those of a twin model decoded by the general step throughout;
     the graphs traced on a copy of the modules that holds the model's own tensors (nothing copied) and on the
-    caches chat decodes with (Gemma's sliding layers in rings: no graph traced again after the switch)."""
-    model, reference = tiny(**GEMMA), tiny(**GEMMA)  # (the same seed: the same weights)
+    caches chat decodes with: no graph traced again after the switch (a sliding model's rings: the server's
+    compiled test, tests/serve/test_engine.py)."""
+    model, reference = tiny(**LLAMA), tiny(**LLAMA)  # (the same seed: the same weights)
     lines: list[str] = []
     step = background.enable_in_background(model, threads=1, rows=(1,), prompt=False, announce=lines.append)
     owned = {id(tensor) for tensor in background.tensors_held(model)}
