@@ -20,8 +20,8 @@ W + RING_SPARE columns in a ring, column c in slot c mod slots, so a long chat's
 layers only (Gemma 3 270M at 8,192 tokens: 3 of its 18 layers). The ring has its W + RING_SPARE slots however
 short the context, so that every cache a model decodes with is of one kind: the compiled step traces one graph
 for it (qkv.generate.compiled; a cache of another kind would trace again, a minute or more, in the middle of a
-chat or a server's batch). The KVCache still records every column's
-position and padding (a few bytes a column); a ring's `append` returns its kept columns in order, then this
+chat or a server's batch). The KVCache still records every column's position and padding (a few bytes a
+column); a ring's `append` returns its kept columns in order, then this
 call's, with `columns` their indices among all of them, and the attention masks by those (qkv.nn.attention).
 The spare columns let a compiled prompt of up to RING_SPARE + 1 tokens write in place without overwriting a key
 one of its own queries still sees (qkv.generate.compiled).
@@ -167,7 +167,8 @@ class KVCache:
                            for _ in range(n_layers)]
         else:
             self.layers = [RingLayerCache(batch, n_kv_heads, w + RING_SPARE, head_dim, dtype=dtype, device=device)
-                           if w else LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, v_dim=v_dim)
+                           if w else
+                           LayerCache(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device, v_dim=v_dim)
                            for w in self.layer_windows]
         self.max_len = max_len
         self.length = 0

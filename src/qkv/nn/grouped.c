@@ -9,10 +9,10 @@
 
    With AVX2 and FMA (groups of a multiple of 8), each output row's groups are summed in eight lanes: a group's
    codes widened to fp32 eight at a time and multiplied into the row, the group's eight partial sums weighed by
-   its scale into the output row's eight, added across lanes once at the end. One input row reads the output
-   rows one after another, all their groups (the G planes of the codes read side by side); several rows take
-   MB at a time, each group's codes widened once for all of them. Elsewhere, plain loops. The output rows are
-   shared among `threads` OpenMP threads. */
+   its scale into the output row's eight, added across lanes once at the end. The output rows are read one
+   after another, all their groups (one run of memory where the codes are held row after row, qkv.nn.grouped.
+   grouped_layout); several input rows take MB at a time, each group's codes widened once for all of them.
+   Elsewhere, plain loops. The output rows are shared among `threads` OpenMP threads. */
 #include <stddef.h>
 #include <stdint.h>
 #ifdef __AVX2__
@@ -81,14 +81,6 @@ static void output_row_plain(const float *x, int rows, int K, const int8_t *q, l
         }
         y[(size_t)m * N] = total;
     }
-}
-
-int qkv_simd(void) {  /* 1 where the AVX2 loops were compiled in */
-#ifdef __AVX2__
-    return 1;
-#else
-    return 0;
-#endif
 }
 
 void qkv_grouped_rows(const float *x, const float *xsum, int M, int K, const int8_t *q, long stride_g,

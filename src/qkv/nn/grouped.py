@@ -57,7 +57,6 @@ def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, ones: Te
     return flat.new_empty(flat.shape[0], codes.shape[1])
 
 
-
 def native_kernel():
     """grouped.c's qkv_grouped_rows built for this machine (qkv.nn.native), or None."""
     lib = native.library("grouped")
@@ -73,15 +72,16 @@ def native_kernel():
 
 
 def native_rows() -> bool:
-    """Whether int8g's products of a few rows take grouped.c's loops (native_product, fp32 rows) on this machine:
-    where they are built and measured the faster than torch's int8 kernel group by group (forms.measure_native)."""
+    """Whether int8g's products under DENSE_PROMPT positions a row take grouped.c's loops (native_product, fp32
+    rows) on this machine: where they are built and measured the faster than torch's int8 kernel group by group
+    (forms.measure_native)."""
     if native_kernel() is None:
         return False
     return bool(forms.choice("native_int8g", lambda: forms.measure_native(native_product, grouped_product)))
 
 
 def grouped_layout(codes: Tensor) -> Tensor:
-    """int8g's codes (G, N, g) as the layer holds them: where grouped.c's loops take its few rows (native_rows), a
+    """int8g's codes (G, N, g) as the layer holds them: where grouped.c's loops take its rows (native_rows), a
     view of (N, G, g) storage, each output row's codes one run of memory (Gemma 3's one-row head 21 ms against 40
     for the planes, 2026-12-07, the AVX2-only EPYC: the loops read one stream, not G); elsewhere each group's
     plane (N, g) contiguous, as torch's int8 kernel takes it."""
@@ -91,7 +91,7 @@ def grouped_layout(codes: Tensor) -> Tensor:
 
 
 def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
-    """int8g's x W^T for a few rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
+    """int8g's x W^T for rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
     products, then the groups' sums weighed by their scales (y (M, N) fp32). `scale_t` (G, N) contiguous fp32;
     the codes (G, N, g) and minima (N, G) may be views. One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
     (no native bf16), medians against grouped_product with a bf16 row: Gemma 3's gate/up 2,048 x 640 (Q5_0)

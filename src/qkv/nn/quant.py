@@ -133,7 +133,7 @@ class QuantLinear(nn.Module):
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
         self.compute_dtype: torch.dtype | None = quant_rows()  # the products' precision on the CPU (None: x's)
         self.dense_dtype: torch.dtype | None = dense_rows()  # the dense form's (None: the rows')
-        self.native = kind == "int8g" and native_rows()  # a few rows by grouped.c's loops (in fp32)
+        self.native = kind == "int8g" and native_rows()  # short forwards by grouped.c's loops (in fp32)
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":

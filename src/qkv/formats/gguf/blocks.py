@@ -207,10 +207,11 @@ def read_shipped(file, arch, hf: dict, name: str, hf_name: str) -> Shipped | Non
     moved = not np.array_equal(order, np.arange(len(order)))
     if moved:
         scale, low = scale[order], None if low is None else low[order]
-    if kind_of(tensor.tensor_type.name) == "int8g" and not native_rows():  # one copy of the file's bytes
-        codes = np.ascontiguousarray(codes.transpose(1, 0, 2)[:, order] if moved else codes.transpose(1, 0, 2))
-    elif kind_of(tensor.tensor_type.name) == "int8g":  # (Q8_0's) in the layer's layout: planes, or rows for
-        codes = np.ascontiguousarray(codes[order] if moved else codes).transpose(1, 0, 2)  # grouped.c's loops
+    if kind_of(tensor.tensor_type.name) == "int8g":  # one copy of the file's bytes (Q8_0's) in the layer's layout:
+        if native_rows():  # rows after rows, seen as (G, N, g) (qkv.nn.grouped.grouped_layout)
+            codes = np.ascontiguousarray(codes[order] if moved else codes).transpose(1, 0, 2)
+        else:  # each group's plane
+            codes = np.ascontiguousarray(codes.transpose(1, 0, 2)[:, order] if moved else codes.transpose(1, 0, 2))
     elif moved:
         codes = codes[order]
     file.release()  # (the file's pages read: copies made of them)
