@@ -66,7 +66,7 @@ def native_kernel():
     if function.argtypes is None:
         pointer, number, wide = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         function.argtypes = [pointer, pointer, number, number, pointer, wide, wide, number, number, number, pointer,
-                             pointer, wide, wide, pointer, number]
+                             wide, wide, pointer, wide, wide, pointer, number]
         function.restype = None
     return function
 
@@ -81,10 +81,11 @@ def native_rows() -> bool:
 
 
 def grouped_layout(codes: Tensor) -> Tensor:
-    """int8g's codes (G, N, g) as the layer holds them: where grouped.c's loops take its rows (native_rows), a
-    view of (N, G, g) storage, each output row's codes one run of memory (Gemma 3's one-row head 21 ms against 40
-    for the planes, 2026-12-07, the AVX2-only EPYC: the loops read one stream, not G); elsewhere each group's
-    plane (N, g) contiguous, as torch's int8 kernel takes it."""
+    """int8g's codes (G, N, g) (or scales (G, N)) as the layer holds them: where grouped.c's loops take its rows
+    (native_rows), a view of (N, G, g) storage, each output row's codes one run of memory (Gemma 3's one-row head
+    21 ms against 40 for the planes, 2026-12-07, the AVX2-only EPYC: the loops read one stream, not G; its
+    scales so too, 13 against 14); elsewhere each group's plane (N, g) contiguous, as torch's int8 kernel takes
+    it."""
     if native_rows():
         return codes if codes.transpose(0, 1).is_contiguous() else codes.transpose(0, 1).contiguous().transpose(0, 1)
     return codes.contiguous()
@@ -92,21 +93,21 @@ def grouped_layout(codes: Tensor) -> Tensor:
 
 def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
     """int8g's x W^T for rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
-    products, then the groups' sums weighed by their scales (y (M, N) fp32). `scale_t` (G, N) contiguous fp32;
-    the codes (G, N, g) and minima (N, G) may be views. One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
+    products, then the groups' sums weighed by their scales (y (M, N) fp32). The codes (G, N, g) (inner stride
+    1), scales (G, N) fp32 and minima (N, G) may be views (grouped_layout: a row's codes and scales together). One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
     (no native bf16), medians against grouped_product with a bf16 row: Gemma 3's gate/up 2,048 x 640 (Q5_0)
     0.07 ms against 0.53, down 640 x 2,048 (Q6_K) 0.13 against 1.65, its 262,144 x 640 Q8_0 head 24.6 against
     27.1 (the head is read at 7 GB/s: the codes widened to fp32 cost more than reading them)."""
     groups, n, g = codes.shape
     x = flat.float().contiguous()
     rows = x.shape[0]
-    assert codes.dtype == torch.int8 and codes.stride(2) == 1 and scale_t.is_contiguous() and x.shape[1] == groups * g
+    assert codes.dtype == torch.int8 and codes.stride(2) == 1 and x.shape[1] == groups * g
     xsum = x.view(rows, groups, g).sum(-1).contiguous() if low is not None else None
     low, scale_t = (low.float() if low is not None else None), scale_t.float()  # (held: their pointers are used)
     y = torch.empty(rows, n)
     native_kernel()(x.data_ptr(), None if xsum is None else xsum.data_ptr(), rows, x.shape[1], codes.data_ptr(),
-                    codes.stride(0), codes.stride(1), groups, n, g, scale_t.data_ptr(),
-                    None if low is None else low.data_ptr(), 0 if low is None else low.stride(0),
+                    codes.stride(0), codes.stride(1), groups, n, g, scale_t.data_ptr(), scale_t.stride(0),
+                    scale_t.stride(1), None if low is None else low.data_ptr(), 0 if low is None else low.stride(0),
                     0 if low is None else low.stride(1), y.data_ptr(), torch.get_num_threads())
     return y
 

@@ -215,8 +215,8 @@ class QuantLinear(nn.Module):
         if found is None:
             if self.kind == "int8":
                 found = (self.codes, self.scale.to(dtype))
-            elif self.kind == "int8g":  # the scales fp32 (G, N): the products weighed in fp32
-                found = (self.codes, self.scale.t().contiguous(), self.low, torch.ones(self.out_features, dtype=dtype))
+            elif self.kind == "int8g":  # the scales fp32 (G, N), laid out as the codes: weighed in fp32
+                found = (self.codes, grouped_layout(self.scale.t()), self.low, torch.ones(self.out_features, dtype=dtype))
             else:
                 codes = unpack_nibbles(self.codes).to(torch.int32)
                 packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # the kernel's own blocked layout
