@@ -50,6 +50,15 @@ MODELS = {"llama-int4": ("int4", "fp32", LLAMA, False), "gpt": ("none", "fp32", 
           "gemma": ("none", "fp32", GEMMA, False)}  # (torch's kernels: its batch graph compiles in 46 s, not 61)
 
 
+def fp32_close(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor) -> None:
+    """The compiled step's fp32 logits against the general step's: fp32's rounding. Where a layer rounds its
+    rows to bf16 (torch's int8 kernel under the int4 model's int8 head, qkv.nn.quant.quant_rows), the fp32
+    rounding of its input may move a sum by one bf16 step: that much at the largest logit."""
+    rounds = any(isinstance(m, QuantLinear) and m.compute_dtype == torch.bfloat16 and not m.native
+                 for m in model.modules())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2 ** -7 * float(want.abs().max()) if rounds else 1e-5)
+
+
 def compiled_models() -> dict[str, torch.nn.Module]:
     """MODELS, each with its compiled step enabled: LLaMA-shaped models with int4 weights (torch's kernels), int8
     weights and bf16 ones (summed products), a GPT-2-shaped one in fp32 (summed products). The `models` fixture
@@ -90,7 +99,7 @@ def test_compiled_step_gives_the_general_steps_logits(models, name):
                 ulp = 2 ** -7 * truth.abs().max()  # about one bf16 rounding step at the largest logit
                 assert off <= 2 * general_off + ulp, (off, general_off)  # of the general step's own order
             else:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same math, fused: fp32 rounding
+                fp32_close(model, got, want)  # the same math, fused: fp32 rounding
             token = want.argmax(-1)
     assert step.failed is None
     assert fast.length == general.length == len(PROMPT) + 12
@@ -150,7 +159,7 @@ def test_compiled_step_on_a_left_padded_batch(models, name):
             assert fast.padded and step.usable(fast)
             want = model(token[:, None], cache=general)[:, -1]  # (3, V)
             got = step(token, fast)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            fp32_close(model, got, want)
             token = want.argmax(-1)
     assert step.failed is None
     torch.testing.assert_close(fast.positions[:, :13], general.positions[:, :13], rtol=0, atol=0)

@@ -24,9 +24,9 @@ def test_decoding_linear_equals_nn_linear(bias, shape):
 def test_the_bf16_head_equals_its_bf16_product_in_either_form(monkeypatch, left, rows):
     """qkv.nn.quant.Bf16Linear (a quantized model's head) takes W x^T for a decode step's rows where that form is
     the faster (bf16 on Intel): the same bf16 product as F.linear's, to bf16 rounding of the sums' order."""
-    from qkv.nn import quant
+    from qkv.nn import bf16_linear, quant
 
-    monkeypatch.setattr(quant, "left_form_faster", lambda dtype: left)
+    monkeypatch.setattr(bf16_linear, "left_form_faster", lambda dtype: left)
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 40)
     head = quant.Bf16Linear(layer.weight, layer.bias)
@@ -82,7 +82,7 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
     """One row's product takes the summed form inside a traced graph under summing(True), and torch's
     kernel otherwise: eagerly, under summing(False), and for two rows but with fp32 weights (a short prompt's
     rows: up to SUMMED_ROWS), whose 17 take the kernel."""
-    from qkv.nn import decoding_linear, quant
+    from qkv.nn import bf16_linear, decoding_linear, quant
 
     calls = []
 
@@ -93,6 +93,7 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
     summed_product = decoding_linear.summed_product
     monkeypatch.setattr(decoding_linear, "summed_product", counted)
     monkeypatch.setattr(quant, "summed_product", counted)
+    monkeypatch.setattr(bf16_linear, "summed_product", counted)
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 48)
     layers = [DecodingLinear(linear), quant.QuantLinear.from_linear(linear, "int8"),
@@ -113,7 +114,7 @@ def test_layers_take_the_summed_form_only_when_compiled_inside_summing(monkeypat
             torch.testing.assert_close(out, eager, rtol=2 ** -7, atol=1e-4,
                                        msg=lambda m: f"{type(layer).__name__}, {rows} rows, summing {on}: {m}")
             torch._dynamo.reset()
-        assert calls == expected, (rows, on, compiling)  # (int4 keeps torch's kernel: the faster there)
+        assert calls == expected, (rows, on, compiling)  # (int4: grouped.c's loops or torch's kernel, never summed)
 
 
 def test_the_row_is_stored_by_inductors_prim_once_summing_is_on():

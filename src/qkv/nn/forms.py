@@ -47,7 +47,8 @@ MEGABYTES = 48  # of weights of each dtype a measurement reads per pass: beyond 
 ROUNDS = 7  # alternating passes of each form; the fastest of each are compared
 # one lock a choice: an eager step may ask for a left form while another thread measures the summed one
 _locks = {name: threading.RLock() for name in ("left_fp32", "left_bf16", "summed_fp32", "summed_bf16", "summed_int8",
-                                                "quant_rows_bf16", "dense_bf16", "native_int8g")}
+                                                "quant_rows_bf16", "dense_bf16", "native_int8g",
+                                                "native_int4")}
 _measuring = threading.local()  # the choices this thread is measuring (a layer its measurement builds asks too)
 _write_lock = threading.Lock()
 _known: dict[str, bool] = {}
@@ -254,3 +255,30 @@ def measure_native(native: Callable, grouped: Callable, megabytes: float = MEGAB
         ms = timed({"native_ms": lambda: [native(rows(c), c, s, None) for c, s, _ in layers],
                     "grouped_ms": lambda: [grouped(rows(c).bfloat16(), c, s, None, o) for c, s, o in layers]})
     return {"choice": ms["native_ms"] < ms["grouped_ms"], **ms}
+
+
+def measure_native_int4(native: Callable, megabytes: float = MEGABYTES / 4) -> dict:
+    """int4's one-row product, SmolLM2's 1,536 x 576 and 576 x 1,536 shapes, `megabytes` of packed codes:
+    grouped.c's loops, `native(x, packed, scale, low)` with an fp32 row, against torch's int4 kernel with a bf16
+    row (the operands qkv.nn.quant's int4 layer makes for it): {"choice": the loops are the faster, ms}."""
+    shapes = [(1536, 576), (576, 1536)]
+    count = max(1, round(megabytes * 2 ** 20 / sum(n * k // 2 for n, k in shapes)))
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(count):
+        for n, k in shapes:
+            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
+            scale, low = torch.rand(n, k // 32, generator=generator) / 64, torch.randn(n, k // 32, generator=generator) / 8
+            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+            kernel = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+            zeros = torch.stack((scale.t(), (low + 8 * scale).t()), dim=-1).contiguous().bfloat16()
+            layers.append((packed, scale, low, kernel, zeros))
+    xs = {k: torch.randn(1, k, generator=generator) for _, k in shapes}
+    with torch.no_grad():
+        packed, scale, low, kernel, zeros = layers[0]
+        x = xs[packed.shape[1] * 2]
+        same(native(x, packed, scale, low), torch._weight_int4pack_mm_for_cpu(x.bfloat16(), kernel, 32, zeros))
+        ms = timed({"native_ms": lambda: [native(xs[p.shape[1] * 2], p, s, m) for p, s, m, _, _ in layers],
+                    "torch_ms": lambda: [torch._weight_int4pack_mm_for_cpu(xs[p.shape[1] * 2].bfloat16(), c, 32, z)
+                                         for p, _, _, c, z in layers]})
+    return {"choice": ms["native_ms"] < ms["torch_ms"], **ms}

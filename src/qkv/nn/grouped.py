@@ -1,6 +1,6 @@
 """The products of qkv.nn.quant's int8g layers (a GGUF file's 5-, 6- and 8-bit blocks as shipped:
 qkv.formats.gguf.blocks): W_ij = s_ig q_ij + m_ig by groups g of 32 or 16 inputs, the codes held group by group
-(G, out, g)."""
+(G, out, g); and the few-row products of its int4 layers by grouped.c's loops."""
 from __future__ import annotations
 
 import ctypes
@@ -126,3 +126,56 @@ def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tenso
 def native_grouped(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
     """native_product, as one operator where torch.compile traces it (native_op)."""
     return (native_op if torch.compiler.is_compiling() else native_product)(flat, codes, scale_t, low)
+
+
+def native_int4_kernel():
+    """grouped.c's qkv_int4_rows built for this machine (qkv.nn.native), or None."""
+    lib = native.library("grouped")
+    if lib is None:
+        return None
+    function = lib.qkv_int4_rows
+    if function.argtypes is None:
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        function.argtypes = [pointer, number, number, pointer, number, pointer, pointer, pointer, number]
+        function.restype = None
+    return function
+
+
+def native_int4() -> bool:
+    """Whether int4's products under DENSE_PROMPT positions a row take grouped.c's loops (native_int4_product,
+    fp32 rows) on this machine: where they are built and measured the faster than torch's int4 kernel with bf16
+    rows (forms.measure_native_int4)."""
+    if native_int4_kernel() is None:
+        return False
+    return bool(forms.choice("native_int4", lambda: forms.measure_native_int4(native_int4_product)))
+
+
+def native_int4_product(flat: Tensor, packed: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """int4's x W^T for rows flat (M, K) by grouped.c's loops, in fp32 throughout (y (M, N) fp32): the codes two
+    a byte (N, K / 2) as qkv.nn.quant.pack_nibbles lays them, scales and minima (N, K / 32) fp32. One row,
+    2026-12-07, the 2-core AMD EPYC with AVX2 only, against torch's int4 kernel with a bf16 row (the form it
+    took before): SmolLM2's 1,536 x 576 50 us against 124, its 49,152 x 576 head 1.4 ms against 2.4."""
+    x = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
+    (rows, k), n = x.shape, packed.shape[0]
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[1] * 2 == k and k % 32 == 0
+    assert scale.dtype == low.dtype == torch.float32 and scale.is_contiguous() and low.is_contiguous()
+    y = torch.empty(rows, n)
+    native_int4_kernel()(x.data_ptr(), rows, k, packed.data_ptr(), n, scale.data_ptr(), low.data_ptr(), y.data_ptr(),
+                         torch.get_num_threads())
+    return y
+
+
+@torch.library.custom_op("qkv::native_int4", mutates_args=())
+def native_int4_op(flat: Tensor, packed: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """native_int4_product as one operator: what a compiled graph calls."""
+    return native_int4_product(flat, packed, scale, low)
+
+
+@native_int4_op.register_fake
+def _(flat: Tensor, packed: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    return flat.new_empty(flat.shape[0], packed.shape[0], dtype=torch.float32)
+
+
+def native_int4_grouped(flat: Tensor, packed: Tensor, scale: Tensor, low: Tensor) -> Tensor:
+    """native_int4_product, as one operator where torch.compile traces it (native_int4_op)."""
+    return (native_int4_op if torch.compiler.is_compiling() else native_int4_product)(flat, packed, scale, low)

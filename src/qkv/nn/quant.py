@@ -21,8 +21,9 @@ where built and faster (grouped.native_product), else bf16 rows each group's pro
 weighed by its fp32 scales (grouped_product); longer prompts, and fp32 rows, W dequantized to their dtype; one
 row of a compiled step where the sums inductor writes are the faster (decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
-weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. The
-products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
+weights, dequantized at load, requantize to the very same codes, scales and minima: nothing is lost twice. Its
+products under DENSE_PROMPT positions a row are grouped.c's loops in fp32 where built and faster
+(grouped.native_int4_product). The other products are torch's CPU kernels (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, whose
 form is (q - 8) s + z: z = m + 8 s here); qkv keeps its own plain layout (codes, scales, minima) in the
 state dict and the kernels' packed copy beside it, rebuilt at load. An int8 product of a long prompt, or of fp32
 rows, is taken as (x q^T) s by torch's dense kernel instead, the codes converted (int8_dense), and one row of a
@@ -36,10 +37,10 @@ from torch import Tensor, nn
 from qkv import hardware
 from qkv.nn import forms
 from qkv.nn.changes import changed
-from qkv.nn.decoding_linear import (decode_rows, left_form_faster, left_product, summed_grouped_product,
-                                    summed_product, summed_rows, traced_here)
+from qkv.nn.bf16_linear import Bf16Linear  # noqa: F401  (the head of a quantized model: made here, kind_for)
+from qkv.nn.decoding_linear import summed_grouped_product, summed_product, summed_rows, traced_here
 from qkv.nn.grouped import (dequantize_grouped, grouped_layout, grouped_op, grouped_product, native_grouped,
-                             native_rows)
+                             native_int4, native_int4_grouped, native_rows)
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -133,7 +134,8 @@ class QuantLinear(nn.Module):
         self._kernel: dict[torch.dtype, tuple[Tensor, ...]] = {}
         self.compute_dtype: torch.dtype | None = quant_rows()  # the products' precision on the CPU (None: x's)
         self.dense_dtype: torch.dtype | None = dense_rows()  # the dense form's (None: the rows')
-        self.native = kind == "int8g" and native_rows()  # short forwards by grouped.c's loops (in fp32)
+        # short forwards by grouped.c's loops (in fp32) where built and faster here
+        self.native = native_rows() if kind == "int8g" else kind == "int4" and native_int4()
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
@@ -215,8 +217,9 @@ class QuantLinear(nn.Module):
         if found is None:
             if self.kind == "int8":
                 found = (self.codes, self.scale.to(dtype))
-            elif self.kind == "int8g":  # the scales fp32 (G, N), laid out as the codes: weighed in fp32
-                found = (self.codes, grouped_layout(self.scale.t()), self.low, torch.ones(self.out_features, dtype=dtype))
+            elif self.kind == "int8g":  # the scales fp32 (G, N), row by row for the loops: weighed in fp32
+                scale_t = self.scale.t() if self.native else self.scale.t().contiguous()
+                found = (self.codes, scale_t, self.low, torch.ones(self.out_features, dtype=dtype))
             else:
                 codes = unpack_nibbles(self.codes).to(torch.int32)
                 packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # the kernel's own blocked layout
@@ -245,9 +248,11 @@ class QuantLinear(nn.Module):
         """flat (M, in) W^T by the weight-only kernel, in flat's dtype (int8 with `dense`: (x q^T) s by torch's
         dense kernel, int8_dense). torch's kernels for these layouts are CPU ones: on another device the layer's W
         is dequantized for the product and dropped after it (the codes are what stays in memory, as for QLoRA's
-        frozen base). int8g with `native`: grouped.c's loops, each row alone in fp32 (forward)."""
+        frozen base). int8g and int4 with `native`: grouped.c's loops, each row alone in fp32 (forward)."""
         if flat.device.type != "cpu":
             return flat @ self.weight.to(flat.dtype).t()
+        if native and self.kind == "int4":  # (each row alone, as for int8g below)
+            return native_int4_grouped(flat, self.codes, self.scale, self.low).to(flat.dtype)
         operands = self.kernel_operands(flat.dtype)
         if self.kind == "int8g":
             codes, scale_t, low, ones = operands
@@ -321,34 +326,6 @@ class QuantProduct(torch.autograd.Function):
         return grad @ ctx.layer.weight.to(grad.dtype), None, None
 
 
-class Bf16Linear(nn.Module):
-    """y = x W^T + b with W held in bf16 and the product taken in bf16, y in x's dtype: the output head of a
-    quantized model on a CPU with native bf16. The head sets the logits directly: on SmolLM2 an int8 head alone
-    moves them by KL 0.0008 nats per token (97.4% top-1 agreement with fp32) and a bf16 head by 0.00002
-    (99.6%; benchmarks/real_decode.py's text), for twice the int8 head's bytes."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = nn.Parameter(weight.detach().to(torch.bfloat16).clone(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16).clone(),
-                                                           requires_grad=False)
-        # the decode step's form, decided once (a plain attribute: a constant where the step is compiled)
-        object.__setattr__(self, "left_form", left_form_faster(torch.bfloat16))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x16 = x.to(self.weight.dtype)
-        if summed_rows(x16, self.weight):  # a compiled step's one row (qkv.nn.decoding_linear)
-            return summed_product(x16, self.weight, self.bias).to(x.dtype)
-        if self.left_form and decode_rows(x):  # a decode step's few rows (decoding_linear)
-            bias = None if self.bias is None else self.bias[:, None]
-            return left_product(x16, self.weight, bias).to(x.dtype)
-        return torch.nn.functional.linear(x16, self.weight, self.bias).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"bf16, in_features={self.in_features}, out_features={self.out_features}"
-
-
 def head_kind() -> str:
     """A quantized model's head: bf16 where the CPU has it natively, else int8 (llama.cpp keeps heads above 4 bits)."""
     return "bf16" if hardware.native_bf16_cpu() else "int8"
@@ -387,8 +364,7 @@ def quantize_model(model: nn.Module, quant: str, group: int = GROUP, *, empty: b
 
 
 def quantization_of(model: nn.Module) -> str:
-    """"none", or the quant a model's linear layers hold (int4 when any layer is int4; gguf when any holds a
-    GGUF file's 5- to 8-bit blocks: qkv.formats.gguf.blocks)."""
+    """The quant a model's linear layers hold, first found of: gguf (blocks as shipped), int4, int8, none."""
     kinds = {module.kind for module in model.modules() if isinstance(module, QuantLinear)}
     return "gguf" if "int8g" in kinds else "int4" if "int4" in kinds else "int8" if kinds else "none"
 
