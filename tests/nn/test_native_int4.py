@@ -33,7 +33,7 @@ def float64_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, l
 
 
 @pytest.mark.parametrize("k", [32, 96, 576])  # (1 and 3 groups: the odd group's accumulator; 18 groups)
-@pytest.mark.parametrize("rows", [1, 3, 6])  # (6: two passes of four rows)
+@pytest.mark.parametrize("rows", [1, 3, 6])  # (passes of four rows: 6 = four and two)
 def test_the_loops_give_the_float64_product_and_a_row_alone_its_batched_result(k, rows):
     codes, scale, low = random_int4(37, k, seed=k + rows)  # (37 output rows: an odd count shared by the threads)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
