@@ -1,12 +1,10 @@
 """The compiled decoding step (qkv.generate.compiled) against the general one: the same logits step by step,
-the same greedy text through generate and the CLI, the general path wherever the compiled one does not apply.
+the same greedy text through generate (through the CLI: test_compiled_cli.py), the general path wherever the
+compiled one does not apply.
 
 Each model compiles once (a few seconds; about 17 s for the first compile of a process with an empty cache);
 inductor's cache goes to a temporary directory, not the user's."""
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,9 +15,6 @@ from qkv.generate import compiled, generate
 from qkv.generate.weights import prepare
 from qkv.nn.decoding_linear import decoding_linears
 from qkv.nn.quant import QuantLinear
-from tests.analysis import run_cli
-from tests.formats.gguf import write_llama
-from tests.train import setup_env, trained_run
 
 NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                reason="torch.compile on the CPU needs a C++ compiler; none on PATH")
@@ -238,48 +233,6 @@ def test_what_it_does_not_cover_is_refused_with_the_reason(overrides, reason):
         compiled.enable(tiny(**overrides))
 
 
-def test_cli_compile_gives_the_same_text_and_refuses_steering(monkeypatch, tmp_path_factory):
-    setup_env(monkeypatch, tmp_path_factory)
-    run = trained_run(tmp_path_factory)[0]
-    args = ("generate", run, "--prompt", "the", "--strategy", "greedy", "--max-new-tokens", "12")
-    rc, plain, err = run_cli(*args)
-    assert rc == 0, err
-    rc, fast, err = run_cli(*args, "--compile")
-    assert rc == 0, err
-    assert fast == plain and "qkv: --compile: the first token step compiles" in err
-    rc, out, err = run_cli(*args, "--compile", "--steer", f"{tmp_path_factory.mktemp('v')}/v.safetensors@0:1")
-    assert rc == 2 and err.strip() == ("qkv: error: --compile does not apply with --steer: the steering hooks must "
-                                       "see their layers run")
-
-
-def test_chat_compiles_both_graphs_before_its_first_turn_and_replies_the_same(tmp_path, capsys, monkeypatch):
-    """`qkv chat --compile`: the token step and a short prompt's prefill compile before the first turn (two graphs,
-    none after; that a later turn's short prompt into the filled cache takes the same graph:
-    tests/generate/test_compiled_prompt.py), and the replies are those without --compile."""
-    import io
-
-    from torch._dynamo.utils import counters
-
-    from tests.cli.test_main import cli
-
-    path = write_llama(tmp_path / "m.gguf", seed=4)  # a LLaMA-shaped GGUF file with a chat template
-    args = ("chat", path, "--strategy", "greedy", "--max-new-tokens", "6")
-    turns = "to be or not\nthe question\nto be\n"
-    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
-    code, plain, _ = cli(capsys, *args)
-    assert code == 0 and len(plain.splitlines()) == 3
-    prompts, prompt = [], compiled.CompiledStep.prompt
-    monkeypatch.setattr(compiled.CompiledStep, "prompt", lambda self, ids, cache: prompts.append(
-        (ids.shape[1], cache.length)) or prompt(self, ids, cache))
-    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
-    before = counters["stats"]["unique_graphs"]
-    code, fast, err = cli(capsys, *args, "--compile")
-    assert code == 0 and fast == plain, err
-    assert "compiling the token step and a short prompt's prefill before the first turn" in err and "ready (" in err
-    assert counters["stats"]["unique_graphs"] == before + 2
-    assert prompts[0] == (2, 0)  # the warm-up's (this test tokenizer's turns are longer than PROMPT_ROWS)
-
-
 def test_the_step_never_reaches_past_a_learned_table(models):
     """A learned table has rows for max_seq_len (40) positions; a longer cache stops the compiled step at its end,
     and the general step then refuses the position with its own error."""
@@ -355,26 +308,6 @@ def test_two_models_of_one_shape_each_run_their_own_graph():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_inductors_cache_goes_under_home_even_after_torch_named_its_own(tmp_path):
-    """Importing TorchDynamo (as loading a model may, before any step is compiled) makes torch write its own
-    default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR; the step's cache still goes to
-    ~/.cache/qkv/inductor, and a directory the user chose stays. A fresh process: the import order is the point."""
-    code = ("import os, torch, torch._dynamo\n"
-            "from qkv.generate import compiled\n"
-            "torch_set = os.environ.get('TORCHINDUCTOR_CACHE_DIR')\n"
-            "compiled.inductor_cache()\n"
-            "print(torch_set, os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["HOME"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    torch_set, ours = out.stdout.split()
-    assert torch_set == compiled.torch_default_cache()  # torch did name its own before qkv asked
-    assert ours == str(tmp_path / ".cache" / "qkv" / "inductor")
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(tmp_path / "mine")] * 2
-
-
 def test_one_row_has_two_symbols_and_no_size_recompiles(monkeypatch):
     """One row's graph varies in the cache's columns (every layer's K and V: one symbol) and n only; a batch's
     rows are a symbol apart from its columns. Neither graph is traced again for other lengths or rows."""
@@ -404,4 +337,3 @@ def test_one_row_has_two_symbols_and_no_size_recompiles(monkeypatch):
     traced = len(made)
     generate(model, one.repeat(5, 1), max_new_tokens=4)
     assert len(made) == traced and step.failed is None  # 5 rows, 1 + 4 - 1 columns: the batch's graph
-

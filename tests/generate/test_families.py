@@ -13,7 +13,6 @@ from qkv.generate import CachedDecoder, PromptTruncatedWarning, Seq2SeqDecoder, 
 from qkv.generate.families import PROMPTS
 from qkv.models.build import ARCHITECTURES
 from qkv.generate.sampling import STRATEGIES, SamplingParams, SamplingState, make_generator, process
-from qkv.models.encoder_decoder import EncoderDecoder
 from qkv.nn.kernels import kernel_for
 from qkv.nn.positional import POSITIONALS
 

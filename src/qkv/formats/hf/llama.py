@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from qkv.config import ModelConfig
-from qkv.errors import QkvError
 from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, activation_from_hf, activation_to_hf, block_rules,
                            ensure, import_tensors, linear, need, plain, refuse, rename)
 from qkv.formats.hf.rope import rope_fields, rope_parameters

@@ -22,8 +22,7 @@ import torch
 
 from qkv.config import ModelConfig
 from qkv.formats.hf import llama
-from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, ensure, import_tensors, linear, need,
-                                   rename)
+from qkv.formats.hf.common import (HF_FAMILIES, HfFamily, Rule, Tensors, ensure, import_tensors, rename)
 from qkv.plan import layer_plans
 
 MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
