@@ -4,6 +4,7 @@ model's forward wherever it does not apply (padding, a longer prompt, one token)
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from qkv.generate import compiled, generate
 from qkv.generate.compiled import PROMPT_ROWS
@@ -118,8 +119,11 @@ def test_the_compiled_step_writes_and_reads_a_sliding_layers_ring(models):
         assert sum(type(layer).__name__ == "RingLayerCache" for layer in fast.layers) == 2  # 4 + 16 slots each
         torch.testing.assert_close(step.prompt(ids[:, :6], fast), model(ids[:, :6], cache=general)[:, -1],
                                    rtol=1e-5, atol=1e-5)
+        graphs = None
         for t in range(6, 38):
             want = model(ids[:, t:t + 1], cache=general)[:, -1]
             torch.testing.assert_close(step(ids[0, t:t + 1], fast), want, rtol=1e-5, atol=1e-5)
+            if t == 6:  # (the step's graph compiled)
+                graphs = counters["stats"]["unique_graphs"]
         torch.testing.assert_close(want, model(ids)[:, -1], rtol=1e-5, atol=1e-5)
-    assert step.failed is None
+    assert step.failed is None and counters["stats"]["unique_graphs"] == graphs  # one graph before and after the wrap

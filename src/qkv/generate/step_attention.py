@@ -15,8 +15,8 @@ from qkv.nn.positional import rotate_half
 def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all: Tensor, v_all: Tensor,
            n: int, mask: Tensor, ring: int = 0) -> Tensor:
     """One layer's self-attention for the new columns n - T .. n - 1: (B, T, D) -> (B, T, D). `ring` > 0: the
-    cache is a sliding layer's ring of that many slots (column c in slot c mod ring, qkv.nn.cache), every slot
-    attended under `mask` (B, 1, T, ring)."""
+    cache is a sliding layer's ring of that many slots (column c in slot c mod ring, qkv.nn.cache), its first
+    min(n, ring) slots attended under `mask` (B, 1, T, min(n, ring))."""
     B, T = h.shape[:2]
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
     fused = fused_or_none(attn, "fused_qkv", attn.q_proj, attn.k_proj, attn.v_proj)
@@ -45,7 +45,11 @@ def attend(attn: nn.Module, h: Tensor, rope: tuple[Tensor, Tensor] | None, k_all
         own = torch.arange(n - T, n, device=k.device)
         k_all.index_copy_(2, own, k.to(k_all.dtype))  # (a cache in fp16 or bf16 under an fp32 model)
         v_all.index_copy_(2, own, v.to(v_all.dtype))
-    k_seen, v_seen = (k_all, v_all) if ring else (k_all[:, :, :n], v_all[:, :, :n])
+    if ring:  # its first min(n, ring) slots, those written (the rest are not until the ring wraps), gathered: a
+        used = torch.arange(torch.sym_min(n, ring), device=k.device)  # slice would ask whether it is the whole
+        k_seen, v_seen = k_all.index_select(2, used), v_all.index_select(2, used)  # ring, and recompile when so
+    else:
+        k_seen, v_seen = k_all[:, :, :n], v_all[:, :, :n]
     if attn.softcap:  # scores c tanh(s / c) before the mask (Gemma 2): formed explicitly
         out = capped_attention(q, k_seen, v_seen, mask, attn.scale, attn.softcap)
     elif summed_rows(h):  # one row on a CPU where sums inductor writes are the faster (qkv.nn.decoding_linear)

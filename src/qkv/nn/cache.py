@@ -105,8 +105,8 @@ class RollingLayerCache:
 
 class RingLayerCache:
     """A sliding layer's keys and values: the last `slots` columns, column c in slot c mod slots (B, Hkv, slots, Dh).
-    Zeroed: the compiled step attends over every slot, an unwritten one masked (with weight 0, which NaN would
-    turn into NaN)."""
+    Zeroed: a slot the compiled step reads before it is written is masked (weight 0, which NaN would turn into
+    NaN)."""
 
     def __init__(self, batch: int, n_kv_heads: int, slots: int, head_dim: int, *, dtype, device):
         self.slots = slots
