@@ -93,6 +93,22 @@ def test_argmax_breaks_ties_to_the_lowest_id():
     assert argmax(torch.tensor([[0.0, 5.0, 5.0, 1.0], [7.0, 7.0, 7.0, 7.0]])).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("vocab", [8 * 1024, 262_144, 49_152 + 1])  # (by blocks; Gemma 3's; not whole blocks)
+def test_argmax_of_a_long_row_is_torchs(vocab):
+    """By blocks: torch.argmax's token for each row, whether the maximum is repeated within a block, across
+    blocks, in a block's first or last logit, everywhere (-inf), or a NaN's."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator)
+    logits[1, [1023, 1024, 5000]] = 9.0  # the first of three, at a block's end
+    logits[2, [2048, 2049]] = 9.0  # a block's first logit
+    logits[3] = float("-inf")
+    logits[4, [7, 3000]] = float("nan")
+    logits[5, vocab - 1] = 9.0
+    logits[6, [4096, 4097, 3072]] = 9.0
+    logits = logits.to(torch.bfloat16)[:7].float()  # (rounded: more ties)
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square goodness of fit over the tokens with p > 0; sf via the regularised gamma."""
     support = probs > 0

@@ -150,9 +150,21 @@ def process(logits: Tensor, state: SamplingState, names: tuple[str, ...]) -> Ten
 Choice = Callable[[Tensor, "torch.Generator | None"], Tensor]
 
 
+ARGMAX_BLOCK = 1024  # a long row's argmax by blocks of this many logits (argmax below)
+
+
 def argmax(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """(B, V) -> (B,) the highest logit; torch.argmax returns the first maximum (lowest id)."""
-    return logits.argmax(dim=-1)
+    """(B, V) -> (B,) the highest logit, the first maximum (lowest id) where several are equal, a NaN before any
+    number (as torch.argmax). torch's argmax over one long row is neither vectorized nor shared among threads
+    (Gemma 3's 262,144 logits: 0.65 ms, 2026-12-07, the AVX2-only EPYC; its amax 0.03): a row of whole blocks
+    takes the first block holding the maximum (amax, NaN-propagating, then argmax over the blocks) and the
+    first maximum within it, 0.05 ms."""
+    B, V = logits.shape
+    if V % ARGMAX_BLOCK or V < 8 * ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    blocks = logits.view(B, V // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block = blocks.amax(-1).argmax(-1)  # (B,)
+    return block * ARGMAX_BLOCK + blocks[torch.arange(B, device=logits.device), block].argmax(-1)
 
 
 def draw(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:

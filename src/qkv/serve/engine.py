@@ -38,7 +38,7 @@ from qkv.generate.compiled import next_logits
 from qkv.generate.decode import eval_mode, pad_left
 from qkv.nn.decoding_linear import decoding_linears
 from qkv.generate.families import Seq2SeqDecoder
-from qkv.generate.sampling import SamplingParams, SamplingState, draw, make_generator, process
+from qkv.generate.sampling import SamplingParams, SamplingState, argmax, draw, make_generator, process
 from qkv.models.build import architecture_of
 from qkv.models.decoder import DecoderLM
 from qkv.nn.cache import KVCache
@@ -280,7 +280,7 @@ class Engine:
                     self.rows.remove(job)
             return
         logits = next_logits(self.model, self.last, self.cache)  # (B, V); compiled where enabled (--compile)
-        greedy = logits.argmax(dim=-1).tolist()  # every greedy row at once
+        greedy = argmax(logits).tolist()  # every greedy row at once
         done = [self.emit(job, logits[row:row + 1], greedy[row]) for row, job in enumerate(self.rows)]
         self.last = torch.tensor([job.tokens[-1] for job in self.rows], device=self.last.device)
         if any(done):
@@ -298,7 +298,7 @@ class Engine:
 
     def choose(self, job: Job, logits: Tensor, greedy: int | None) -> bool:
         if job.processors is None:
-            token = int(logits.argmax(dim=-1)) if greedy is None else greedy
+            token = int(argmax(logits)) if greedy is None else greedy
         else:
             state = SamplingState(job.params, torch.tensor([job.tokens]))
             token = int(draw(process(logits, state, job.processors), job.generator))
