@@ -65,18 +65,7 @@ def test_a_layers_rows_take_the_loops_unrounded_and_alike_alone_or_batched(type_
     not rounded to the bf16 torch's int8 kernel takes): the dequantized product to fp32's rounding, and each
     row's product bit for bit the one it has alone (a server's batch); a longer prompt another form."""
     layer, w = shipped_layer(type_name)  # (first: a first layer may measure the loops, qkv.nn.forms)
-    calls = []
-    monkeypatch.setattr(grouped, "native_product",
-                        lambda *args, product=grouped.native_product: calls.append(1) or product(*args))
-    layer.native, layer.compute_dtype = True, torch.bfloat16
-    for shape in ((1, 1, 256), (1, DENSE_PROMPT - 1, 256), (7, 5, 256)):
-        x = torch.randn(shape)
-        with torch.no_grad():
-            got = layer(x)
-            assert all(torch.equal(got[b:b + 1], layer(x[b:b + 1])) for b in range(shape[0]))
-        want = x.double() @ w.double().t() + layer.bias.double()
-        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    assert len(calls) == 2 + 2 + 8  # (each shape once whole, then row by row)
+    calls = short_rows_take_the_loops(layer, w, "native_product", monkeypatch)
     with torch.no_grad():
         layer(torch.randn(1, DENSE_PROMPT, 256))
     assert len(calls) == 12
@@ -88,7 +77,31 @@ def test_a_compiled_row_calls_the_loops_as_one_operator(monkeypatch, tmp_path):
     """Inside a compiled graph (the decoding step's cpp_wrapper form) the loops are one operator
     (qkv::native_grouped): the eager layer's product exactly."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    layer, w = shipped_layer("Q6_K")
+    compiled_row_is_the_eager_one(*shipped_layer("Q6_K"))
+
+
+def short_rows_take_the_loops(layer: QuantLinear, w: torch.Tensor, product: str, monkeypatch) -> list:
+    """`layer` (its dequantized weight w) on a decode step's row, a prompt's rows under DENSE_PROMPT positions
+    and a batch's, in fp32 through grouped's `product`: w's float64 product to fp32's rounding, each row bit for
+    bit its product alone. The calls of `product` (2 + 2 + 8: each shape whole, then row by row), for more."""
+    calls = []
+    loops = getattr(grouped, product)
+    monkeypatch.setattr(grouped, product, lambda *args: calls.append(1) or loops(*args))
+    layer.native, layer.compute_dtype = True, torch.bfloat16
+    for shape in ((1, 1, 256), (1, DENSE_PROMPT - 1, 256), (7, 5, 256)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            got = layer(x)
+            assert all(torch.equal(got[b:b + 1], layer(x[b:b + 1])) for b in range(shape[0]))
+        want = x.double() @ w.double().t() + layer.bias.double()
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert len(calls) == 2 + 2 + 8
+    return calls
+
+
+def compiled_row_is_the_eager_one(layer: QuantLinear, w: torch.Tensor) -> None:
+    """One row of `layer` through the loops inside a compiled graph (cpp_wrapper, as the decoding step): the
+    eager product exactly, and w's float64 product to fp32's rounding."""
     layer.native = True
     x = torch.randn(1, 1, 256)
     step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})

@@ -15,6 +15,7 @@ from qkv.formats.gguf import blocks
 from qkv.nn import grouped, native
 from qkv.nn.quant import DENSE_PROMPT, QuantLinear, pack_nibbles
 from tests.formats.gguf.test_blocks import blocks_of
+from tests.nn.test_native import compiled_row_is_the_eager_one, short_rows_take_the_loops
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on PATH to build grouped.c with")
 
@@ -48,12 +49,12 @@ def test_the_loops_give_the_float64_product_and_a_row_alone_its_batched_result(k
 def test_the_plain_loops_of_a_machine_without_avx2_give_the_same_product(tmp_path):
     """grouped.c built without -march=native (no AVX2: its plain loops), called as qkv calls the kept one."""
     out = tmp_path / "plain.so"
-    done = subprocess.run([native.compiler(), "-O3", "-shared", "-fPIC", str(Path(native.__file__).with_name("grouped.c")),
+    source = str(Path(native.__file__).with_name("grouped.c"))
+    done = subprocess.run([native.compiler(), "-O3", "-shared", "-fPIC", source,
                            "-o", str(out)], capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
     function = ctypes.CDLL(str(out)).qkv_int4_rows
-    pointer, number = ctypes.c_void_p, ctypes.c_int
-    function.argtypes = [pointer, number, number, pointer, number, pointer, pointer, pointer, number]
+    function.argtypes = grouped.INT4_ARGTYPES
     codes, scale, low = random_int4(21, 96, seed=5)
     x = torch.randn(5, 96)
     packed, y = pack_nibbles(codes), torch.empty(5, 21)
@@ -83,18 +84,7 @@ def test_a_layers_short_forwards_take_the_loops_each_row_as_alone(source, monkey
     else:
         layer, w = gguf_int4_layer(source)
     assert layer.kind == "int4"
-    calls = []
-    monkeypatch.setattr(grouped, "native_int4_product",
-                        lambda *args, product=grouped.native_int4_product: calls.append(1) or product(*args))
-    layer.native, layer.compute_dtype = True, torch.bfloat16
-    for shape in ((1, 1, 256), (1, DENSE_PROMPT - 1, 256), (7, 5, 256)):
-        x = torch.randn(shape)
-        with torch.no_grad():
-            got = layer(x)
-            assert all(torch.equal(got[b:b + 1], layer(x[b:b + 1])) for b in range(shape[0]))
-        want = x.double() @ w.double().t() + layer.bias.double()
-        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    assert len(calls) == 2 + 2 + 8  # (each shape once whole, then row by row)
+    calls = short_rows_take_the_loops(layer, w, "native_int4_product", monkeypatch)
     with torch.no_grad():
         long = torch.randn(1, DENSE_PROMPT, 256)
         got = layer(long)
@@ -108,13 +98,4 @@ def test_a_layers_short_forwards_take_the_loops_each_row_as_alone(source, monkey
 def test_a_compiled_row_calls_the_int4_loops_as_one_operator(monkeypatch, tmp_path):
     """Inside a compiled graph the loops are one operator (qkv::native_int4): the eager product exactly."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    layer, w = gguf_int4_layer("Q4_K")
-    layer.native = True
-    x = torch.randn(1, 1, 256)
-    step = torch.compile(layer, dynamic=False, options={"cpp_wrapper": True})
-    with torch.no_grad():
-        got, eager = step(x), layer(x)
-    torch._dynamo.reset()
-    assert torch.equal(got, eager)
-    want = x.double() @ w.double().t() + layer.bias.double()
-    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    compiled_row_is_the_eager_one(*gguf_int4_layer("Q4_K"))

@@ -57,18 +57,24 @@ def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, ones: Te
     return flat.new_empty(flat.shape[0], codes.shape[1])
 
 
-def native_kernel():
-    """grouped.c's qkv_grouped_rows built for this machine (qkv.nn.native), or None."""
+POINTER, NUMBER, WIDE = ctypes.c_void_p, ctypes.c_int, ctypes.c_long  # grouped.c's argument types
+
+
+def loops(name: str, argtypes: list):
+    """grouped.c's function `name` built for this machine (qkv.nn.native) with its argument types, or None."""
     lib = native.library("grouped")
     if lib is None:
         return None
-    function = lib.qkv_grouped_rows
+    function = getattr(lib, name)
     if function.argtypes is None:
-        pointer, number, wide = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        function.argtypes = [pointer, pointer, number, number, pointer, wide, wide, number, number, number, pointer,
-                             wide, wide, pointer, wide, wide, pointer, number]
-        function.restype = None
+        function.argtypes, function.restype = argtypes, None
     return function
+
+
+def native_kernel():
+    """grouped.c's qkv_grouped_rows, or None."""
+    return loops("qkv_grouped_rows", [POINTER, POINTER, NUMBER, NUMBER, POINTER, WIDE, WIDE, NUMBER, NUMBER, NUMBER,
+                                      POINTER, WIDE, WIDE, POINTER, WIDE, WIDE, POINTER, NUMBER])
 
 
 def native_rows() -> bool:
@@ -94,7 +100,8 @@ def grouped_layout(codes: Tensor) -> Tensor:
 def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
     """int8g's x W^T for rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
     products, then the groups' sums weighed by their scales (y (M, N) fp32). The codes (G, N, g) (inner stride
-    1), scales (G, N) fp32 and minima (N, G) may be views (grouped_layout: a row's codes and scales together). One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
+    1), scales (G, N) fp32 and minima (N, G) may be views (grouped_layout: a row's codes and scales together).
+    One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
     (no native bf16), medians against grouped_product with a bf16 row: Gemma 3's gate/up 2,048 x 640 (Q5_0)
     0.07 ms against 0.53, down 640 x 2,048 (Q6_K) 0.13 against 1.65, its 262,144 x 640 Q8_0 head 24.6 against
     27.1 with one accumulator a row and the scales group by group; with two accumulators, the codes asked for
@@ -129,17 +136,12 @@ def native_grouped(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | N
     return (native_op if torch.compiler.is_compiling() else native_product)(flat, codes, scale_t, low)
 
 
+INT4_ARGTYPES = [POINTER, NUMBER, NUMBER, POINTER, NUMBER, POINTER, POINTER, POINTER, NUMBER]  # qkv_int4_rows's
+
+
 def native_int4_kernel():
-    """grouped.c's qkv_int4_rows built for this machine (qkv.nn.native), or None."""
-    lib = native.library("grouped")
-    if lib is None:
-        return None
-    function = lib.qkv_int4_rows
-    if function.argtypes is None:
-        pointer, number = ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [pointer, number, number, pointer, number, pointer, pointer, pointer, number]
-        function.restype = None
-    return function
+    """grouped.c's qkv_int4_rows, or None."""
+    return loops("qkv_int4_rows", INT4_ARGTYPES)
 
 
 def native_int4() -> bool:
