@@ -12,6 +12,8 @@ Each is measured on matrices too big for the caches, as a step reads them, both 
                                   (qkv.nn.quant.QuantLinear.compute_dtype)
     native_int8g                  a GGUF file's 5- to 8-bit blocks (int8g) times one fp32 row by the loops of
                                   qkv/nn/grouped.c against torch's int8 kernel group by group with a bf16 row
+    narrow_int8g                  those loops with a prompt's rows rounded to int16 by groups, the products
+                                  summed as integers, against the rows in fp32 (qkv.nn.grouped.narrow_rows)
     dense_bf16                    a prompt's dense products (a quantized layer's codes or W converted for
                                   torch's dense kernel) in bf16 against fp32 (QuantLinear.dense_dtype)
 
@@ -48,7 +50,7 @@ ROUNDS = 7  # alternating passes of each form; the fastest of each are compared
 # one lock a choice: an eager step may ask for a left form while another thread measures the summed one
 _locks = {name: threading.RLock() for name in ("left_fp32", "left_bf16", "summed_fp32", "summed_bf16", "summed_int8",
                                                 "quant_rows_bf16", "dense_bf16", "native_int8g",
-                                                "native_int4")}
+                                                "native_int4", "narrow_int8g")}
 _measuring = threading.local()  # the choices this thread is measuring (a layer its measurement builds asks too)
 _write_lock = threading.Lock()
 _known: dict[str, bool] = {}
@@ -255,6 +257,27 @@ def measure_native(native: Callable, grouped: Callable, megabytes: float = MEGAB
         ms = timed({"native_ms": lambda: [native(rows(c), c, s, None) for c, s, _ in layers],
                     "grouped_ms": lambda: [grouped(rows(c).bfloat16(), c, s, None, o) for c, s, o in layers]})
     return {"choice": ms["native_ms"] < ms["grouped_ms"], **ms}
+
+
+def measure_narrow(native: Callable, rows: int = 6, megabytes: float = MEGABYTES / 4) -> dict:
+    """int8g's product of a short prompt's `rows` rows by grouped.c's loops, `native(x, codes, scale_t, low,
+    narrow)`, the rows rounded to int16 by groups (narrow) against the rows in fp32, over Gemma 3's gate/up and
+    down shapes (groups of 32 and 16), `megabytes` of codes: {"choice": narrow is the faster, ms}."""
+    shapes = [(2048, 640, 32), (640, 2048, 16)]
+    count = max(1, round(megabytes * 2 ** 20 / sum(n * k for n, k, _ in shapes)))
+    generator = torch.Generator().manual_seed(0)
+    layers = [(torch.randint(-127, 128, (k // g, n, g), dtype=torch.int8, generator=generator).transpose(0, 1)
+               .contiguous().transpose(0, 1), torch.rand(k // g, n, generator=generator) / 64)
+              for _ in range(count) for n, k, g in shapes]  # (the codes row after row, as grouped_layout holds them)
+    xs = {k: torch.randn(rows, k, generator=generator) for _, k, _ in shapes}
+    with torch.no_grad():
+        codes, scale_t = layers[0]
+        x = xs[codes.shape[0] * codes.shape[2]]
+        same(native(x, codes, scale_t, None, True), native(x, codes, scale_t, None, False))
+        ms = timed({f"{name}_ms": lambda narrow=narrow: [native(xs[c.shape[0] * c.shape[2]], c, s, None, narrow)
+                                                         for c, s in layers]
+                    for name, narrow in (("narrow", True), ("fp32", False))})
+    return {"choice": ms["narrow_ms"] < ms["fp32_ms"], **ms}
 
 
 def measure_native_int4(native: Callable, megabytes: float = MEGABYTES / 4) -> dict:

@@ -74,7 +74,7 @@ def loops(name: str, argtypes: list):
 def native_kernel():
     """grouped.c's qkv_grouped_rows, or None."""
     return loops("qkv_grouped_rows", [POINTER, POINTER, NUMBER, NUMBER, POINTER, WIDE, WIDE, NUMBER, NUMBER, NUMBER,
-                                      POINTER, WIDE, WIDE, POINTER, WIDE, WIDE, POINTER, NUMBER])
+                                      POINTER, WIDE, WIDE, POINTER, WIDE, WIDE, POINTER, NUMBER, NUMBER])
 
 
 def native_rows() -> bool:
@@ -84,6 +84,19 @@ def native_rows() -> bool:
     if native_kernel() is None:
         return False
     return bool(forms.choice("native_int8g", lambda: forms.measure_native(native_product, grouped_product)))
+
+
+def narrow_rows() -> bool:
+    """Whether grouped.c's loops (native_rows) round a prompt's rows to int16 by groups first (native_product's
+    `narrow`) on this machine: where measured the faster than the rows in fp32 (forms.measure_narrow). A
+    decoding step's rows stay fp32: its one-row products are bound by reading the weights, the compiled step
+    of Gemma 3 no faster with them narrow (2026-12-07, the AVX2-only EPYC: 21.9 against 21.6 ms a token, within
+    the host's noise), and they keep the file's exact products (1.5e-6 of Gemma's largest logit from the file
+    dequantized to fp32, 1.3-1.5e-4 narrow; KL 4e-8, the top token the same). Gemma 3's prompt eagerly (its 136
+    int8g layers, medians of 9 alternating): 7 tokens 70 -> 60 ms, 20 tokens 140 -> 117 ms."""
+    if not native_rows():
+        return False
+    return bool(forms.choice("narrow_int8g", lambda: forms.measure_narrow(native_product)))
 
 
 def grouped_layout(codes: Tensor) -> Tensor:
@@ -97,9 +110,11 @@ def grouped_layout(codes: Tensor) -> Tensor:
     return codes.contiguous()
 
 
-def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, narrow: bool = False) -> Tensor:
     """int8g's x W^T for rows flat (M, K) by grouped.c's loops, in fp32 throughout: each group's sum of
-    products, then the groups' sums weighed by their scales (y (M, N) fp32). The codes (G, N, g) (inner stride
+    products, then the groups' sums weighed by their scales (y (M, N) fp32); `narrow`: each group of a row
+    rounded to int16 first, its products summed as integers (grouped.c's header: |error| <= sum_g |s_g| t_g / 2
+    sum_j |q_j|, t_g = max_j |x_j| / 32,767; with AVX2, groups of a multiple of 16). The codes (G, N, g) (inner stride
     1), scales (G, N) fp32 and minima (N, G) may be views (grouped_layout: a row's codes and scales together).
     One row, 2026-12-07, the 2-core AMD EPYC with AVX2 only
     (no native bf16), medians against grouped_product with a bf16 row: Gemma 3's gate/up 2,048 x 640 (Q5_0)
@@ -116,24 +131,24 @@ def native_product(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | N
     native_kernel()(x.data_ptr(), None if xsum is None else xsum.data_ptr(), rows, x.shape[1], codes.data_ptr(),
                     codes.stride(0), codes.stride(1), groups, n, g, scale_t.data_ptr(), scale_t.stride(0),
                     scale_t.stride(1), None if low is None else low.data_ptr(), 0 if low is None else low.stride(0),
-                    0 if low is None else low.stride(1), y.data_ptr(), torch.get_num_threads())
+                    0 if low is None else low.stride(1), y.data_ptr(), int(narrow), torch.get_num_threads())
     return y
 
 
 @torch.library.custom_op("qkv::native_grouped", mutates_args=())
-def native_op(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+def native_op(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, narrow: bool) -> Tensor:
     """native_product as one operator: what a compiled graph calls."""
-    return native_product(flat, codes, scale_t, low)
+    return native_product(flat, codes, scale_t, low, narrow)
 
 
 @native_op.register_fake
-def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+def _(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, narrow: bool) -> Tensor:
     return flat.new_empty(flat.shape[0], codes.shape[1], dtype=torch.float32)
 
 
-def native_grouped(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None) -> Tensor:
+def native_grouped(flat: Tensor, codes: Tensor, scale_t: Tensor, low: Tensor | None, narrow: bool) -> Tensor:
     """native_product, as one operator where torch.compile traces it (native_op)."""
-    return (native_op if torch.compiler.is_compiling() else native_product)(flat, codes, scale_t, low)
+    return (native_op if torch.compiler.is_compiling() else native_product)(flat, codes, scale_t, low, narrow)
 
 
 INT4_ARGTYPES = [POINTER, NUMBER, NUMBER, POINTER, NUMBER, POINTER, POINTER, POINTER, NUMBER]  # qkv_int4_rows's

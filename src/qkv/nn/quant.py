@@ -17,7 +17,8 @@ from float weights here:
     int8g (per row i, group g of 32 or 16 inputs):  W_ij = s_ig q_ij + m_ig,   q_ij int8 as the file has it
 
 held group by group, codes (G, out, g): under DENSE_PROMPT positions a row by qkv/nn/grouped.c's loops in fp32
-where built and faster (grouped.native_product), else bf16 rows each group's product by torch's int8 kernel
+where built and faster (grouped.native_product; a prompt's rows rounded to int16 by groups first where that is
+the faster, grouped.narrow_rows, a decoding step's never), else bf16 rows each group's product by torch's int8 kernel
 weighed by its fp32 scales (grouped_product); longer prompts, and fp32 rows, W dequantized to their dtype; one
 row of a compiled step where the sums inductor writes are the faster (decoding_linear.summed_grouped_product).
 The int4 layout is GGUF's Q4_1 (blocks of 32 along the input, a scale and a minimum each), so a Q4_1 file's
@@ -40,7 +41,7 @@ from qkv.nn.changes import changed
 from qkv.nn.bf16_linear import Bf16Linear  # noqa: F401  (the head of a quantized model: made here, kind_for)
 from qkv.nn.decoding_linear import summed_grouped_product, summed_product, summed_rows, traced_here
 from qkv.nn.grouped import (dequantize_grouped, grouped_layout, grouped_op, grouped_product, native_grouped,
-                             native_int4, native_int4_grouped, native_rows)
+                             narrow_rows, native_int4, native_int4_grouped, native_rows)
 from qkv.nn.swap import swap
 
 QUANTS = ("none", "int8", "int4")
@@ -136,6 +137,8 @@ class QuantLinear(nn.Module):
         self.dense_dtype: torch.dtype | None = dense_rows()  # the dense form's (None: the rows')
         # short forwards by grouped.c's loops (in fp32) where built and faster here
         self.native = native_rows() if kind == "int8g" else kind == "int4" and native_int4()
+        # and a prompt's rows (not a decoding step's) rounded to int16 first where that is faster here (grouped)
+        self.narrow = kind == "int8g" and self.native and narrow_rows()
 
     @classmethod
     def empty(cls, kind: str, in_features: int, out_features: int, bias: bool, group: int = GROUP) -> "QuantLinear":
@@ -236,7 +239,7 @@ class QuantLinear(nn.Module):
         flat = (flat.to(compute) if flat.dtype != compute else flat).contiguous()  # (to() keeps a view's strides)
         dense = int8_dense(x, flat.dtype)
         y = (QuantProduct.apply(flat, self, dense) if flat.requires_grad and torch.is_grad_enabled()
-             else self.product(flat, dense, native))
+             else self.product(flat, dense, native, native and self.narrow and x.dim() > 2 and x.shape[-2] > 1))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         out_dtype = x.dtype  # under autocast, what nn.Linear would give (bf16): no fp32 copy of each output
@@ -244,11 +247,12 @@ class QuantLinear(nn.Module):
             out_dtype = torch.get_autocast_dtype(x.device.type)
         return y.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
-    def product(self, flat: Tensor, dense: bool = False, native: bool = False) -> Tensor:
+    def product(self, flat: Tensor, dense: bool = False, native: bool = False, narrow: bool = False) -> Tensor:
         """flat (M, in) W^T by the weight-only kernel, in flat's dtype (int8 with `dense`: (x q^T) s by torch's
         dense kernel, int8_dense). torch's kernels for these layouts are CPU ones: on another device the layer's W
         is dequantized for the product and dropped after it (the codes are what stays in memory, as for QLoRA's
-        frozen base). int8g and int4 with `native`: grouped.c's loops, each row alone in fp32 (forward)."""
+        frozen base). int8g and int4 with `native`: grouped.c's loops, each row alone in fp32 (forward); int8g's
+        rows rounded to int16 by groups first with `narrow` (a prompt's: grouped.narrow_rows)."""
         if flat.device.type != "cpu":
             return flat @ self.weight.to(flat.dtype).t()
         if native and self.kind == "int4":  # (each row alone, as for int8g below)
@@ -259,7 +263,7 @@ class QuantLinear(nn.Module):
             if summed_rows(flat, codes):  # a compiled step's one row where int8's sums are the faster here
                 return summed_grouped_product(flat, codes, scale_t, low)
             if native:  # (a row's product the same whatever rows beside it: as alone in a server's batch)
-                return native_grouped(flat, codes, scale_t, low).to(flat.dtype)
+                return native_grouped(flat, codes, scale_t, low, narrow).to(flat.dtype)
             traced = traced_here()  # a compiled graph: one bf16 row as one operator, more rows W dequantized
             if dense or flat.dtype != torch.bfloat16 or (traced and flat.shape[0] > 1) or not codes.is_contiguous():
                 return self.dense_product(flat, self.weight)

@@ -145,10 +145,13 @@ def lora_sft_loads_in_peft(run, theirs, tmp_path: Path) -> None:
 def shipped_as_dequantized(run, prompts: list[str], layers: dict[str, int]) -> None:
     """The real file loaded as shipped (its blocks in qkv's int4 and int8g layers, `layers` of each block type
     with the head among them) gives the logits of `run` (the same file dequantized to fp32) within 1e-4 of the
-    largest, the products in fp32 as the oracle's; prefill of each prompt."""
+    largest, the products in fp32 as the oracle's; prefill of each prompt. With int8g's rows rounded to int16
+    (qkv.nn.grouped.narrow_rows, where this machine measures it the faster), within 3e-4 and the same top token
+    at every position (Gemma 3, 2026-12-07: 1.0-1.6e-4 in fp32 throughout, 1.3-1.5e-4 narrow)."""
     import torch
 
     from qkv.generate import weights
+    from qkv.nn.fuse import FUSIONS
     from qkv.nn.quant import QuantLinear
 
     shipped = weights.load(run.path)
@@ -159,8 +162,15 @@ def shipped_as_dequantized(run, prompts: list[str], layers: dict[str, int]) -> N
             found[module.origin] = found.get(module.origin, 0) + 1
     assert found == layers and isinstance(shipped.model.lm_head, QuantLinear)
     weights.prepare(shipped.model)
+    held = [layer for module in shipped.model.modules()  # (the fused Q/K/V and gate/up: plain attributes)
+            for layer in (module, *(getattr(module, name, None) for name, _ in FUSIONS))]
+    grouped = [layer for layer in held if isinstance(layer, QuantLinear) and layer.kind == "int8g"]
     for prompt in prompts:
         ids = torch.tensor([run.tokenizer.bos_ids + run.tokenizer.encode(prompt)])
-        with torch.no_grad():
-            got, want = shipped.model(ids), run.model(ids)
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), prompt[:30]
+        for narrow in (False, True):
+            for module in grouped:
+                module.narrow = narrow and module.native
+            with torch.no_grad():
+                got, want = shipped.model(ids), run.model(ids)
+            assert (got - want).abs().max() <= (3e-4 if narrow else 1e-4) * want.abs().max(), (prompt[:30], narrow)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
