@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny model config and a fixed torch seed for every test."""
 import os
+import shutil
+import tempfile
 
 # NumPy's BLAS threads compete with torch's on the shared cores (measured 3x slower reference steps).
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -7,6 +9,12 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # generate, chat and serve compile their decoding step in the background by default (qkv.generate.compiled): a
 # compiler running beside every CLI test, in-process or not. The tests of that default set it back.
 os.environ["QKV_COMPILE"] = "0"
+# Inductor's compiled graphs for the whole run, every xdist worker (which inherits this from the controller), in
+# one temporary directory, not the user's: a graph that several test files compile (the compiled step's tiny
+# models, tests/generate/conftest.py) is built once and found by the others. Removed by the process that made it.
+_MADE_INDUCTOR_DIR = "QKV_TEST_INDUCTOR" not in os.environ
+if _MADE_INDUCTOR_DIR:
+    os.environ["QKV_TEST_INDUCTOR"] = tempfile.mkdtemp(prefix="qkv-tests-inductor-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,6 +24,11 @@ from qkv.config import ModelConfig  # noqa: E402
 # Test tensors are tiny and the CI machines' cores are shared: with more than one intra-op thread each
 # small op pays thread wake-ups, measured 10-50x slower under load. A test that needs threads sets them.
 torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    if _MADE_INDUCTOR_DIR:
+        shutil.rmtree(os.environ["QKV_TEST_INDUCTOR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

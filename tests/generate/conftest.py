@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -11,8 +13,9 @@ def models() -> dict[str, torch.nn.Module]:
 
 
 @pytest.fixture(scope="module")
-def own_inductor_cache(tmp_path_factory):
-    """Inductor's cache in a temporary directory for the module's tests, not the user's."""
+def own_inductor_cache():
+    """Inductor's cache for the module's tests in the run's temporary directory (tests/conftest.py), not the
+    user's: shared by the test files and workers of one run, so that a graph two files compile is built once."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ["QKV_TEST_INDUCTOR"])
         yield

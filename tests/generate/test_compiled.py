@@ -3,7 +3,7 @@ the same greedy text through generate (through the CLI: test_compiled_cli.py), t
 compiled one does not apply.
 
 Each model compiles once (a few seconds; about 17 s for the first compile of a process with an empty cache);
-inductor's cache goes to a temporary directory, not the user's."""
+inductor's cache goes to the test run's temporary directory (tests/conftest.py), not the user's."""
 import shutil
 
 import pytest
@@ -77,7 +77,9 @@ def test_compiled_step_gives_the_general_steps_logits(models, name):
     exact = float64_twin(name) if bf16 else None
     # (as generate decodes: its cache inference tensors, its layers DecodingLinear, whose one row is summed)
     with torch.inference_mode(), decoding_linears(model):
-        general, fast = model.new_cache(1, 40), model.new_cache(1, 40)
+        # (rings for sliding layers, as generate, chat and serve make them: the graph generate takes below; a
+        # sliding layer without a ring: test_compiled_prompt's short prompt and its steps)
+        general, fast = model.new_cache(1, 40, rings=True), model.new_cache(1, 40, rings=True)
         model(torch.tensor([PROMPT]), cache=general)
         model(torch.tensor([PROMPT]), cache=fast)
         if bf16:
@@ -145,8 +147,8 @@ def test_compiled_step_on_a_left_padded_batch(models, name):
     step = compiled.compiled_step(model)
     ids = torch.tensor([[0, 0, 0, 3, 4], [5, 6, 7, 8, 9], [0, 11, 12, 13, 14]])
     mask = (torch.arange(5) >= torch.tensor([[3], [0], [1]])).long()
-    with torch.inference_mode(), decoding_linears(model):  # (as generate and qkv serve decode)
-        general, fast = model.new_cache(3, 40), model.new_cache(3, 40)
+    with torch.inference_mode(), decoding_linears(model):  # (as generate and qkv serve decode, sliding layers in rings)
+        general, fast = model.new_cache(3, 40, rings=True), model.new_cache(3, 40, rings=True)
         model(ids, attention_mask=mask, cache=general)
         model(ids, attention_mask=mask, cache=fast)
         token = torch.tensor([5, 1, 2])
