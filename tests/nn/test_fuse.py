@@ -6,8 +6,8 @@ import torch
 from qkv.config import ModelConfig
 from qkv.generate import generate
 from qkv.models import build_model
-from qkv.nn.fuse import fuse_projections
-from qkv.nn.quant import quantize_model
+from qkv.nn.fuse import fuse, fuse_projections
+from qkv.nn.quant import QuantLinear, quantize_model
 
 LLAMA = ModelConfig(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=96, max_seq_len=64,
                     positional="rope", norm="rmsnorm", ffn="glu", activation="silu", bias=False, dropout=0.0)
@@ -60,3 +60,22 @@ def test_a_hook_on_a_separate_layer_sees_it_run():
     with torch.no_grad():
         assert torch.allclose(plain(ids), fused(ids), rtol=1e-5, atol=1e-5)
     assert seen == [(1, 5, 96), (1, 5, 32)]  # the up projection of layer 0, the K projection of layer 1
+
+
+@pytest.mark.parametrize("native, narrow", [(True, True), (True, False), (False, False)])
+def test_a_fused_file_layer_takes_its_parts_forms_and_their_products(native, narrow):
+    """int8g parts (a GGUF file's blocks) told their forms (grouped.c's loops, a prompt's rows narrow) make a
+    fused layer of the same forms, whose prompt product is the parts' side by side bit for bit."""
+    generator = torch.Generator().manual_seed(5)
+    parts = []
+    for n in (48, 16):
+        codes = torch.randint(-128, 128, (n, 64), dtype=torch.int8, generator=generator)
+        layer = QuantLinear.from_codes(codes, torch.rand(n, 2, generator=generator), None, None)
+        layer.compute_dtype, layer.native, layer.narrow = None, native, narrow
+        parts.append(layer)
+    x = torch.randn(1, 5, 64, generator=generator)
+    with torch.no_grad():
+        want = torch.cat([layer(x) for layer in parts], -1)
+        one = fuse(parts)
+        assert (one.native, one.narrow) == (native, narrow)
+        assert torch.equal(one(x), want)

@@ -76,7 +76,8 @@ def fuse_quant(layers: list[QuantLinear]) -> QuantLinear:
     one = QuantLinear(first.kind, first.in_features, sum(l.out_features for l in layers),
                       codes, torch.cat([l.scale for l in layers]),
                       None if first.low is None else torch.cat([l.low for l in layers]), bias)
-    one.compute_dtype, one.dense_dtype, one.native, one.narrow = first.compute_dtype, first.dense_dtype, first.native, first.narrow
+    for form in ("compute_dtype", "dense_dtype", "native", "narrow"):  # the parts' forms (qkv.nn.quant)
+        setattr(one, form, getattr(first, form))
     start = 0
     for layer in layers:
         rows = slice(start, start + layer.out_features)

@@ -147,7 +147,7 @@ def shipped_as_dequantized(run, prompts: list[str], layers: dict[str, int]) -> N
     with the head among them) gives the logits of `run` (the same file dequantized to fp32) within 1e-4 of the
     largest, the products in fp32 as the oracle's; prefill of each prompt. With int8g's rows rounded to int16
     (qkv.nn.grouped.narrow_rows, where this machine measures it the faster), within 3e-4 and the same top token
-    at every position (Gemma 3, 2026-12-07: 1.0-1.6e-4 in fp32 throughout, 1.3-1.5e-4 narrow)."""
+    at every position (Gemma 3, 2026-12-07: 1.5e-6 in fp32 throughout, 1.3-1.5e-4 narrow)."""
     import torch
 
     from qkv.generate import weights
